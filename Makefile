@@ -1,0 +1,33 @@
+# The two commands of the README:  make demo  (the main job)  and  make test  (the test suite).
+# Each creates .venv if needed, installs llama-cpp-python without its native build, builds and installs
+# this package (incremental: build/ persists, ccache is used when present), then runs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# ccache hits across clones of this repo (paths are rewritten relative to it)
+export CCACHE_BASEDIR := $(CURDIR)
+
+.PHONY: demo test install venv pack clean
+
+demo: install
+	$(BIN)/sparq-llama demo
+
+test: install
+	$(BIN)/python -m pytest -ra tests
+
+install: venv
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet llama-cpp-python==0.3.36
+	$(BIN)/pip install --no-build-isolation -v ".[test,hub]"
+
+venv: $(BIN)/python
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "scikit-build-core>=0.10"
+
+# Trimmed, patched llama.cpp for a machine without a package registry (see README).
+pack:
+	$(PYTHON) vendor/fetch.py --pack dist/llama.cpp-src.tgz
+
+clean:
+	rm -rf build $(VENV) vendor/llama.cpp

@@ -1,0 +1,113 @@
+"""Point llama-cpp-python at our libraries and bind our C API.
+
+llama-cpp-python binds every symbol of libllama at import time, so `LLAMA_CPP_LIB_PATH` must name our
+library directory *before* `llama_cpp` is first imported. This module does that once, then exposes the
+loaded library. It is the only global state of the package: the loaded library itself.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def lib_dir() -> Path:
+    """Directory holding our libllama and ggml libraries.
+
+    `SPARQ_LLAMA_LIB_DIR` overrides it (a plain CMake build's `build/bin`, for developers).
+    """
+    override = os.environ.get("SPARQ_LLAMA_LIB_DIR")
+    return Path(override).resolve() if override else PACKAGE_DIR / "lib"
+
+
+def _libllama_file(directory: Path) -> Path:
+    names = {"win32": "llama.dll", "darwin": "libllama.dylib"}
+    return directory / names.get(sys.platform, "libllama.so")
+
+
+def claim_llama_cpp() -> None:
+    """Make the next `import llama_cpp` load our libllama; ImportError if it already loaded another.
+
+    Cheap (no import): runs when `sparq_llama` is imported.
+    """
+    ours = lib_dir()
+    loaded = sys.modules.get("llama_cpp.llama_cpp")
+    if loaded is not None:
+        base = getattr(loaded, "_base_path", None)
+        if base is None or Path(base).resolve() != ours:
+            raise ImportError(
+                f"llama_cpp was imported before sparq_llama and loaded libllama from {base}, not sparq-llama's "
+                f"({ours}). Import sparq_llama before llama_cpp (or start Python with "
+                f"LLAMA_CPP_LIB_PATH={ours}); a process can hold only one libllama.")
+        return
+    previous = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if previous and Path(previous).resolve() != ours:
+        raise ImportError(f"LLAMA_CPP_LIB_PATH={previous} names another libllama; sparq-llama needs its own "
+                          f"({ours}). Unset it, or set SPARQ_LLAMA_LIB_DIR to choose our library directory.")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(ours)
+    os.environ.setdefault("MTMD_CPP_LIB", str(ours))
+
+
+@lru_cache(maxsize=1)
+def llama_cpp_bindings():
+    """llama-cpp-python's low-level module, bound to our libllama."""
+    libfile = _libllama_file(lib_dir())
+    if not libfile.is_file():
+        raise ImportError(f"sparq-llama's native library is missing ({libfile}): the package was installed "
+                          "without its CMake build. Reinstall with `pip install .` from the source tree.")
+    claim_llama_cpp()
+    import llama_cpp.llama_cpp as bindings
+    return bindings
+
+
+@lru_cache(maxsize=1)
+def libllama() -> ctypes.CDLL:
+    """Our libllama as loaded by llama-cpp-python, with our own functions' signatures declared."""
+    lib = llama_cpp_bindings()._lib
+    lib.sparq_llama_version.argtypes = []
+    lib.sparq_llama_version.restype = ctypes.c_char_p
+    lib.sparq_llama_build_info.argtypes = []
+    lib.sparq_llama_build_info.restype = ctypes.c_char_p
+    return lib
+
+
+@lru_cache(maxsize=1)
+def libggml() -> ctypes.CDLL:
+    """libggml (backend registry), already loaded as a dependency of libllama."""
+    names = {"win32": "ggml.dll", "darwin": "libggml.dylib"}
+    libllama()
+    lib = ctypes.CDLL(str(lib_dir() / names.get(sys.platform, "libggml.so")))
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, fn).argtypes = [ctypes.c_void_p]
+        getattr(lib, fn).restype = ctypes.c_char_p
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_memory.restype = None
+    return lib
+
+
+def build_info() -> dict:
+    """What this build holds: version, pinned llama.cpp commit, our ops and the backends compiled in."""
+    return json.loads(libllama().sparq_llama_build_info().decode())
+
+
+def devices() -> list[dict]:
+    """The devices ggml sees in this process (name, description, free and total memory in bytes)."""
+    lib = libggml()
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append({"name": lib.ggml_backend_dev_name(dev).decode(),
+                    "description": lib.ggml_backend_dev_description(dev).decode(),
+                    "memory_free": free.value, "memory_total": total.value})
+    return out

