@@ -1,10 +1,19 @@
 # Our native sources, compiled into the llama.cpp targets they extend. Included from the top-level
 # CMakeLists.txt after add_subdirectory(llama.cpp), so every target below exists.
+# (Only the plain ggml-cpu target is supported: not GGML_CPU_ALL_VARIANTS / GGML_BACKEND_DL builds.)
 set(SPARQ_OPS_DIR "${CMAKE_CURRENT_LIST_DIR}")
 
-# Public header: libllama exports the functions, everything that links llama can include it.
+# ---- ggml: our ops (headers public to everything that links ggml) ------------------------------
+target_include_directories(ggml-base PUBLIC "${SPARQ_OPS_DIR}/include")
+target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c")
+target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp")
+target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
+
+# ---- llama: C API (libllama exports it; everything that links llama can include it) -------------
 target_include_directories(llama PUBLIC "${SPARQ_OPS_DIR}/include")
-target_sources(llama PRIVATE "${SPARQ_OPS_DIR}/src/sparq-llama-info.cpp")
+target_sources(llama PRIVATE
+    "${SPARQ_OPS_DIR}/src/sparq-llama-info.cpp"
+    "${SPARQ_OPS_DIR}/src/sparq-ops-eval.cpp")
 
 # The patched common/build-info.cpp (--version of every common-based tool) prints our build info.
 target_link_libraries(llama-common-base PUBLIC llama)
@@ -12,7 +21,8 @@ target_link_libraries(llama-common-base PUBLIC llama)
 set(_info_defs
     SPARQ_LLAMA_VERSION="${SPARQ_LLAMA_VERSION}"
     SPARQ_LLAMA_CPP_COMMIT="${SPARQ_LLAMA_CPP_COMMIT}"
-    SPARQ_LLAMA_CPP_PYTHON="${SPARQ_LLAMA_CPP_PYTHON}")
+    SPARQ_LLAMA_CPP_PYTHON="${SPARQ_LLAMA_CPP_PYTHON}"
+    SPARQ_HAVE_OP_SPARQ_ATTN)
 if (GGML_CUDA)
     list(APPEND _info_defs SPARQ_WITH_CUDA)
 endif()

@@ -1,0 +1,84 @@
+// ggml_sparq_attn: SparQ attention as one ggml op (semantics: shared/DESIGN.md "SparQ: exact semantics").
+//
+// Per KV head h, stream s, query row t, with G the query heads sharing h and V_t the visible cells:
+//   1. |V_t| <= k2: exact attention over V_t.
+//   2. I1 = the k1 largest components of sum_g |q_g|; approximate scores s_g = q_g[I1] . K[:, I1],
+//      p_g = softmax(scale * s_g / sqrt(rho_g)), rho_g = |q_g[I1]|_1 / |q_g|_1.
+//   3. I2 = window (last visible) + sinks (first visible) + top of sum_g p_g (ties: lower cell index).
+//   4. exact attention of each q_g over I2 (softcap, optional Sparse-V threshold).
+//   5. mean on: y_g = alpha_g * y_g + (1 - alpha_g) * mean(V over V_t), alpha_g = sum_{I2} p_g.
+// Policies: SPARQ (above), EXACT (rank by the true scores: reads all K), WINDOW (sinks + most recent).
+#pragma once
+
+#include "ggml.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum ggml_sparq_policy {
+    GGML_SPARQ_POLICY_SPARQ  = 0,
+    GGML_SPARQ_POLICY_EXACT  = 1,
+    GGML_SPARQ_POLICY_WINDOW = 2,
+};
+
+enum ggml_sparq_mean {
+    GGML_SPARQ_MEAN_AUTO = 0, // on for MHA (n_head == n_head_kv), off for GQA: the paper's finding
+    GGML_SPARQ_MEAN_ON   = 1,
+    GGML_SPARQ_MEAN_OFF  = 2,
+};
+
+struct ggml_sparq_params {
+    int32_t k1;               // r: query components for the approximate scores, 1..head_dim
+    int32_t k2;               // k: cells kept per (KV head, query row), >= 1
+    int32_t window;           // most recent visible cells always kept; < 0: k2/4
+    int32_t sinks;            // first visible cells always kept
+    enum ggml_sparq_mean   mean;
+    enum ggml_sparq_policy policy;
+    float   scale;            // kq scale; 0: 1/sqrt(head_dim)
+    float   softcap;          // logit softcap (gemma2-style); 0: none
+    float   sparse_v_thresh;  // drop final weights below this and renormalise; 0: off
+};
+
+// k1 = 32, k2 = 128, window = k2/4, sinks = 0, mean auto, policy SPARQ, scale 1/sqrt(d), no softcap.
+GGML_API struct ggml_sparq_params ggml_sparq_default_params(void);
+
+// Tensors (shapes as ggml_flash_attn_ext):
+//   q    [d,      n_q,  n_head,    ns] f32
+//   k    [d,      n_kv, n_head_kv, ns] f32 | f16 | bf16
+//   kt   [n_kv,   d,    n_head_kv, ns] same type as k, or NULL (step 2 then reads k)
+//   v    [d_v,    n_kv, n_head_kv, ns] f32 | f16 | bf16
+//   mask [n_kv,   n_q,  1,         ns or 1] f16 (0 visible, -inf hidden), or NULL (all visible)
+//   vsum [d_v+1,  n_head_kv, n_q,  ns] f32 or NULL: per query row, the sum of V over its visible cells
+//        followed by their count (the running sums llama keeps); NULL: computed from v (reads all V)
+//   result [d_v, n_head, n_q, ns] f32
+// Returns NULL when the arguments are valid, otherwise a message saying what is wrong (thread-local
+// storage, valid until the next call on the same thread).
+GGML_API const char * ggml_sparq_attn_check(
+        const struct ggml_tensor * q, const struct ggml_tensor * k, const struct ggml_tensor * kt,
+        const struct ggml_tensor * v, const struct ggml_tensor * mask, const struct ggml_tensor * vsum,
+        const struct ggml_sparq_params * params);
+
+// Builds the op; aborts with ggml_sparq_attn_check's message on invalid arguments.
+GGML_API struct ggml_tensor * ggml_sparq_attn(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * kt,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * vsum,
+        struct ggml_sparq_params params);
+
+// Resolved parameters stored in the op (window, mean and scale made explicit), for backends.
+struct ggml_sparq_op_params {
+    int32_t k1, k2, window, sinks;
+    int32_t mean_on;   // 0 or 1
+    int32_t policy;    // enum ggml_sparq_policy
+    float   scale, softcap, sparse_v_thresh;
+};
+GGML_API struct ggml_sparq_op_params ggml_sparq_get_op_params(const struct ggml_tensor * op);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,521 @@
+// CPU kernel of ggml_sparq_attn. Semantics: ggml_ops/include/ggml-sparq.h and shared/DESIGN.md.
+//
+// Work is organised in "rows": one row = (KV head h, query row t, stream s); all query heads of h's
+// group are handled together because they share the selection. Rows are processed in waves of W rows
+// so scratch stays bounded for long multi-row (prefill) batches. Each wave runs four phases separated
+// by barriers, each phase split over all threads:
+//   0. per row:            I1 (top-k1 components of sum_g |q_g|) and the scaled query components
+//   A. per (row, chunk):   approximate (or exact) scores of a chunk of cells, exponentiated against the
+//                          chunk's max, with the chunk's sum: the softmax normaliser comes out of this pass
+//   B. per row:            merge chunk normalisers, combined group score, O(n) top-k selection, alpha, mean V
+//   C. per (row, q head):  exact attention over the selected cells, Sparse-V threshold, mean reallocation
+// Splitting phase A along the sequence keeps every thread busy with one KV head and one query.
+#include "sparq-attn-cpu.h"
+
+#include "ggml-sparq.h"
+
+#include "ggml-cpu.h"
+#include "ggml-cpu/ggml-cpu-impl.h"
+#include "ggml-cpu/vec.h"
+#include "ggml-impl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+namespace {
+
+constexpr int64_t k_chunk = 512;  // cells per phase-A task: a K^T row chunk stays in L1 as f32
+constexpr uint16_t k_f16_neg_inf = 0xFC00;
+constexpr int64_t k_max_head_dim = 1024;  // phase 0 keeps |q| sums on the stack
+constexpr int k_hist_shift = 21;           // selection histogram: score bits 30..21 (sign is 0)
+constexpr int64_t k_hist_buckets = 1 << (31 - k_hist_shift);
+
+enum row_kind : int32_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
+
+size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
+
+struct sparq_shape {
+    int64_t d, d_v, n_q, n_head, n_head_kv, ns, n_kv, group, n_chunks, n_rows, wave;
+};
+
+// Offsets (in 4-byte units) of one wave row's scratch, and of one thread's scratch.
+struct sparq_layout {
+    size_t qs, i1, e, cstat, i2, alpha, vmean, kind, row_size;
+    size_t tmp, pairs, factor, logits, acc, thread_size;
+    size_t total_bytes;
+};
+
+sparq_shape make_shape(const ggml_tensor * dst, int n_tasks) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[3];
+    sparq_shape s;
+    s.d         = q->ne[0];
+    s.n_q       = q->ne[1];
+    s.n_head    = q->ne[2];
+    s.ns        = q->ne[3];
+    s.n_kv      = k->ne[1];
+    s.n_head_kv = k->ne[2];
+    s.d_v       = v->ne[0];
+    s.group     = s.n_head / s.n_head_kv;
+    s.n_chunks  = (s.n_kv + k_chunk - 1) / k_chunk;
+    s.n_rows    = s.n_head_kv * s.n_q * s.ns;
+    // enough rows per wave to feed every thread in phases B and C, few enough to bound scratch
+    s.wave      = std::min<int64_t>(s.n_rows, std::max<int64_t>(2 * n_tasks, 4));
+    return s;
+}
+
+sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, int n_tasks) {
+    sparq_layout l;
+    size_t o = 0;
+    l.qs    = o; o += pad16(s.group * p.k1);
+    l.i1    = o; o += pad16(p.k1);
+    l.e     = o; o += pad16(s.group * s.n_kv);
+    l.cstat = o; o += pad16(s.group * s.n_chunks * 2);
+    l.i2    = o; o += pad16(p.k2 + 1);           // [0] = count, then the cells
+    l.alpha = o; o += pad16(s.group);
+    l.vmean = o; o += pad16(s.d_v);
+    l.kind  = o; o += pad16(1);
+    l.row_size = o;
+
+    o = 0;
+    const size_t conv = pad16(std::max<int64_t>({k_chunk, s.d, s.d_v}));
+    l.tmp    = o; o += conv;
+    l.pairs  = o; o += pad16(2 * s.n_kv);        // uint64 (score, cell) pairs for the selection
+    l.factor = o; o += pad16(s.group * s.n_chunks);
+    l.logits = o; o += pad16(std::max<int64_t>(p.k2, 1));
+    l.acc    = o; o += pad16(s.d_v);
+    l.thread_size = o;
+
+    l.total_bytes = 4 * (l.row_size * s.wave + l.thread_size * n_tasks) + 64;
+    return l;
+}
+
+// A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`.
+const float * load_f32(const void * src, ggml_type type, int64_t n, float * buf) {
+    switch (type) {
+        case GGML_TYPE_F32:  return static_cast<const float *>(src);
+        case GGML_TYPE_F16:  ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t *>(src), buf, n); return buf;
+        case GGML_TYPE_BF16: ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t *>(src), buf, n); return buf;
+        default: GGML_ABORT("ggml_sparq_attn: unsupported type %s", ggml_type_name(type));
+    }
+}
+
+struct sparq_ctx {
+    const ggml_tensor *q, *k, *kt, *v, *mask, *vsum;
+    ggml_tensor * dst;
+    ggml_sparq_op_params p;
+    sparq_shape s;
+    sparq_layout l;
+    float * rows_base;     // wave scratch
+    float * threads_base;  // per-thread scratch
+
+    // row r -> (h, t, s): heads fastest so a wave of decode rows spans heads
+    void row_coords(int64_t r, int64_t & h, int64_t & t, int64_t & st) const {
+        h  = r % s.n_head_kv;
+        t  = (r / s.n_head_kv) % s.n_q;
+        st = r / (s.n_head_kv * s.n_q);
+    }
+    float * row(int64_t w) const { return rows_base + w * l.row_size; }
+    float * thread(int ith) const { return threads_base + ith * l.thread_size; }
+
+    const float * q_row(int64_t hq, int64_t t, int64_t st) const {
+        return (const float *) ((const char *) q->data + t * q->nb[1] + hq * q->nb[2] + st * q->nb[3]);
+    }
+    const void * k_row(int64_t j, int64_t h, int64_t st) const {
+        return (const char *) k->data + j * k->nb[1] + h * k->nb[2] + st * k->nb[3];
+    }
+    const void * kt_row(int64_t i, int64_t h, int64_t st) const {
+        return (const char *) kt->data + i * kt->nb[1] + h * kt->nb[2] + st * kt->nb[3];
+    }
+    const void * v_row(int64_t j, int64_t h, int64_t st) const {
+        return (const char *) v->data + j * v->nb[1] + h * v->nb[2] + st * v->nb[3];
+    }
+    const uint16_t * mask_row(int64_t t, int64_t st) const {
+        if (!mask) {
+            return nullptr;
+        }
+        return (const uint16_t *) ((const char *) mask->data + t * mask->nb[1] + (st % mask->ne[3]) * mask->nb[3]);
+    }
+    bool needs_scores() const { return p.policy != GGML_SPARQ_POLICY_WINDOW || p.mean_on; }
+
+    float exact_logit(const float * qg, const float * krow) const {
+        float dot = 0.0f;
+        ggml_vec_dot_f32((int) s.d, &dot, 0, qg, 0, krow, 0, 1);
+        float logit = p.scale * dot;
+        if (p.softcap > 0.0f) {
+            logit = p.softcap * tanhf(logit / p.softcap);
+        }
+        return logit;
+    }
+};
+
+// Phase 0: I1 and the query components scaled by scale / sqrt(rho_g).
+void phase_query(const sparq_ctx & c, int64_t w, int64_t r) {
+    int64_t h, t, st;
+    c.row_coords(r, h, t, st);
+    float * rs = c.row(w);
+    int32_t * i1 = (int32_t *) (rs + c.l.i1);
+    float * qs = rs + c.l.qs;
+    const int64_t d = c.s.d, k1 = c.p.k1;
+
+    float absum[k_max_head_dim];
+    int32_t order[k_max_head_dim];
+    std::fill(absum, absum + d, 0.0f);
+    for (int64_t g = 0; g < c.s.group; ++g) {
+        const float * qg = c.q_row(h * c.s.group + g, t, st);
+        for (int64_t i = 0; i < d; ++i) {
+            absum[i] += fabsf(qg[i]);
+        }
+    }
+    for (int64_t i = 0; i < d; ++i) {
+        order[i] = (int32_t) i;
+    }
+    std::partial_sort(order, order + k1, order + d, [&](int32_t x, int32_t y) {
+        return absum[x] > absum[y] || (absum[x] == absum[y] && x < y);
+    });
+    std::sort(order, order + k1);
+    std::copy(order, order + k1, i1);
+
+    for (int64_t g = 0; g < c.s.group; ++g) {
+        const float * qg = c.q_row(h * c.s.group + g, t, st);
+        double l1_all = 0.0, l1_sel = 0.0;
+        for (int64_t i = 0; i < d; ++i) {
+            l1_all += fabsf(qg[i]);
+        }
+        for (int64_t i = 0; i < k1; ++i) {
+            l1_sel += fabsf(qg[i1[i]]);
+        }
+        const double rho = l1_all > 0.0 ? l1_sel / l1_all : 1.0;
+        const float factor = (float) (c.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
+        for (int64_t i = 0; i < k1; ++i) {
+            qs[g * k1 + i] = qg[i1[i]] * factor;
+        }
+    }
+}
+
+// Phase A: scores of cells [j0, j1) for every head of the group, exponentiated against the chunk max.
+void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int ith) {
+    int64_t h, t, st;
+    c.row_coords(r, h, t, st);
+    float * rs = c.row(w);
+    const int64_t j0 = chunk * k_chunk, j1 = std::min(c.s.n_kv, j0 + k_chunk), n = j1 - j0;
+    const int64_t n_kv = c.s.n_kv, G = c.s.group, k1 = c.p.k1;
+    float * e = rs + c.l.e;
+    float * tmp = c.thread(ith) + c.l.tmp;
+    const int32_t * i1 = (const int32_t *) (rs + c.l.i1);
+    const float * qs = rs + c.l.qs;
+
+    if (c.p.policy == GGML_SPARQ_POLICY_SPARQ && c.kt) {
+        // r contiguous rows of K^T: score[j] += q_i * KT[i, j]
+        for (int64_t g = 0; g < G; ++g) {
+            std::fill(e + g * n_kv + j0, e + g * n_kv + j1, 0.0f);
+        }
+        const size_t ts = ggml_type_size(c.kt->type);
+        for (int64_t i = 0; i < k1; ++i) {
+            const char * src = (const char *) c.kt_row(i1[i], h, st) + j0 * ts;
+            const float * x = load_f32(src, c.kt->type, n, tmp);
+            for (int64_t g = 0; g < G; ++g) {
+                ggml_vec_mad_f32((int) n, e + g * n_kv + j0, x, qs[g * k1 + i]);
+            }
+        }
+    } else if (c.p.policy == GGML_SPARQ_POLICY_SPARQ) {
+        // default layout: gather the k1 components from each row-major K row
+        for (int64_t j = j0; j < j1; ++j) {
+            const float * krow = load_f32(c.k_row(j, h, st), c.k->type, c.s.d, tmp);
+            for (int64_t g = 0; g < G; ++g) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < k1; ++i) {
+                    acc += qs[g * k1 + i] * krow[i1[i]];
+                }
+                e[g * n_kv + j] = acc;
+            }
+        }
+    } else {
+        // exact scores (policy exact; policy window when alpha needs the true probabilities)
+        for (int64_t j = j0; j < j1; ++j) {
+            const float * krow = load_f32(c.k_row(j, h, st), c.k->type, c.s.d, tmp);
+            for (int64_t g = 0; g < G; ++g) {
+                e[g * n_kv + j] = c.exact_logit(c.q_row(h * G + g, t, st), krow);
+            }
+        }
+    }
+
+    if (const uint16_t * m = c.mask_row(t, st)) {
+        for (int64_t j = j0; j < j1; ++j) {
+            if (m[j] == k_f16_neg_inf) {
+                for (int64_t g = 0; g < G; ++g) {
+                    e[g * n_kv + j] = -INFINITY;
+                }
+            }
+        }
+    }
+
+    float * cstat = rs + c.l.cstat;
+    for (int64_t g = 0; g < G; ++g) {
+        float * eg = e + g * n_kv + j0;
+        float mx = -INFINITY;
+        ggml_vec_max_f32((int) n, &mx, eg);
+        double sum = 0.0;
+        if (mx == -INFINITY) {
+            std::fill(eg, eg + n, 0.0f);
+        } else {
+            sum = ggml_vec_soft_max_f32((int) n, eg, eg, mx);
+        }
+        cstat[(g * c.s.n_chunks + chunk) * 2 + 0] = mx;
+        cstat[(g * c.s.n_chunks + chunk) * 2 + 1] = (float) sum;
+    }
+}
+
+// Phase B: visible set, selection I2 (sorted), alpha and the mean value of the row.
+void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
+    int64_t h, t, st;
+    c.row_coords(r, h, t, st);
+    float * rs = c.row(w);
+    int32_t * i2 = (int32_t *) (rs + c.l.i2);  // i2[0] = count, cells follow
+    int32_t & kind = *(int32_t *) (rs + c.l.kind);
+    const int64_t n_kv = c.s.n_kv, G = c.s.group, k2 = c.p.k2, n_chunks = c.s.n_chunks;
+    const uint16_t * m = c.mask_row(t, st);
+    auto visible = [m](int64_t j) { return !m || m[j] != k_f16_neg_inf; };
+
+    int64_t n_vis = 0;
+    for (int64_t j = 0; j < n_kv; ++j) {
+        n_vis += visible(j);
+    }
+    int32_t n_sel = 0;
+    if (n_vis <= k2) {
+        kind = n_vis == 0 ? ROW_EMPTY : ROW_DENSE;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            if (visible(j)) {
+                i2[1 + n_sel++] = (int32_t) j;
+            }
+        }
+        i2[0] = n_sel;
+        return;
+    }
+    kind = ROW_SPARSE;
+
+    // f[g][chunk] = exp(m_chunk - M_g) / S_g turns phase A's exponentials into probabilities
+    float * factor = c.thread(ith) + c.l.factor;
+    if (c.needs_scores()) {
+        const float * cstat = rs + c.l.cstat;
+        for (int64_t g = 0; g < G; ++g) {
+            const float * cs = cstat + g * n_chunks * 2;
+            float mx = -INFINITY;
+            for (int64_t ch = 0; ch < n_chunks; ++ch) {
+                mx = std::max(mx, cs[2 * ch]);
+            }
+            double total = 0.0;
+            for (int64_t ch = 0; ch < n_chunks; ++ch) {
+                total += cs[2 * ch] == -INFINITY ? 0.0 : cs[2 * ch + 1] * exp((double) cs[2 * ch] - mx);
+            }
+            for (int64_t ch = 0; ch < n_chunks; ++ch) {
+                factor[g * n_chunks + ch] = cs[2 * ch] == -INFINITY ? 0.0f : (float) (exp((double) cs[2 * ch] - mx) / total);
+            }
+        }
+    }
+    const float * e = rs + c.l.e;
+    auto prob = [&](int64_t g, int64_t j) { return e[g * n_kv + j] * factor[g * n_chunks + j / k_chunk]; };
+
+    // forced cells: the first `sinks` and the last `window` visible ones (disjoint: sinks + window <= k2 < n_vis)
+    const int64_t sinks  = c.p.sinks;
+    const int64_t window = c.p.policy == GGML_SPARQ_POLICY_WINDOW ? k2 - sinks : c.p.window;
+    int64_t lo = 0, hi = n_kv;  // candidates are the visible cells in [lo, hi)
+    for (int64_t seen = 0; seen < sinks; ++lo) {
+        if (visible(lo)) {
+            i2[1 + n_sel++] = (int32_t) lo;
+            ++seen;
+        }
+    }
+    for (int64_t seen = 0; seen < window; ) {
+        --hi;
+        if (visible(hi)) {
+            i2[1 + n_sel++] = (int32_t) hi;
+            ++seen;
+        }
+    }
+
+    // top (k2 - forced) of the group's summed probability, in O(n): a histogram over the score's top bits
+    // finds the boundary bucket, only that bucket is ordered. Key = (score bits, ~cell): larger keys win,
+    // equal scores go to the lower cell (non-negative floats order like their bit patterns).
+    const int64_t n_top = k2 - n_sel;
+    if (n_top > 0) {
+        uint64_t * pairs = (uint64_t *) (c.thread(ith) + c.l.pairs);
+        uint32_t hist[k_hist_buckets] = {};
+        int64_t n_cand = 0;
+        for (int64_t j = lo; j < hi; ++j) {
+            if (!visible(j)) {
+                continue;
+            }
+            float score = 0.0f;
+            for (int64_t g = 0; g < G; ++g) {
+                score += prob(g, j);
+            }
+            uint32_t bits;
+            memcpy(&bits, &score, sizeof(bits));
+            hist[bits >> k_hist_shift]++;
+            pairs[n_cand++] = ((uint64_t) bits << 32) | (uint64_t) (0xFFFFFFFFu - (uint32_t) j);
+        }
+        GGML_ASSERT(n_cand >= n_top);
+        int64_t boundary = k_hist_buckets - 1, above = 0;
+        while (above + hist[boundary] < n_top) {
+            above += hist[boundary--];
+        }
+        int64_t n_edge = 0;
+        for (int64_t i = 0; i < n_cand; ++i) {
+            const int64_t bucket = (int64_t) (pairs[i] >> (32 + k_hist_shift));
+            if (bucket > boundary) {
+                i2[1 + n_sel++] = (int32_t) (0xFFFFFFFFu - (uint32_t) (pairs[i] & 0xFFFFFFFFu));
+            } else if (bucket == boundary) {
+                pairs[n_edge++] = pairs[i];  // in place: n_edge <= i
+            }
+        }
+        const int64_t from_edge = n_top - above;
+        std::nth_element(pairs, pairs + (from_edge - 1), pairs + n_edge, std::greater<uint64_t>());
+        for (int64_t i = 0; i < from_edge; ++i) {
+            i2[1 + n_sel++] = (int32_t) (0xFFFFFFFFu - (uint32_t) (pairs[i] & 0xFFFFFFFFu));
+        }
+    }
+    std::sort(i2 + 1, i2 + 1 + n_sel);
+    i2[0] = n_sel;
+
+    if (!c.p.mean_on) {
+        return;
+    }
+    float * alpha = rs + c.l.alpha;
+    for (int64_t g = 0; g < G; ++g) {
+        double a = 0.0;
+        for (int32_t i = 0; i < n_sel; ++i) {
+            a += prob(g, i2[1 + i]);
+        }
+        alpha[g] = (float) a;
+    }
+    float * vmean = rs + c.l.vmean;
+    if (c.vsum) {
+        const float * vs = (const float *) ((const char *) c.vsum->data + h * c.vsum->nb[1] + t * c.vsum->nb[2] +
+                                            st * c.vsum->nb[3]);
+        const float inv = vs[c.s.d_v] > 0.0f ? 1.0f / vs[c.s.d_v] : 0.0f;
+        for (int64_t i = 0; i < c.s.d_v; ++i) {
+            vmean[i] = vs[i] * inv;
+        }
+    } else {
+        float * tmp = c.thread(ith) + c.l.tmp;
+        std::fill(vmean, vmean + c.s.d_v, 0.0f);
+        for (int64_t j = 0; j < n_kv; ++j) {
+            if (visible(j)) {
+                ggml_vec_acc_f32((int) c.s.d_v, vmean, load_f32(c.v_row(j, h, st), c.v->type, c.s.d_v, tmp));
+            }
+        }
+        ggml_vec_scale_f32((int) c.s.d_v, vmean, 1.0f / (float) n_vis);
+    }
+}
+
+// Phase C: exact attention of query head g of the row over I2, Sparse-V threshold, mean reallocation.
+void phase_attend(const sparq_ctx & c, int64_t w, int64_t r, int64_t g, int ith) {
+    int64_t h, t, st;
+    c.row_coords(r, h, t, st);
+    const float * rs = c.row(w);
+    const int32_t * i2 = (const int32_t *) (rs + c.l.i2);
+    const int32_t kind = *(const int32_t *) (rs + c.l.kind);
+    const int64_t hq = h * c.s.group + g, d_v = c.s.d_v;
+    float * out = (float *) ((char *) c.dst->data + hq * c.dst->nb[1] + t * c.dst->nb[2] + st * c.dst->nb[3]);
+    float * th = c.thread(ith);
+    float * tmp = th + c.l.tmp;
+    float * logits = th + c.l.logits;
+    float * acc = th + c.l.acc;
+    const int32_t n_sel = i2[0];
+    if (kind == ROW_EMPTY) {
+        std::fill(out, out + d_v, 0.0f);
+        return;
+    }
+
+    const float * qg = c.q_row(hq, t, st);
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < n_sel; ++i) {
+        logits[i] = c.exact_logit(qg, load_f32(c.k_row(i2[1 + i], h, st), c.k->type, c.s.d, tmp));
+        mx = std::max(mx, logits[i]);
+    }
+    const double sum = ggml_vec_soft_max_f32(n_sel, logits, logits, mx);
+    ggml_vec_scale_f32(n_sel, logits, (float) (1.0 / sum));
+    if (c.p.sparse_v_thresh > 0.0f) {
+        // drop weights below the threshold (the largest always stays) and renormalise
+        float wmax = 0.0f;
+        for (int32_t i = 0; i < n_sel; ++i) {
+            wmax = std::max(wmax, logits[i]);
+        }
+        const float keep = std::min(c.p.sparse_v_thresh, wmax);
+        double kept = 0.0;
+        for (int32_t i = 0; i < n_sel; ++i) {
+            logits[i] = logits[i] >= keep ? logits[i] : 0.0f;
+            kept += logits[i];
+        }
+        ggml_vec_scale_f32(n_sel, logits, (float) (1.0 / kept));
+    }
+
+    std::fill(acc, acc + d_v, 0.0f);
+    for (int32_t i = 0; i < n_sel; ++i) {
+        if (logits[i] != 0.0f) {
+            ggml_vec_mad_f32((int) d_v, acc, load_f32(c.v_row(i2[1 + i], h, st), c.v->type, d_v, tmp), logits[i]);
+        }
+    }
+    if (kind == ROW_SPARSE && c.p.mean_on) {
+        const float a = rs[c.l.alpha + g];
+        const float * vmean = rs + c.l.vmean;
+        for (int64_t i = 0; i < d_v; ++i) {
+            out[i] = a * acc[i] + (1.0f - a) * vmean[i];
+        }
+    } else {
+        memcpy(out, acc, d_v * sizeof(float));
+    }
+}
+
+}  // namespace
+
+size_t ggml_sparq_attn_cpu_work_size(const ggml_tensor * dst, int n_tasks) {
+    const sparq_shape s = make_shape(dst, n_tasks);
+    return make_layout(s, ggml_sparq_get_op_params(dst), n_tasks).total_bytes;
+}
+
+void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_tensor * dst) {
+    const int ith = params->ith, nth = params->nth;
+    sparq_ctx c;
+    c.q = dst->src[0]; c.k = dst->src[1]; c.kt = dst->src[2]; c.v = dst->src[3];
+    c.mask = dst->src[4]; c.vsum = dst->src[5];
+    c.dst = dst;
+    c.p = ggml_sparq_get_op_params(dst);
+    c.s = make_shape(dst, nth);
+    c.l = make_layout(c.s, c.p, nth);
+    GGML_ASSERT(params->wsize >= c.l.total_bytes);
+    GGML_ASSERT(c.s.d <= k_max_head_dim);
+    float * base = (float *) GGML_PAD((uintptr_t) params->wdata, 64);
+    c.rows_base = base;
+    c.threads_base = base + c.l.row_size * c.s.wave;
+
+    const bool sparq_scores = c.p.policy == GGML_SPARQ_POLICY_SPARQ;
+    for (int64_t r0 = 0; r0 < c.s.n_rows; r0 += c.s.wave) {
+        const int64_t n_w = std::min(c.s.wave, c.s.n_rows - r0);
+        if (sparq_scores) {
+            for (int64_t w = ith; w < n_w; w += nth) {
+                phase_query(c, w, r0 + w);
+            }
+            ggml_barrier(params->threadpool);
+        }
+        if (c.needs_scores()) {
+            for (int64_t task = ith; task < n_w * c.s.n_chunks; task += nth) {
+                phase_scores(c, task / c.s.n_chunks, r0 + task / c.s.n_chunks, task % c.s.n_chunks, ith);
+            }
+            ggml_barrier(params->threadpool);
+        }
+        for (int64_t w = ith; w < n_w; w += nth) {
+            phase_select(c, w, r0 + w, ith);
+        }
+        ggml_barrier(params->threadpool);
+        for (int64_t task = ith; task < n_w * c.s.group; task += nth) {
+            phase_attend(c, task / c.s.group, r0 + task / c.s.group, task % c.s.group, ith);
+        }
+        ggml_barrier(params->threadpool);
+    }
+}

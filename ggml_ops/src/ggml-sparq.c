@@ -1,0 +1,176 @@
+// ggml_sparq_attn: parameter validation and graph node construction (compiled into ggml-base).
+#include "ggml-sparq.h"
+
+#include "ggml-impl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#if defined(_MSC_VER)
+#    define SPARQ_THREAD_LOCAL __declspec(thread)
+#else
+#    define SPARQ_THREAD_LOCAL _Thread_local
+#endif
+
+static SPARQ_THREAD_LOCAL char g_sparq_msg[512];
+
+static const char * sparq_fail(const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    int n = snprintf(g_sparq_msg, sizeof(g_sparq_msg), "ggml_sparq_attn: ");
+    vsnprintf(g_sparq_msg + n, sizeof(g_sparq_msg) - n, fmt, args);
+    va_end(args);
+    return g_sparq_msg;
+}
+
+struct ggml_sparq_params ggml_sparq_default_params(void) {
+    struct ggml_sparq_params p = {
+        /*.k1              =*/ 32,
+        /*.k2              =*/ 128,
+        /*.window          =*/ -1,
+        /*.sinks           =*/ 0,
+        /*.mean            =*/ GGML_SPARQ_MEAN_AUTO,
+        /*.policy          =*/ GGML_SPARQ_POLICY_SPARQ,
+        /*.scale           =*/ 0.0f,
+        /*.softcap         =*/ 0.0f,
+        /*.sparse_v_thresh =*/ 0.0f,
+    };
+    return p;
+}
+
+static bool sparq_kv_type_ok(enum ggml_type t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+const char * ggml_sparq_attn_check(
+        const struct ggml_tensor * q, const struct ggml_tensor * k, const struct ggml_tensor * kt,
+        const struct ggml_tensor * v, const struct ggml_tensor * mask, const struct ggml_tensor * vsum,
+        const struct ggml_sparq_params * p) {
+    if (!q || !k || !v || !p) {
+        return sparq_fail("q, k, v and params are required");
+    }
+    const int64_t d = q->ne[0], n_q = q->ne[1], n_head = q->ne[2], ns = q->ne[3];
+    const int64_t n_kv = k->ne[1], n_head_kv = k->ne[2], d_v = v->ne[0];
+    if (q->type != GGML_TYPE_F32) {
+        return sparq_fail("q must be f32, got %s", ggml_type_name(q->type));
+    }
+    if (!sparq_kv_type_ok(k->type) || !sparq_kv_type_ok(v->type)) {
+        return sparq_fail("K/V type %s/%s not supported (f32, f16, bf16; quantized KV is not supported yet)",
+                          ggml_type_name(k->type), ggml_type_name(v->type));
+    }
+    if (k->ne[0] != d) {
+        return sparq_fail("head dim of q (%lld) and k (%lld) differ", (long long) d, (long long) k->ne[0]);
+    }
+    if (n_kv < 1 || n_head_kv < 1 || n_head % n_head_kv != 0) {
+        return sparq_fail("n_head (%lld) must be a multiple of n_head_kv (%lld)", (long long) n_head, (long long) n_head_kv);
+    }
+    if (k->ne[3] != ns || v->ne[1] != n_kv || v->ne[2] != n_head_kv || v->ne[3] != ns) {
+        return sparq_fail("k [%lld,%lld,%lld,%lld] and v [%lld,%lld,%lld,%lld] do not match q's streams/heads",
+                          (long long) k->ne[0], (long long) k->ne[1], (long long) k->ne[2], (long long) k->ne[3],
+                          (long long) v->ne[0], (long long) v->ne[1], (long long) v->ne[2], (long long) v->ne[3]);
+    }
+    if (k->nb[0] != ggml_type_size(k->type) || v->nb[0] != ggml_type_size(v->type) || q->nb[0] != sizeof(float)) {
+        return sparq_fail("rows of q, k and v must be contiguous");
+    }
+    if (kt) {
+        if (kt->type != k->type) {
+            return sparq_fail("kt type %s differs from k type %s", ggml_type_name(kt->type), ggml_type_name(k->type));
+        }
+        if (kt->ne[0] != n_kv || kt->ne[1] != d || kt->ne[2] != n_head_kv || kt->ne[3] != ns ||
+            kt->nb[0] != ggml_type_size(kt->type)) {
+            return sparq_fail("kt must be [n_kv=%lld, d=%lld, n_head_kv=%lld, ns=%lld] with contiguous rows",
+                              (long long) n_kv, (long long) d, (long long) n_head_kv, (long long) ns);
+        }
+    }
+    if (mask) {
+        if (mask->type != GGML_TYPE_F16) {
+            return sparq_fail("mask must be f16 (0 / -inf), got %s", ggml_type_name(mask->type));
+        }
+        if (mask->ne[0] != n_kv || mask->ne[1] < n_q || mask->ne[2] != 1 || (mask->ne[3] != ns && mask->ne[3] != 1)) {
+            return sparq_fail("mask must be [n_kv=%lld, >=n_q=%lld, 1, ns or 1]", (long long) n_kv, (long long) n_q);
+        }
+    }
+    if (vsum) {
+        if (vsum->type != GGML_TYPE_F32 || vsum->ne[0] != d_v + 1 || vsum->ne[1] != n_head_kv ||
+            vsum->ne[2] != n_q || vsum->ne[3] != ns || vsum->nb[0] != sizeof(float)) {
+            return sparq_fail("vsum must be f32 [d_v+1=%lld, n_head_kv=%lld, n_q=%lld, ns=%lld]",
+                              (long long) (d_v + 1), (long long) n_head_kv, (long long) n_q, (long long) ns);
+        }
+    }
+    if (p->k1 < 1 || p->k1 > d) {
+        return sparq_fail("k1 = %d must be in 1..head_dim (%lld)", p->k1, (long long) d);
+    }
+    if (p->k2 < 1) {
+        return sparq_fail("k2 = %d must be >= 1", p->k2);
+    }
+    const int32_t window = p->window < 0 ? p->k2 / 4 : p->window;
+    if (p->sinks < 0 || window + p->sinks > p->k2) {
+        return sparq_fail("window (%d) + sinks (%d) must be <= k2 (%d), both >= 0", window, p->sinks, p->k2);
+    }
+    if (p->mean != GGML_SPARQ_MEAN_AUTO && p->mean != GGML_SPARQ_MEAN_ON && p->mean != GGML_SPARQ_MEAN_OFF) {
+        return sparq_fail("mean must be auto, on or off");
+    }
+    if (p->policy != GGML_SPARQ_POLICY_SPARQ && p->policy != GGML_SPARQ_POLICY_EXACT &&
+        p->policy != GGML_SPARQ_POLICY_WINDOW) {
+        return sparq_fail("policy must be sparq, exact or window");
+    }
+    if (!(p->scale >= 0.0f) || !isfinite(p->scale)) {
+        return sparq_fail("scale = %g must be finite and > 0 (0: 1/sqrt(head_dim))", (double) p->scale);
+    }
+    if (!(p->softcap >= 0.0f) || !isfinite(p->softcap)) {
+        return sparq_fail("softcap = %g must be >= 0", (double) p->softcap);
+    }
+    if (!(p->sparse_v_thresh >= 0.0f && p->sparse_v_thresh < 1.0f)) {
+        return sparq_fail("sparse_v_thresh = %g must be in [0, 1)", (double) p->sparse_v_thresh);
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_sparq_attn(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * kt,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * vsum,
+        struct ggml_sparq_params params) {
+    const char * err = ggml_sparq_attn_check(q, k, kt, v, mask, vsum, &params);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    struct ggml_sparq_op_params op = {
+        /*.k1              =*/ params.k1,
+        /*.k2              =*/ params.k2,
+        /*.window          =*/ params.window < 0 ? params.k2 / 4 : params.window,
+        /*.sinks           =*/ params.sinks,
+        /*.mean_on         =*/ params.mean == GGML_SPARQ_MEAN_ON ||
+                               (params.mean == GGML_SPARQ_MEAN_AUTO && q->ne[2] == k->ne[2]),
+        /*.policy          =*/ (int32_t) params.policy,
+        /*.scale           =*/ params.scale > 0.0f ? params.scale : 1.0f / sqrtf((float) q->ne[0]),
+        /*.softcap         =*/ params.softcap,
+        /*.sparse_v_thresh =*/ params.sparse_v_thresh,
+    };
+    const int64_t ne[4] = { v->ne[0], q->ne[2], q->ne[1], q->ne[3] };
+    struct ggml_tensor * result = ggml_new_tensor(ctx, GGML_TYPE_F32, 4, ne);
+
+    static_assert(sizeof(op) <= GGML_MAX_OP_PARAMS, "ggml_sparq_op_params too large");
+    ggml_set_op_params(result, &op, sizeof(op));
+    result->op     = GGML_OP_SPARQ_ATTN;
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = kt;
+    result->src[3] = v;
+    result->src[4] = mask;
+    result->src[5] = vsum;
+    return result;
+}
+
+struct ggml_sparq_op_params ggml_sparq_get_op_params(const struct ggml_tensor * op) {
+    GGML_ASSERT(op->op == GGML_OP_SPARQ_ATTN);
+    struct ggml_sparq_op_params p;
+    memcpy(&p, op->op_params, sizeof(p));
+    return p;
+}

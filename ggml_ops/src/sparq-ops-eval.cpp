@@ -1,0 +1,216 @@
+// sparq_llama_eval_sparq_attn: run ggml_sparq_attn once on a backend over host arrays. Used by
+// sparq_llama.ops (tests against the float64 reference, research); builds a one-node ggml graph.
+#include "sparq-llama.h"
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-sparq.h"
+#include "ggml.h"
+
+#include <cmath>
+#include <cstdarg>
+#include <cstring>
+#include <cstdio>
+#include <memory>
+
+namespace {
+
+int fail(char * err, size_t err_size, const char * fmt, ...) {
+    if (err && err_size) {
+        va_list args;
+        va_start(args, fmt);
+        vsnprintf(err, err_size, fmt, args);
+        va_end(args);
+    }
+    return 1;
+}
+
+struct ctx_deleter     { void operator()(ggml_context * c) const { ggml_free(c); } };
+struct backend_deleter { void operator()(ggml_backend * b) const { ggml_backend_free(b); } };
+struct buffer_deleter  { void operator()(ggml_backend_buffer * b) const { ggml_backend_buffer_free(b); } };
+
+}  // namespace
+
+int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, size_t err_size) {
+    if (!a || !a->q || !a->k || !a->v || !a->out || !a->params) {
+        return fail(err, err_size, "q, k, v, out and params are required");
+    }
+    const auto kv_type = (ggml_type) a->kv_type;
+    if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16 && kv_type != GGML_TYPE_BF16) {
+        return fail(err, err_size, "kv_type must be f32, f16 or bf16");
+    }
+    ggml_backend_dev_t dev = a->device && a->device[0] ? ggml_backend_dev_by_name(a->device)
+                                                       : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!dev) {
+        return fail(err, err_size, "no ggml device named '%s'", a->device);
+    }
+    std::unique_ptr<ggml_backend, backend_deleter> backend(ggml_backend_dev_init(dev, nullptr));
+    if (!backend) {
+        return fail(err, err_size, "could not initialise device '%s'", ggml_backend_dev_name(dev));
+    }
+    if (a->n_threads > 0) {
+        auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
+        if (set_threads) {
+            set_threads(backend.get(), a->n_threads);
+        }
+    }
+
+    ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_tensor * q  = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
+    ggml_tensor * k  = ggml_new_tensor_4d(c, kv_type, a->d, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * kt = a->kt ? ggml_new_tensor_4d(c, kv_type, a->n_kv, a->d, a->n_head_kv, a->ns) : nullptr;
+    ggml_tensor * v  = ggml_new_tensor_4d(c, kv_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * mask = a->mask ? ggml_new_tensor_4d(c, GGML_TYPE_F16, a->n_kv, a->n_q, 1, a->mask_ns) : nullptr;
+    ggml_tensor * vsum = a->vsum ? ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d_v + 1, a->n_head_kv, a->n_q, a->ns) : nullptr;
+
+    if (const char * msg = ggml_sparq_attn_check(q, k, kt, v, mask, vsum, a->params)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    ggml_tensor * out = ggml_sparq_attn(c, q, k, kt, v, mask, vsum, *a->params);
+    if (!ggml_backend_supports_op(backend.get(), out)) {
+        return fail(err, err_size, "device '%s' does not support sparq_attn with these types",
+                    ggml_backend_dev_name(dev));
+    }
+    ggml_cgraph * gf = ggml_new_graph(c);
+    ggml_build_forward_expand(gf, out);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    }
+    ggml_backend_tensor_set(q, a->q, 0, ggml_nbytes(q));
+    ggml_backend_tensor_set(k, a->k, 0, ggml_nbytes(k));
+    if (kt) {
+        ggml_backend_tensor_set(kt, a->kt, 0, ggml_nbytes(kt));
+    }
+    ggml_backend_tensor_set(v, a->v, 0, ggml_nbytes(v));
+    if (mask) {
+        ggml_backend_tensor_set(mask, a->mask, 0, ggml_nbytes(mask));
+    }
+    if (vsum) {
+        ggml_backend_tensor_set(vsum, a->vsum, 0, ggml_nbytes(vsum));
+    }
+    if (ggml_backend_graph_compute(backend.get(), gf) != GGML_STATUS_SUCCESS) {
+        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
+    }
+    ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
+    return 0;
+}
+
+// ---- microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext on the same tensors ----------------
+
+#include <random>
+#include <vector>
+
+namespace {
+
+void fill_random(ggml_tensor * t, std::mt19937 & rng, float heavy_tail) {
+    const int64_t n = ggml_nelements(t);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> f32(n);
+    for (auto & x : f32) {
+        const float z = normal(rng);
+        x = heavy_tail > 0.0f ? z * (1.0f + heavy_tail * z * z) : z;  // heavy-tailed queries
+    }
+    std::vector<uint8_t> bytes(ggml_nbytes(t));
+    if (t->type == GGML_TYPE_F32) {
+        memcpy(bytes.data(), f32.data(), bytes.size());
+    } else if (t->type == GGML_TYPE_F16) {
+        ggml_fp32_to_fp16_row(f32.data(), (ggml_fp16_t *) bytes.data(), n);
+    } else {
+        ggml_fp32_to_bf16_row(f32.data(), (ggml_bf16_t *) bytes.data(), n);
+    }
+    ggml_backend_tensor_set(t, bytes.data(), 0, bytes.size());
+}
+
+}  // namespace
+
+int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t err_size) {
+    if (!a || !a->params || !a->sparq_us || !a->flash_us || a->n_runs < 1) {
+        return fail(err, err_size, "params, sparq_us, flash_us and n_runs >= 1 are required");
+    }
+    const auto kv_type = (ggml_type) a->kv_type;
+    ggml_backend_dev_t dev = a->device && a->device[0] ? ggml_backend_dev_by_name(a->device)
+                                                       : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!dev) {
+        return fail(err, err_size, "no ggml device named '%s'", a->device);
+    }
+    std::unique_ptr<ggml_backend, backend_deleter> backend(ggml_backend_dev_init(dev, nullptr));
+    if (a->n_threads > 0) {
+        auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
+        if (set_threads) {
+            set_threads(backend.get(), a->n_threads);
+        }
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), nullptr, true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    const int64_t d = a->d, n_kv = a->n_kv;
+    ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, 1);
+    ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, 1);
+    ggml_tensor * kt   = a->use_kt ? ggml_new_tensor_4d(c, kv_type, n_kv, d, a->n_head_kv, 1) : nullptr;
+    ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, 1);
+    ggml_tensor * mask = ggml_new_tensor_4d(c, GGML_TYPE_F16, n_kv, 1, 1, 1);
+    ggml_tensor * vsum = ggml_new_tensor_4d(c, GGML_TYPE_F32, d + 1, a->n_head_kv, 1, 1);
+    if (const char * msg = ggml_sparq_attn_check(q, k, kt, v, mask, vsum, a->params)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    ggml_tensor * sparq = ggml_sparq_attn(c, q, k, kt, v, mask, vsum, *a->params);
+    const float scale = a->params->scale > 0.0f ? a->params->scale : 1.0f / sqrtf((float) d);
+    ggml_tensor * flash = ggml_flash_attn_ext(c, q, k, v, mask, scale, 0.0f, 0.0f);
+    ggml_prec_set_acc(flash, GGML_PREC_F32);  // as llama.cpp does for its attention
+    ggml_cgraph * g_sparq = ggml_new_graph(c);
+    ggml_build_forward_expand(g_sparq, sparq);
+    ggml_cgraph * g_flash = ggml_new_graph(c);
+    ggml_build_forward_expand(g_flash, flash);
+    if (!ggml_backend_supports_op(backend.get(), sparq) || !ggml_backend_supports_op(backend.get(), flash)) {
+        return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(dev));
+    }
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    }
+    std::mt19937 rng(1234);
+    fill_random(q, rng, 0.3f);
+    fill_random(k, rng, 0.0f);
+    fill_random(v, rng, 0.0f);
+    if (kt) {  // the transposed copy of k, as llama keeps it
+        std::vector<uint8_t> src(ggml_nbytes(k)), dst(ggml_nbytes(kt));
+        ggml_backend_tensor_get(k, src.data(), 0, src.size());
+        const size_t ts = ggml_type_size(kv_type);
+        for (int64_t h = 0; h < a->n_head_kv; ++h) {
+            for (int64_t j = 0; j < n_kv; ++j) {
+                for (int64_t i = 0; i < d; ++i) {
+                    memcpy(&dst[((h * d + i) * n_kv + j) * ts], &src[((h * n_kv + j) * d + i) * ts], ts);
+                }
+            }
+        }
+        ggml_backend_tensor_set(kt, dst.data(), 0, dst.size());
+    }
+    std::vector<ggml_fp16_t> zeros(n_kv, ggml_fp32_to_fp16(0.0f));
+    ggml_backend_tensor_set(mask, zeros.data(), 0, n_kv * sizeof(ggml_fp16_t));
+    std::vector<float> vs((d + 1) * a->n_head_kv, 0.0f);
+    for (int64_t h = 0; h < a->n_head_kv; ++h) {
+        vs[h * (d + 1) + d] = (float) n_kv;
+    }
+    ggml_backend_tensor_set(vsum, vs.data(), 0, vs.size() * sizeof(float));
+
+    // warm-up, then interleaved timed runs so drift hits both ops alike
+    ggml_backend_graph_compute(backend.get(), g_sparq);
+    ggml_backend_graph_compute(backend.get(), g_flash);
+    for (int run = 0; run < a->n_runs; ++run) {
+        int64_t t0 = ggml_time_us();
+        ggml_backend_graph_compute(backend.get(), g_sparq);
+        ggml_backend_synchronize(backend.get());
+        int64_t t1 = ggml_time_us();
+        ggml_backend_graph_compute(backend.get(), g_flash);
+        ggml_backend_synchronize(backend.get());
+        int64_t t2 = ggml_time_us();
+        a->sparq_us[run] = (double) (t1 - t0);
+        a->flash_us[run] = (double) (t2 - t1);
+    }
+    return 0;
+}

@@ -1,0 +1,168 @@
+"""Our ggml ops, callable from numpy: each call builds a one-node ggml graph on our library and runs it.
+
+    from sparq_llama import ops, reference
+    y = ops.sparq_attn(q, k, v, mask, k1=16, k2=128)        # same signature as reference.sparq_attn
+    y_ref = reference.sparq_attn(q, k, v, mask, k1=16, k2=128)
+
+Shapes follow the reference: q [n_head, n_q, d], k [n_head_kv, n_kv, d], v [n_head_kv, n_kv, d_v],
+mask [n_q, n_kv] bool (True = visible). A leading stream axis is accepted too (q [ns, n_head, n_q, d],
+k/v [ns, ...], mask [ns or 1, n_q, n_kv]): streams are independent KV caches, as in llama.cpp.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Literal
+
+import numpy as np
+
+from ._lib import libllama
+from .reference import MEAN_MODES, POLICIES
+
+# ggml_type values (ggml.h)
+_GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
+_MEAN = {"auto": 0, "on": 1, "off": 2}
+_POLICY = {"sparq": 0, "exact": 1, "window": 2}
+
+
+class GgmlSparqParams(ctypes.Structure):
+    """struct ggml_sparq_params (ggml-sparq.h)."""
+
+    _fields_ = [("k1", ctypes.c_int32), ("k2", ctypes.c_int32), ("window", ctypes.c_int32),
+                ("sinks", ctypes.c_int32), ("mean", ctypes.c_int32), ("policy", ctypes.c_int32),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("sparse_v_thresh", ctypes.c_float)]
+
+
+class SparqEvalArgs(ctypes.Structure):
+    """struct sparq_eval_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns")] + \
+        [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p),
+         ("mask", ctypes.c_void_p), ("vsum", ctypes.c_void_p), ("params", ctypes.POINTER(GgmlSparqParams)),
+         ("out", ctypes.c_void_p)]
+
+
+def _eval_fn():
+    fn = libllama().sparq_llama_eval_sparq_attn
+    fn.argtypes = [ctypes.POINTER(SparqEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _to_kv(x: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """x as a C-contiguous array of the KV type's bits (bf16 rounded to nearest even)."""
+    if kv_dtype == "f32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if kv_dtype == "f16":
+        return np.ascontiguousarray(x, dtype=np.float16)
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.ascontiguousarray((rounded >> np.uint32(16)).astype(np.uint16))
+
+
+def kv_round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """x rounded to the KV type and back to float64: what the op actually sees (for exact comparisons)."""
+    y = _to_kv(x, kv_dtype)
+    if kv_dtype == "bf16":
+        return (y.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return y.astype(np.float64)
+
+
+def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+               k1: int, k2: int, window: int | None = None, sinks: int = 0,
+               mean: Literal["auto", "on", "off"] = "auto", scale: float | None = None, softcap: float = 0.0,
+               policy: Literal["sparq", "exact", "window"] = "sparq", sparse_v_thresh: float = 0.0,
+               vsum: np.ndarray | None = None, kv_dtype: Literal["f16", "bf16", "f32"] = "f16",
+               layout: Literal["kt", "default"] = "kt", n_threads: int | None = None,
+               device: str | None = None) -> np.ndarray:
+    """ggml_sparq_attn on our library; arguments as `reference.sparq_attn`, plus:
+
+    kv_dtype: type K, K^T and V are stored in; layout: "kt" passes the transposed key copy, "default"
+    lets the op gather from row-major K; n_threads: CPU threads (None: all cores); device: ggml device
+    name (None: the CPU); vsum: per-row running sums [ns, n_q, n_head_kv, d_v + 1] (None: computed).
+    Bad arguments raise ValueError with the op's own message. Returns float64 in the input's layout.
+    """
+    if kv_dtype not in _GGML_TYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(_GGML_TYPES)}, got {kv_dtype!r}")
+    if layout not in ("kt", "default"):
+        raise ValueError(f"layout must be 'kt' or 'default', got {layout!r}")
+    if mean not in MEAN_MODES:
+        raise ValueError(f"mean must be one of {MEAN_MODES}, got {mean!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    single = q.ndim == 3
+    if single:
+        q, k, v = q[None], k[None], v[None]
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [n_head, n_q, d] / [n_head_kv, n_kv, d] (or with a leading stream axis)")
+    ns, n_head, n_q, d = q.shape
+    _, n_head_kv, n_kv, _ = k.shape
+    d_v = v.shape[-1]
+    if k.shape[0] != ns or k.shape[3] != d:
+        raise ValueError(f"head dim of q ({d}) and k ({k.shape[3]}) differ, or their stream counts do")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {v.shape} must match k {k.shape} in streams, KV heads and cells")
+
+    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    k_dev = _to_kv(k, kv_dtype)
+    kt_dev = _to_kv(np.swapaxes(k, -1, -2), kv_dtype) if layout == "kt" else None
+    v_dev = _to_kv(v, kv_dtype)
+    mask_dev, mask_ns = None, 1
+    if mask is not None:
+        m = np.asarray(mask, dtype=bool)
+        m = m[None] if m.ndim == 2 else m
+        if m.ndim != 3 or m.shape[1:] != (n_q, n_kv):
+            raise ValueError(f"mask must be [n_q={n_q}, n_kv={n_kv}] (or [ns, n_q, n_kv]), got {np.shape(mask)}")
+        mask_ns = m.shape[0]
+        mask_dev = np.ascontiguousarray(np.where(m, 0.0, -np.inf).astype(np.float16))
+    vsum_dev = None if vsum is None else np.ascontiguousarray(vsum, dtype=np.float32)
+    if vsum_dev is not None and vsum_dev.shape != (ns, n_q, n_head_kv, d_v + 1):
+        raise ValueError(f"vsum must be [ns, n_q, n_head_kv, d_v + 1] = {(ns, n_q, n_head_kv, d_v + 1)}")
+    out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
+
+    params = GgmlSparqParams(k1=int(k1), k2=int(k2), window=-1 if window is None else int(window), sinks=int(sinks),
+                             mean=_MEAN[mean], policy=_POLICY[policy], scale=0.0 if scale is None else float(scale),
+                             softcap=float(softcap), sparse_v_thresh=float(sparse_v_thresh))
+    ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+    args = SparqEvalArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
+                         kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
+                         n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
+                         mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out))
+    err = ctypes.create_string_buffer(1024)
+    if _eval_fn()(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
+    return y[0] if single else y
+
+
+class SparqBenchArgs(ctypes.Structure):
+    """struct sparq_bench_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv")] + \
+        [("use_kt", ctypes.c_int), ("n_runs", ctypes.c_int), ("params", ctypes.POINTER(GgmlSparqParams)),
+         ("sparq_us", ctypes.POINTER(ctypes.c_double)), ("flash_us", ctypes.POINTER(ctypes.c_double))]
+
+
+def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,
+               n_threads: int | None = None, kv_dtype: str = "f16", layout: str = "kt", mean: str = "auto",
+               device: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decode-step times (µs) of ggml_sparq_attn and ggml_flash_attn_ext on the same random cache,
+    `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us)."""
+    fn = libllama().sparq_llama_bench_attn
+    fn.argtypes = [ctypes.POINTER(SparqBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    params = GgmlSparqParams(k1=k1, k2=k2, window=-1, sinks=0, mean=_MEAN[mean], policy=_POLICY["sparq"],
+                             scale=0.0, softcap=0.0, sparse_v_thresh=0.0)
+    sparq_us = (ctypes.c_double * n_runs)()
+    flash_us = (ctypes.c_double * n_runs)()
+    args = SparqBenchArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
+                          kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                          use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
+                          sparq_us=sparq_us, flash_us=flash_us)
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    return np.array(sparq_us[:]), np.array(flash_us[:])
