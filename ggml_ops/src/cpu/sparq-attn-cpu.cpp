@@ -27,7 +27,13 @@
 
 namespace {
 
-constexpr int64_t k_chunk = 512;  // cells per phase-A task: a K^T row chunk stays in L1 as f32
+// Cells per phase-A task: long enough that each K^T row read is a long contiguous burst (DRAM streams,
+// few TLB misses), short enough that a wave still gives every thread several tasks.
+constexpr int64_t k_chunk_max = 4096;
+constexpr int64_t k_chunk_min = 256;
+constexpr int64_t k_kt_sub   = 4096; // phase A converts K^T rows in sub-blocks of this many cells (long DRAM bursts)
+constexpr int64_t k_kt_block = 4;
+constexpr int32_t k_prefetch_rows = 8;  // phase C: K rows of I2 requested this far ahead    // components accumulated per pass over the scores
 constexpr uint16_t k_f16_neg_inf = 0xFC00;
 constexpr int64_t k_max_head_dim = 1024;  // phase 0 keeps |q| sums on the stack
 constexpr int k_hist_shift = 21;           // selection histogram: score bits 30..21 (sign is 0)
@@ -38,7 +44,7 @@ enum row_kind : int32_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
 
 struct sparq_shape {
-    int64_t d, d_v, n_q, n_head, n_head_kv, ns, n_kv, group, n_chunks, n_rows, wave;
+    int64_t d, d_v, n_q, n_head, n_head_kv, ns, n_kv, group, chunk, chunk_shift, n_chunks, n_rows, wave;
 };
 
 // Offsets (in 4-byte units) of one wave row's scratch, and of one thread's scratch.
@@ -61,10 +67,18 @@ sparq_shape make_shape(const ggml_tensor * dst, int n_tasks) {
     s.n_head_kv = k->ne[2];
     s.d_v       = v->ne[0];
     s.group     = s.n_head / s.n_head_kv;
-    s.n_chunks  = (s.n_kv + k_chunk - 1) / k_chunk;
     s.n_rows    = s.n_head_kv * s.n_q * s.ns;
     // enough rows per wave to feed every thread in phases B and C, few enough to bound scratch
     s.wave      = std::min<int64_t>(s.n_rows, std::max<int64_t>(2 * n_tasks, 4));
+    s.chunk     = k_chunk_max;
+    while (s.chunk > k_chunk_min && s.wave * ((s.n_kv + s.chunk - 1) / s.chunk) < 4 * n_tasks) {
+        s.chunk /= 2;
+    }
+    s.n_chunks  = (s.n_kv + s.chunk - 1) / s.chunk;
+    s.chunk_shift = 0;
+    while ((int64_t(1) << s.chunk_shift) < s.chunk) {
+        ++s.chunk_shift;
+    }
     return s;
 }
 
@@ -82,7 +96,7 @@ sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, 
     l.row_size = o;
 
     o = 0;
-    const size_t conv = pad16(std::max<int64_t>({k_chunk, s.d, s.d_v}));
+    const size_t conv = pad16(std::max<int64_t>({k_kt_block * k_kt_sub, s.d, s.d_v}));
     l.tmp    = o; o += conv;
     l.pairs  = o; o += pad16(2 * s.n_kv);        // uint64 (score, cell) pairs for the selection
     l.factor = o; o += pad16(s.group * s.n_chunks);
@@ -92,6 +106,12 @@ sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, 
 
     l.total_bytes = 4 * (l.row_size * s.wave + l.thread_size * n_tasks) + 64;
     return l;
+}
+
+void prefetch_bytes(const void * p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch((const char *) p + off);
+    }
 }
 
 // A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`.
@@ -202,7 +222,7 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
     int64_t h, t, st;
     c.row_coords(r, h, t, st);
     float * rs = c.row(w);
-    const int64_t j0 = chunk * k_chunk, j1 = std::min(c.s.n_kv, j0 + k_chunk), n = j1 - j0;
+    const int64_t j0 = chunk * c.s.chunk, j1 = std::min(c.s.n_kv, j0 + c.s.chunk), n = j1 - j0;
     const int64_t n_kv = c.s.n_kv, G = c.s.group, k1 = c.p.k1;
     float * e = rs + c.l.e;
     float * tmp = c.thread(ith) + c.l.tmp;
@@ -210,16 +230,37 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
     const float * qs = rs + c.l.qs;
 
     if (c.p.policy == GGML_SPARQ_POLICY_SPARQ && c.kt) {
-        // r contiguous rows of K^T: score[j] += q_i * KT[i, j]
-        for (int64_t g = 0; g < G; ++g) {
-            std::fill(e + g * n_kv + j0, e + g * n_kv + j1, 0.0f);
-        }
+        // r contiguous rows of K^T: score[j] += q_i * KT[i, j], k_kt_block components per pass over the
+        // scores (fewer loads/stores of them), in sub-blocks whose f32 rows stay in L1
         const size_t ts = ggml_type_size(c.kt->type);
-        for (int64_t i = 0; i < k1; ++i) {
-            const char * src = (const char *) c.kt_row(i1[i], h, st) + j0 * ts;
-            const float * x = load_f32(src, c.kt->type, n, tmp);
+        for (int64_t b0 = j0; b0 < j1; b0 += k_kt_sub) {
+            const int64_t nb = std::min(k_kt_sub, j1 - b0);
             for (int64_t g = 0; g < G; ++g) {
-                ggml_vec_mad_f32((int) n, e + g * n_kv + j0, x, qs[g * k1 + i]);
+                std::fill(e + g * n_kv + b0, e + g * n_kv + b0 + nb, 0.0f);
+            }
+            for (int64_t i = 0; i < k1; i += k_kt_block) {
+                const int64_t m = std::min(k_kt_block, k1 - i);
+                // one block ahead: one thread reading a few rows at a time is latency-bound otherwise
+                for (int64_t u = i + k_kt_block; u < std::min(k1, i + 2 * k_kt_block); ++u) {
+                    prefetch_bytes((const char *) c.kt_row(i1[u], h, st) + b0 * ts, nb * ts);
+                }
+                const float * x[k_kt_block];
+                for (int64_t u = 0; u < k_kt_block; ++u) {
+                    x[u] = u < m ? load_f32((const char *) c.kt_row(i1[i + u], h, st) + b0 * ts, c.kt->type, nb,
+                                            tmp + u * k_kt_sub)
+                                 : x[0];
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    float qv[k_kt_block];
+                    for (int64_t u = 0; u < k_kt_block; ++u) {
+                        qv[u] = u < m ? qs[g * k1 + i + u] : 0.0f;
+                    }
+                    float * eg = e + g * n_kv + b0;
+                    const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+                    for (int64_t j = 0; j < nb; ++j) {
+                        eg[j] += qv[0] * x0[j] + qv[1] * x1[j] + qv[2] * x2[j] + qv[3] * x3[j];
+                    }
+                }
             }
         }
     } else if (c.p.policy == GGML_SPARQ_POLICY_SPARQ) {
@@ -318,7 +359,7 @@ void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
         }
     }
     const float * e = rs + c.l.e;
-    auto prob = [&](int64_t g, int64_t j) { return e[g * n_kv + j] * factor[g * n_chunks + j / k_chunk]; };
+    auto prob = [&](int64_t g, int64_t j) { return e[g * n_kv + j] * factor[g * n_chunks + (j >> c.s.chunk_shift)]; };
 
     // forced cells: the first `sinks` and the last `window` visible ones (disjoint: sinks + window <= k2 < n_vis)
     const int64_t sinks  = c.p.sinks;
@@ -432,9 +473,19 @@ void phase_attend(const sparq_ctx & c, int64_t w, int64_t r, int64_t g, int ith)
         return;
     }
 
+    // the selected rows are scattered: prefetch K rows a few ahead and every V row during the K pass,
+    // or each gather waits a full memory latency
+    const size_t k_bytes = c.s.d * ggml_type_size(c.k->type), v_bytes = d_v * ggml_type_size(c.v->type);
+    for (int32_t i = 0; i < std::min<int32_t>(n_sel, k_prefetch_rows); ++i) {
+        prefetch_bytes(c.k_row(i2[1 + i], h, st), k_bytes);
+    }
     const float * qg = c.q_row(hq, t, st);
     float mx = -INFINITY;
     for (int32_t i = 0; i < n_sel; ++i) {
+        if (i + k_prefetch_rows < n_sel) {
+            prefetch_bytes(c.k_row(i2[1 + i + k_prefetch_rows], h, st), k_bytes);
+        }
+        prefetch_bytes(c.v_row(i2[1 + i], h, st), v_bytes);
         logits[i] = c.exact_logit(qg, load_f32(c.k_row(i2[1 + i], h, st), c.k->type, c.s.d, tmp));
         mx = std::max(mx, logits[i]);
     }
