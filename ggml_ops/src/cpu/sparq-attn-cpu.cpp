@@ -29,10 +29,11 @@ namespace {
 
 // Cells per phase-A task: long enough that each K^T row read is a long contiguous burst (DRAM streams,
 // few TLB misses), short enough that a wave still gives every thread several tasks.
-constexpr int64_t k_chunk_max = 4096;
+constexpr int64_t k_chunk_max = 32768;
 constexpr int64_t k_chunk_min = 256;
-constexpr int64_t k_kt_sub   = 4096; // phase A converts K^T rows in sub-blocks of this many cells (long DRAM bursts)
-constexpr int64_t k_kt_block = 4;
+constexpr int64_t k_wave_bytes = 8 << 20;  // scratch budget for the scores of one wave of rows
+constexpr int64_t k_kt_sub   = 512;  // phase A converts K^T rows to f32 in sub-blocks of this many cells
+constexpr int64_t k_kt_block = 8;     // (the accumulation loop below is written out for 8)
 constexpr int32_t k_prefetch_rows = 8;  // phase C: K rows of I2 requested this far ahead    // components accumulated per pass over the scores
 constexpr uint16_t k_f16_neg_inf = 0xFC00;
 constexpr int64_t k_max_head_dim = 1024;  // phase 0 keeps |q| sums on the stack
@@ -68,8 +69,10 @@ sparq_shape make_shape(const ggml_tensor * dst, int n_tasks) {
     s.d_v       = v->ne[0];
     s.group     = s.n_head / s.n_head_kv;
     s.n_rows    = s.n_head_kv * s.n_q * s.ns;
-    // enough rows per wave to feed every thread in phases B and C, few enough to bound scratch
-    s.wave      = std::min<int64_t>(s.n_rows, std::max<int64_t>(2 * n_tasks, 4));
+    // as many rows per wave as the scratch budget allows (fewer barriers, better balance: a decode step is
+    // usually one wave), but at least enough to feed every thread in phases B and C
+    const int64_t row_bytes_est = 4 * (s.group * s.n_kv + 1024);
+    s.wave      = std::min<int64_t>(s.n_rows, std::max<int64_t>(2 * n_tasks, k_wave_bytes / row_bytes_est));
     s.chunk     = k_chunk_max;
     while (s.chunk > k_chunk_min && s.wave * ((s.n_kv + s.chunk - 1) / s.chunk) < 4 * n_tasks) {
         s.chunk /= 2;
@@ -230,25 +233,24 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
     const float * qs = rs + c.l.qs;
 
     if (c.p.policy == GGML_SPARQ_POLICY_SPARQ && c.kt) {
-        // r contiguous rows of K^T: score[j] += q_i * KT[i, j], k_kt_block components per pass over the
-        // scores (fewer loads/stores of them), in sub-blocks whose f32 rows stay in L1
+        // r rows of K^T: score[j] += q_i * KT[i, j]. Components outer, cells inner: each K^T row is read
+        // as one long sequential run (the hardware prefetcher streams it), k_kt_block rows side by side,
+        // converted to f32 in small sub-blocks that stay in L1; the chunk's scores stay in L2.
         const size_t ts = ggml_type_size(c.kt->type);
-        for (int64_t b0 = j0; b0 < j1; b0 += k_kt_sub) {
-            const int64_t nb = std::min(k_kt_sub, j1 - b0);
-            for (int64_t g = 0; g < G; ++g) {
-                std::fill(e + g * n_kv + b0, e + g * n_kv + b0 + nb, 0.0f);
+        for (int64_t g = 0; g < G; ++g) {
+            std::fill(e + g * n_kv + j0, e + g * n_kv + j1, 0.0f);
+        }
+        for (int64_t i = 0; i < k1; i += k_kt_block) {
+            const int64_t m = std::min(k_kt_block, k1 - i);
+            const char * rows[k_kt_block];
+            for (int64_t u = 0; u < k_kt_block; ++u) {
+                rows[u] = (const char *) c.kt_row(i1[i + std::min(u, m - 1)], h, st);
             }
-            for (int64_t i = 0; i < k1; i += k_kt_block) {
-                const int64_t m = std::min(k_kt_block, k1 - i);
-                // one block ahead: one thread reading a few rows at a time is latency-bound otherwise
-                for (int64_t u = i + k_kt_block; u < std::min(k1, i + 2 * k_kt_block); ++u) {
-                    prefetch_bytes((const char *) c.kt_row(i1[u], h, st) + b0 * ts, nb * ts);
-                }
+            for (int64_t b0 = j0; b0 < j1; b0 += k_kt_sub) {
+                const int64_t nb = std::min(k_kt_sub, j1 - b0);
                 const float * x[k_kt_block];
                 for (int64_t u = 0; u < k_kt_block; ++u) {
-                    x[u] = u < m ? load_f32((const char *) c.kt_row(i1[i + u], h, st) + b0 * ts, c.kt->type, nb,
-                                            tmp + u * k_kt_sub)
-                                 : x[0];
+                    x[u] = u < m ? load_f32(rows[u] + b0 * ts, c.kt->type, nb, tmp + u * k_kt_sub) : x[0];
                 }
                 for (int64_t g = 0; g < G; ++g) {
                     float qv[k_kt_block];
@@ -257,8 +259,10 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
                     }
                     float * eg = e + g * n_kv + b0;
                     const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+                    const float *x4 = x[4], *x5 = x[5], *x6 = x[6], *x7 = x[7];
                     for (int64_t j = 0; j < nb; ++j) {
-                        eg[j] += qv[0] * x0[j] + qv[1] * x1[j] + qv[2] * x2[j] + qv[3] * x3[j];
+                        eg[j] += (qv[0] * x0[j] + qv[1] * x1[j] + qv[2] * x2[j] + qv[3] * x3[j]) +
+                                 (qv[4] * x4[j] + qv[5] * x5[j] + qv[6] * x6[j] + qv[7] * x7[j]);
                     }
                 }
             }
