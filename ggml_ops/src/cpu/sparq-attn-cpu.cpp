@@ -37,8 +37,7 @@ constexpr int64_t k_kt_block = 8;     // (the accumulation loop below is written
 constexpr int32_t k_prefetch_rows = 8;  // phase C: K rows of I2 requested this far ahead    // components accumulated per pass over the scores
 constexpr uint16_t k_f16_neg_inf = 0xFC00;
 constexpr int64_t k_max_head_dim = 1024;  // phase 0 keeps |q| sums on the stack
-constexpr int k_hist_shift = 21;           // selection histogram: score bits 30..21 (sign is 0)
-constexpr int64_t k_hist_buckets = 1 << (31 - k_hist_shift);
+constexpr int64_t k_select_sample = 1024;  // selection threshold from about this many sampled scores
 
 enum row_kind : int32_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 
@@ -102,7 +101,7 @@ sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, 
     const size_t conv = pad16(std::max<int64_t>({k_kt_block * k_kt_sub, s.d, s.d_v}));
     l.tmp    = o; o += conv;
     l.pairs  = o; o += pad16(2 * s.n_kv);        // uint64 (score, cell) pairs for the selection
-    l.factor = o; o += pad16(s.group * s.n_chunks);
+    l.factor = o; o += pad16(s.group * s.n_chunks) + pad16(s.n_kv);  // chunk factors, then candidate scores
     l.logits = o; o += pad16(std::max<int64_t>(p.k2, 1));
     l.acc    = o; o += pad16(s.d_v);
     l.thread_size = o;
@@ -115,6 +114,28 @@ void prefetch_bytes(const void * p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch((const char *) p + off);
     }
+}
+
+// Max of x[0..n): independent lanes so the compiler vectorises it without reassociating (ggml's
+// ggml_vec_max_f32 is a scalar loop).
+float max_f32(const float * x, int64_t n) {
+    constexpr int lanes = 16;
+    float acc[lanes];
+    std::fill(acc, acc + lanes, -INFINITY);
+    int64_t j = 0;
+    for (; j + lanes <= n; j += lanes) {
+        for (int u = 0; u < lanes; ++u) {
+            acc[u] = acc[u] > x[j + u] ? acc[u] : x[j + u];
+        }
+    }
+    float mx = -INFINITY;
+    for (; j < n; ++j) {
+        mx = std::max(mx, x[j]);
+    }
+    for (int u = 0; u < lanes; ++u) {
+        mx = std::max(mx, acc[u]);
+    }
+    return mx;
 }
 
 // A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`.
@@ -290,11 +311,10 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
     }
 
     if (const uint16_t * m = c.mask_row(t, st)) {
-        for (int64_t j = j0; j < j1; ++j) {
-            if (m[j] == k_f16_neg_inf) {
-                for (int64_t g = 0; g < G; ++g) {
-                    e[g * n_kv + j] = -INFINITY;
-                }
+        for (int64_t g = 0; g < G; ++g) {  // branch-free so it vectorises
+            float * eg = e + g * n_kv;
+            for (int64_t j = j0; j < j1; ++j) {
+                eg[j] = m[j] == k_f16_neg_inf ? -INFINITY : eg[j];
             }
         }
     }
@@ -302,8 +322,7 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
     float * cstat = rs + c.l.cstat;
     for (int64_t g = 0; g < G; ++g) {
         float * eg = e + g * n_kv + j0;
-        float mx = -INFINITY;
-        ggml_vec_max_f32((int) n, &mx, eg);
+        const float mx = max_f32(eg, n);
         double sum = 0.0;
         if (mx == -INFINITY) {
             std::fill(eg, eg + n, 0.0f);
@@ -326,9 +345,12 @@ void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
     const uint16_t * m = c.mask_row(t, st);
     auto visible = [m](int64_t j) { return !m || m[j] != k_f16_neg_inf; };
 
-    int64_t n_vis = 0;
-    for (int64_t j = 0; j < n_kv; ++j) {
-        n_vis += visible(j);
+    int64_t n_vis = n_kv;
+    if (m) {
+        n_vis = 0;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            n_vis += m[j] != k_f16_neg_inf;
+        }
     }
     int32_t n_sel = 0;
     if (n_vis <= k2) {
@@ -383,44 +405,63 @@ void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
         }
     }
 
-    // top (k2 - forced) of the group's summed probability, in O(n): a histogram over the score's top bits
-    // finds the boundary bucket, only that bucket is ordered. Key = (score bits, ~cell): larger keys win,
-    // equal scores go to the lower cell (non-negative floats order like their bit patterns).
+    // top (k2 - forced) of the group's summed probability, in O(n). Scores of the candidate range [lo, hi)
+    // first (-1 for hidden cells; probabilities are >= 0), then a threshold from a strided sample keeps
+    // ~2x the needed cells, and only those are ordered. Order key = (score bits, ~cell): larger keys win,
+    // equal scores go to the lower cell (non-negative floats order like their bit patterns). The result
+    // does not depend on the threshold: every cell of the top set is at or above it.
     const int64_t n_top = k2 - n_sel;
     if (n_top > 0) {
+        float * sc = factor + pad16(G * n_chunks);  // scratch after the factors: hi - lo floats
         uint64_t * pairs = (uint64_t *) (c.thread(ith) + c.l.pairs);
-        uint32_t hist[k_hist_buckets] = {};
-        int64_t n_cand = 0;
-        for (int64_t j = lo; j < hi; ++j) {
-            if (!visible(j)) {
-                continue;
-            }
-            float score = 0.0f;
-            for (int64_t g = 0; g < G; ++g) {
-                score += prob(g, j);
-            }
-            uint32_t bits;
-            memcpy(&bits, &score, sizeof(bits));
-            hist[bits >> k_hist_shift]++;
-            pairs[n_cand++] = ((uint64_t) bits << 32) | (uint64_t) (0xFFFFFFFFu - (uint32_t) j);
-        }
-        GGML_ASSERT(n_cand >= n_top);
-        int64_t boundary = k_hist_buckets - 1, above = 0;
-        while (above + hist[boundary] < n_top) {
-            above += hist[boundary--];
-        }
-        int64_t n_edge = 0;
-        for (int64_t i = 0; i < n_cand; ++i) {
-            const int64_t bucket = (int64_t) (pairs[i] >> (32 + k_hist_shift));
-            if (bucket > boundary) {
-                i2[1 + n_sel++] = (int32_t) (0xFFFFFFFFu - (uint32_t) (pairs[i] & 0xFFFFFFFFu));
-            } else if (bucket == boundary) {
-                pairs[n_edge++] = pairs[i];  // in place: n_edge <= i
+        const int64_t n_range = hi - lo;
+        std::fill(sc, sc + n_range, 0.0f);
+        for (int64_t g = 0; g < G; ++g) {
+            for (int64_t j = lo; j < hi; ) {
+                const int64_t ch = j >> c.s.chunk_shift, j_end = std::min(hi, (ch + 1) << c.s.chunk_shift);
+                ggml_vec_mad_f32((int) (j_end - j), sc + (j - lo), e + g * n_kv + j, factor[g * n_chunks + ch]);
+                j = j_end;
             }
         }
-        const int64_t from_edge = n_top - above;
-        std::nth_element(pairs, pairs + (from_edge - 1), pairs + n_edge, std::greater<uint64_t>());
-        for (int64_t i = 0; i < from_edge; ++i) {
+        if (m) {
+            for (int64_t j = lo; j < hi; ++j) {
+                sc[j - lo] = m[j] == k_f16_neg_inf ? -1.0f : sc[j - lo];
+            }
+        }
+        // threshold: the sample's value at the rank that leaves ~2 * n_top cells above it
+        const int64_t stride = std::max<int64_t>(1, n_range / k_select_sample);
+        float * sample = (float *) pairs;  // pairs is unused until the threshold is known
+        int64_t n_sample = 0;
+        for (int64_t j = 0; j < n_range; j += stride) {
+            if (sc[j] >= 0.0f) {
+                sample[n_sample++] = sc[j];
+            }
+        }
+        float thr = -0.5f;  // default: every candidate
+        const int64_t rank = (2 * n_top + 16) / stride;
+        if (rank < n_sample) {
+            std::nth_element(sample, sample + rank, sample + n_sample, std::greater<float>());
+            thr = sample[rank];
+        }
+        int64_t n_keep = 0;
+        for (int pass = 0; pass < 2; ++pass) {
+            n_keep = 0;
+            const float keep = std::max(thr, 0.0f);  // hidden cells are -1
+            for (int64_t j = 0; j < n_range; ++j) {
+                if (sc[j] >= keep) {
+                    uint32_t bits;
+                    memcpy(&bits, &sc[j], sizeof(bits));
+                    pairs[n_keep++] = ((uint64_t) bits << 32) | (uint64_t) (0xFFFFFFFFu - (uint32_t) (lo + j));
+                }
+            }
+            if (n_keep >= n_top) {
+                break;
+            }
+            thr = -0.5f;  // the sample misled us: take every candidate
+        }
+        GGML_ASSERT(n_keep >= n_top);
+        std::nth_element(pairs, pairs + (n_top - 1), pairs + n_keep, std::greater<uint64_t>());
+        for (int64_t i = 0; i < n_top; ++i) {
             i2[1 + n_sel++] = (int32_t) (0xFFFFFFFFu - (uint32_t) (pairs[i] & 0xFFFFFFFFu));
         }
     }
@@ -527,6 +568,20 @@ void phase_attend(const sparq_ctx & c, int64_t w, int64_t r, int64_t g, int ith)
     }
 }
 
+// Dynamic task distribution over ggml's threadpool counter (see ggml_compute_forward_sparq_attn).
+struct task_counter {
+    ggml_threadpool * tp;
+    int ith, nth;
+    int64_t base = 0;
+
+    template <typename F> void run(int64_t n, F && f) {
+        for (int64_t t = ith; t < n; t = ggml_threadpool_chunk_add(tp, 1) - base) {
+            f(t);
+        }
+        base += n;
+    }
+};
+
 }  // namespace
 
 size_t ggml_sparq_attn_cpu_work_size(const ggml_tensor * dst, int n_tasks) {
@@ -549,28 +604,33 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     c.rows_base = base;
     c.threads_base = base + c.l.row_size * c.s.wave;
 
+    // Tasks are handed out dynamically (memory stalls make equal-sized tasks unequal in time). One shared
+    // counter serves every phase: a phase of n tasks advances it by exactly n, so each thread knows the
+    // next phase's base without another barrier.
+    task_counter tasks{params->threadpool, ith, nth};
+    if (ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, nth);
+    }
+    ggml_barrier(params->threadpool);
+
     const bool sparq_scores = c.p.policy == GGML_SPARQ_POLICY_SPARQ;
     for (int64_t r0 = 0; r0 < c.s.n_rows; r0 += c.s.wave) {
         const int64_t n_w = std::min(c.s.wave, c.s.n_rows - r0);
         if (sparq_scores) {
-            for (int64_t w = ith; w < n_w; w += nth) {
-                phase_query(c, w, r0 + w);
-            }
+            tasks.run(n_w, [&](int64_t w) { phase_query(c, w, r0 + w); });
             ggml_barrier(params->threadpool);
         }
         if (c.needs_scores()) {
-            for (int64_t task = ith; task < n_w * c.s.n_chunks; task += nth) {
-                phase_scores(c, task / c.s.n_chunks, r0 + task / c.s.n_chunks, task % c.s.n_chunks, ith);
-            }
+            tasks.run(n_w * c.s.n_chunks, [&](int64_t t) {
+                phase_scores(c, t / c.s.n_chunks, r0 + t / c.s.n_chunks, t % c.s.n_chunks, ith);
+            });
             ggml_barrier(params->threadpool);
         }
-        for (int64_t w = ith; w < n_w; w += nth) {
-            phase_select(c, w, r0 + w, ith);
-        }
+        tasks.run(n_w, [&](int64_t w) { phase_select(c, w, r0 + w, ith); });
         ggml_barrier(params->threadpool);
-        for (int64_t task = ith; task < n_w * c.s.group; task += nth) {
-            phase_attend(c, task / c.s.group, r0 + task / c.s.group, task % c.s.group, ith);
-        }
+        tasks.run(n_w * c.s.group, [&](int64_t t) {
+            phase_attend(c, t / c.s.group, r0 + t / c.s.group, t % c.s.group, ith);
+        });
         ggml_barrier(params->threadpool);
     }
 }
