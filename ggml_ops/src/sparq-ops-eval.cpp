@@ -29,6 +29,23 @@ struct ctx_deleter     { void operator()(ggml_context * c) const { ggml_free(c);
 struct backend_deleter { void operator()(ggml_backend * b) const { ggml_backend_free(b); } };
 struct buffer_deleter  { void operator()(ggml_backend_buffer * b) const { ggml_backend_buffer_free(b); } };
 
+// The named device (NULL or "": the CPU) as a backend with n_threads threads where it takes a thread
+// count; NULL if there is no such device or it cannot start.
+ggml_backend * open_backend(const char * device, int n_threads, ggml_backend_dev_t * dev_out) {
+    ggml_backend_dev_t dev = device && device[0] ? ggml_backend_dev_by_name(device)
+                                                 : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend * backend = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+    if (backend && n_threads > 0) {
+        auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+            ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
+        if (set_threads) {
+            set_threads(backend, n_threads);
+        }
+    }
+    *dev_out = dev;
+    return backend;
+}
+
 }  // namespace
 
 int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, size_t err_size) {
@@ -39,21 +56,10 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16 && kv_type != GGML_TYPE_BF16) {
         return fail(err, err_size, "kv_type must be f32, f16 or bf16");
     }
-    ggml_backend_dev_t dev = a->device && a->device[0] ? ggml_backend_dev_by_name(a->device)
-                                                       : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    if (!dev) {
-        return fail(err, err_size, "no ggml device named '%s'", a->device);
-    }
-    std::unique_ptr<ggml_backend, backend_deleter> backend(ggml_backend_dev_init(dev, nullptr));
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
     if (!backend) {
-        return fail(err, err_size, "could not initialise device '%s'", ggml_backend_dev_name(dev));
-    }
-    if (a->n_threads > 0) {
-        auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
-            ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
-        if (set_threads) {
-            set_threads(backend.get(), a->n_threads);
-        }
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
     }
 
     ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
@@ -132,18 +138,10 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
         return fail(err, err_size, "params, sparq_us, flash_us and n_runs >= 1 are required");
     }
     const auto kv_type = (ggml_type) a->kv_type;
-    ggml_backend_dev_t dev = a->device && a->device[0] ? ggml_backend_dev_by_name(a->device)
-                                                       : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-    if (!dev) {
-        return fail(err, err_size, "no ggml device named '%s'", a->device);
-    }
-    std::unique_ptr<ggml_backend, backend_deleter> backend(ggml_backend_dev_init(dev, nullptr));
-    if (a->n_threads > 0) {
-        auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
-            ggml_backend_dev_backend_reg(dev), "ggml_backend_set_n_threads");
-        if (set_threads) {
-            set_threads(backend.get(), a->n_threads);
-        }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
     }
     ggml_init_params ip = { ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), nullptr, true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));

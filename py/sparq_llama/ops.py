@@ -43,6 +43,15 @@ class SparqEvalArgs(ctypes.Structure):
          ("out", ctypes.c_void_p)]
 
 
+def _params(*, k1: int, k2: int, window: int | None = None, sinks: int = 0, mean: str = "auto",
+            policy: str = "sparq", scale: float | None = None, softcap: float = 0.0,
+            sparse_v_thresh: float = 0.0) -> GgmlSparqParams:
+    """The C params struct; None means the op's default (window k2/4, scale 1/sqrt(d))."""
+    return GgmlSparqParams(k1=int(k1), k2=int(k2), window=-1 if window is None else int(window), sinks=int(sinks),
+                           mean=_MEAN[mean], policy=_POLICY[policy], scale=0.0 if scale is None else float(scale),
+                           softcap=float(softcap), sparse_v_thresh=float(sparse_v_thresh))
+
+
 def _eval_fn():
     fn = libllama().sparq_llama_eval_sparq_attn
     fn.argtypes = [ctypes.POINTER(SparqEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
@@ -122,9 +131,8 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
         raise ValueError(f"vsum must be [ns, n_q, n_head_kv, d_v + 1] = {(ns, n_q, n_head_kv, d_v + 1)}")
     out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
 
-    params = GgmlSparqParams(k1=int(k1), k2=int(k2), window=-1 if window is None else int(window), sinks=int(sinks),
-                             mean=_MEAN[mean], policy=_POLICY[policy], scale=0.0 if scale is None else float(scale),
-                             softcap=float(softcap), sparse_v_thresh=float(sparse_v_thresh))
+    params = _params(k1=k1, k2=k2, window=window, sinks=sinks, mean=mean, policy=policy, scale=scale,
+                     softcap=softcap, sparse_v_thresh=sparse_v_thresh)
     ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
     args = SparqEvalArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
                          kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
@@ -154,8 +162,7 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
     fn = libllama().sparq_llama_bench_attn
     fn.argtypes = [ctypes.POINTER(SparqBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
     fn.restype = ctypes.c_int
-    params = GgmlSparqParams(k1=k1, k2=k2, window=-1, sinks=0, mean=_MEAN[mean], policy=_POLICY["sparq"],
-                             scale=0.0, softcap=0.0, sparse_v_thresh=0.0)
+    params = _params(k1=k1, k2=k2, mean=mean)
     sparq_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
     args = SparqBenchArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
