@@ -466,7 +466,7 @@ def test_softcap_is_tanh_capping_of_exact_logits():
 
 
 def test_sparse_v_threshold_drops_and_renormalises():
-    d, n_kv = 2, 5
+    n_kv = 5
     q = np.array([[[1.0, 0.0]]])
     k = np.array([[[2.0, 0], [1.0, 0], [0.0, 0], [-1.0, 0], [-3.0, 0]]])
     v = np.random.default_rng(18).standard_normal((1, n_kv, 3))
