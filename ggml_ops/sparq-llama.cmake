@@ -13,7 +13,10 @@ target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for t
 target_include_directories(llama PUBLIC "${SPARQ_OPS_DIR}/include")
 target_sources(llama PRIVATE
     "${SPARQ_OPS_DIR}/src/sparq-llama-info.cpp"
-    "${SPARQ_OPS_DIR}/src/sparq-ops-eval.cpp")
+    "${SPARQ_OPS_DIR}/src/sparq-ops-eval.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-llama-context.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-llama-kv.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-llama-graph.cpp")
 
 # The patched common/build-info.cpp (--version of every common-based tool) prints our build info.
 target_link_libraries(llama-common-base PUBLIC llama)

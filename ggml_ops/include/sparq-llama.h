@@ -3,6 +3,7 @@
 #pragma once
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -63,6 +64,67 @@ struct sparq_bench_args {
     double     * flash_us; // [n_runs]
 };
 SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
+
+
+// ---- SparQ in llama.cpp's decode path --------------------------------------------------------------
+// Settings of a llama_context (new functions, no change to llama_context_params). Semantics of the
+// selection: ggml-sparq.h and DESIGN.md. Zero/negative "auto" values are resolved per layer.
+struct llama_context;
+
+enum llama_sparq_mean {
+    LLAMA_SPARQ_MEAN_AUTO = 0, // on for MHA layers (n_head == n_head_kv), off for GQA (the paper's finding)
+    LLAMA_SPARQ_MEAN_ON   = 1,
+    LLAMA_SPARQ_MEAN_OFF  = 2,
+};
+
+enum llama_sparq_policy {
+    LLAMA_SPARQ_POLICY_SPARQ  = 0, // approximate scores from k1 query components (the paper)
+    LLAMA_SPARQ_POLICY_EXACT  = 1, // top-k2 of the true scores (reads all of K: an oracle baseline)
+    LLAMA_SPARQ_POLICY_WINDOW = 2, // sinks + most recent only (LM-Infinite / StreamingLLM baseline)
+};
+
+struct llama_sparq_params {
+    bool    enabled;         // false: dense attention everywhere, no derived state kept
+    int32_t k1;              // query components for the approximate scores; 0: head_dim/4
+    int32_t k2;              // cells kept per KV head and query row (default 128)
+    int32_t window;          // most recent cells always kept; -1: k2/4
+    int32_t sinks;           // first cells always kept (default 0)
+    int32_t mean;            // enum llama_sparq_mean
+    int32_t policy;          // enum llama_sparq_policy
+    float   sparse_v_thresh; // drop final weights below this (Sparse-V); 0: off
+    bool    default_layout;  // keep no transposed K copy (step 2 gathers from row-major K; no extra memory)
+    bool    prefill;         // multi-token batches select too (each row causally), not only decodes
+    bool    swa;             // also sliding-window layers (dense by default: their read is bounded)
+    int32_t min_n_kv;        // dense while the cache view holds fewer cells; -1: the measured default
+};
+
+// enabled = false, k1 = 0 (head_dim/4), k2 = 128, window = -1 (k2/4), sinks = 0, mean auto, policy sparq,
+// sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1.
+SPARQ_API struct llama_sparq_params llama_sparq_default_params(void);
+
+// Checks the values (and, when ctx is not NULL, that its model and context can honour them). Returns NULL
+// when valid, otherwise a message saying what is wrong (thread-local storage, valid until the next call).
+SPARQ_API const char * llama_sparq_check(const struct llama_context * ctx, const struct llama_sparq_params * params);
+
+// Applies the settings; effective at the next decode. Enabling builds the derived KV state (the transposed K
+// copy and the per-sequence V sums) from what the cache already holds; disabling frees it.
+// Returns 0, or -1 with the reason logged and readable through llama_sparq_last_error().
+SPARQ_API int32_t llama_set_sparq(struct llama_context * ctx, const struct llama_sparq_params * params);
+
+// The settings the context holds (as given to llama_set_sparq).
+SPARQ_API struct llama_sparq_params llama_get_sparq(const struct llama_context * ctx);
+
+// The reason for the last failed llama_set_sparq on this thread ("" if none).
+SPARQ_API const char * llama_sparq_last_error(void);
+
+// Field-by-field equality (graph reuse compares settings with it).
+static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct llama_sparq_params b) {
+    return a.enabled == b.enabled && a.k1 == b.k1 && a.k2 == b.k2 && a.window == b.window &&
+           a.sinks == b.sinks && a.mean == b.mean && a.policy == b.policy &&
+           a.sparse_v_thresh == b.sparse_v_thresh && a.default_layout == b.default_layout &&
+           a.prefill == b.prefill && a.swa == b.swa && a.min_n_kv == b.min_n_kv;
+}
+
 
 #ifdef __cplusplus
 }

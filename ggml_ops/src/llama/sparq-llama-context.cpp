@@ -1,0 +1,193 @@
+// SparQ settings of a llama_context: the C API (sparq-llama.h) and llama_context::set_sparq.
+#include "sparq-llama-internal.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-memory-hybrid.h"
+#include "llama-model.h"
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+static thread_local std::string g_sparq_error;
+
+void sparq_set_last_error(const std::string & msg) {
+    g_sparq_error = msg;
+}
+
+// The caches whose layers SparQ may decode. SWA caches only when the user includes SWA layers.
+// Returns false with err set when the context's memory has no attention KV cache.
+static bool sparq_caches(llama_memory_i * mem, bool with_swa, std::vector<llama_kv_cache *> & out, std::string & err) {
+    out.clear();
+    if (mem == nullptr) {
+        err = "the context has no KV cache (an embedding-only or encoder context)";
+        return false;
+    }
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        out.push_back(kv);
+    } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        out.push_back(iswa->get_base());
+        if (with_swa) {
+            out.push_back(iswa->get_swa());
+        }
+    } else if (auto * hyb = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        out.push_back(hyb->get_mem_attn());
+    } else {
+        err = "this model's memory is not a plain attention KV cache (recurrent or a special cache), SparQ cannot decode it";
+        return false;
+    }
+    return true;
+}
+
+int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string & err) {
+    if (const char * msg = llama_sparq_check(this, &params)) {
+        err = msg;
+        return -1;
+    }
+
+    // every cache loses its derived state first; enabling rebuilds it for the caches that take part
+    std::vector<llama_kv_cache *> all;
+    std::string ignored;
+    if (sparq_caches(memory.get(), true, all, ignored)) {
+        for (auto * kv : all) {
+            kv->sparq_disable();
+        }
+    }
+
+    if (params.enabled) {
+        std::vector<llama_kv_cache *> caches;
+        if (!sparq_caches(memory.get(), params.swa, caches, err)) {
+            cparams.sparq.enabled = false;
+            return -1;
+        }
+        for (auto * kv : caches) {
+            if (!kv->sparq_enable(params, err)) {
+                for (auto * other : caches) {
+                    other->sparq_disable();
+                }
+                cparams.sparq.enabled = false;
+                return -1;
+            }
+        }
+        const int32_t min_n_kv = params.min_n_kv >= 0 ? params.min_n_kv : SPARQ_DEFAULT_MIN_N_KV;
+        LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
+                       "dense below n_kv = %d%s\n", __func__,
+                params.k1, params.k1 == 0 ? " (head_dim/4)" : "", params.k2,
+                params.window >= 0 ? params.window : params.k2 / 4, params.sinks,
+                params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
+                params.default_layout ? "default (no K^T)" : "K^T", min_n_kv,
+                params.min_n_kv < 0 ? " (measured default)" : "");
+    }
+
+    cparams.sparq = params;
+
+    // new graphs: the op's scratch and the derived-state nodes change the reserve; never reuse an old graph
+    sched_need_reserve = true;
+    for (auto & res : gf_res_prev) {
+        if (res) {
+            res->reset();
+        }
+    }
+    gf_res_prev_active = nullptr;
+
+    return 0;
+}
+
+const llama_sparq_params & llama_context::get_sparq() const {
+    return cparams.sparq;
+}
+
+//
+// C API
+//
+
+struct llama_sparq_params llama_sparq_default_params(void) {
+    llama_sparq_params p = {};
+    p.enabled         = false;
+    p.k1              = 0;
+    p.k2              = 128;
+    p.window          = -1;
+    p.sinks           = 0;
+    p.mean            = LLAMA_SPARQ_MEAN_AUTO;
+    p.policy          = LLAMA_SPARQ_POLICY_SPARQ;
+    p.sparse_v_thresh = 0.0f;
+    p.default_layout  = false;
+    p.prefill         = false;
+    p.swa             = false;
+    p.min_n_kv        = -1;
+    return p;
+}
+
+const char * llama_sparq_check(const struct llama_context * ctx, const struct llama_sparq_params * p) {
+    static thread_local char msg[256];
+    auto fail = [&](const char * fmt, auto... args) {
+        snprintf(msg, sizeof(msg), fmt, args...);
+        return msg;
+    };
+    if (p == nullptr) {
+        return "params is NULL";
+    }
+    if (p->k1 < 0) {
+        return fail("k1 must be >= 0 (0: head_dim/4), got %d", p->k1);
+    }
+    if (p->k2 < 1) {
+        return fail("k2 must be >= 1, got %d", p->k2);
+    }
+    if (p->window < -1) {
+        return fail("window must be >= 0 (or -1: k2/4), got %d", p->window);
+    }
+    if (p->sinks < 0) {
+        return fail("sinks must be >= 0, got %d", p->sinks);
+    }
+    const int32_t window = p->window >= 0 ? p->window : p->k2 / 4;
+    if ((int64_t) window + p->sinks > p->k2) {
+        return fail("window (%d) + sinks (%d) must not exceed k2 (%d)", window, p->sinks, p->k2);
+    }
+    if (p->mean < LLAMA_SPARQ_MEAN_AUTO || p->mean > LLAMA_SPARQ_MEAN_OFF) {
+        return fail("mean must be auto (0), on (1) or off (2), got %d", p->mean);
+    }
+    if (p->policy < LLAMA_SPARQ_POLICY_SPARQ || p->policy > LLAMA_SPARQ_POLICY_WINDOW) {
+        return fail("policy must be sparq (0), exact (1) or window (2), got %d", p->policy);
+    }
+    if (!std::isfinite(p->sparse_v_thresh) || p->sparse_v_thresh < 0.0f || p->sparse_v_thresh >= 1.0f) {
+        return fail("sparse_v_thresh must be in [0, 1), got %g", (double) p->sparse_v_thresh);
+    }
+    if (p->min_n_kv < -1) {
+        return fail("min_n_kv must be >= 0 (or -1: the measured default), got %d", p->min_n_kv);
+    }
+    if (ctx != nullptr && p->k1 > 0) {
+        const auto & hparams = ctx->get_model().hparams;
+        for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+            if ((uint32_t) p->k1 > hparams.n_embd_head_k(il)) {
+                return fail("k1 (%d) exceeds the model's key head dim (%u, layer %u)",
+                            p->k1, hparams.n_embd_head_k(il), il);
+            }
+        }
+    }
+    return nullptr;
+}
+
+int32_t llama_set_sparq(struct llama_context * ctx, const struct llama_sparq_params * params) {
+    std::string err;
+    if (ctx == nullptr || params == nullptr) {
+        err = "ctx and params must not be NULL";
+    } else if (ctx->set_sparq(*params, err) == 0) {
+        g_sparq_error.clear();
+        return 0;
+    }
+    LLAMA_LOG_ERROR("%s: %s\n", __func__, err.c_str());
+    g_sparq_error = err;
+    return -1;
+}
+
+struct llama_sparq_params llama_get_sparq(const struct llama_context * ctx) {
+    return ctx->get_sparq();
+}
+
+const char * llama_sparq_last_error(void) {
+    return g_sparq_error.c_str();
+}

@@ -1,0 +1,263 @@
+// SparQ in llama.cpp's attention graph: llm_graph_context::build_attn_sparq, called by both build_attn
+// variants (plain and sliding-window caches) after the new K and V rows are stored.
+//   - every ubatch: write the new keys into K^T and add the new values into the per-sequence V sums;
+//   - decode ubatches (one token per sequence), or every ubatch with --sparq-prefill, once the cache view
+//     holds at least min_n_kv cells: ggml_sparq_attn instead of flash attention.
+// Anything the op cannot honour for a layer falls back to dense with one log line.
+#include "sparq-llama-internal.h"
+
+#include "ggml-sparq.h"
+
+#include "llama-graph.h"
+#include "llama-impl.h"
+#include "llama-kv-cache.h"
+
+#include <algorithm>
+#include <map>
+
+namespace {
+
+// Per-graph inputs shared by all layers, created on first use and filled from the ubatch.
+class sparq_graph_input : public llm_graph_input_i {
+public:
+    sparq_graph_input(int64_t n_tokens, uint32_t n_seq_max) : n_tokens(n_tokens), n_seq_max(n_seq_max) {}
+
+    const int64_t  n_tokens;
+    const uint32_t n_seq_max;
+
+    // K^T scatter indices, one set per (cache, key width): derived from the cache's own k_idxs input, which
+    // is set before this input (inputs are set in the order they were added)
+    struct kt_entry {
+        ggml_tensor * k_idxs;   // [n_tokens] I64: stream*kv_size + cell
+        int64_t       n_embd;   // n_embd_k_gqa
+        int64_t       kv_size;
+        ggml_tensor * kt_idxs;  // [n_tokens*n_embd] I64
+    };
+    std::vector<kt_entry> kt;
+
+    ggml_tensor * seq_idx = nullptr;            // [n_tokens] I32: the token's (first) sequence
+    ggml_tensor * onehot  = nullptr;            // [n_tokens, n_seq_max] f32: token t belongs to sequence s
+    ggml_tensor * future  = nullptr;            // [n_tokens, n_tokens] f32: t2 is a later token of t's sequence
+    std::map<int64_t, ggml_tensor *> ones;      // n_head_kv -> [1, n_head_kv, n_tokens] f32 of 1
+
+    ggml_tensor * get_kt_idxs(ggml_context * ctx, ggml_tensor * k_idxs, int64_t n_embd, int64_t kv_size) {
+        for (const auto & e : kt) {
+            if (e.k_idxs == k_idxs && e.n_embd == n_embd) {
+                return e.kt_idxs;
+            }
+        }
+        ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens*n_embd);
+        ggml_set_input(t);
+        ggml_set_name(t, "sparq_inp_kt_idxs");
+        kt.push_back({ k_idxs, n_embd, kv_size, t });
+        return t;
+    }
+
+    void ensure_seq_inputs(ggml_context * ctx, bool with_future) {
+        if (seq_idx == nullptr) {
+            seq_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+            onehot  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_tokens, n_seq_max);
+            ggml_set_input(seq_idx);
+            ggml_set_input(onehot);
+        }
+        if (with_future && future == nullptr) {
+            future = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_tokens, n_tokens);
+            ggml_set_input(future);
+        }
+    }
+
+    ggml_tensor * get_ones(ggml_context * ctx, int64_t n_head_kv) {
+        auto it = ones.find(n_head_kv);
+        if (it != ones.end()) {
+            return it->second;
+        }
+        ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, n_head_kv, n_tokens);
+        ggml_set_input(t);
+        ones[n_head_kv] = t;
+        return t;
+    }
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_ASSERT(ubatch && (int64_t) ubatch->n_tokens == n_tokens);
+        for (const auto & e : kt) {
+            GGML_ASSERT(ggml_backend_buffer_is_host(e.k_idxs->buffer) && ggml_backend_buffer_is_host(e.kt_idxs->buffer));
+            const int64_t * src = (const int64_t *) e.k_idxs->data;
+            int64_t * dst = (int64_t *) e.kt_idxs->data;
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                const int64_t stream = src[t] / e.kv_size;
+                const int64_t cell   = src[t] % e.kv_size;
+                for (int64_t j = 0; j < e.n_embd; ++j) {
+                    dst[t*e.n_embd + j] = (stream*e.n_embd + j)*e.kv_size + cell;
+                }
+            }
+        }
+        if (seq_idx) {
+            int32_t * sidx = (int32_t *) seq_idx->data;
+            float   * oh   = (float *) onehot->data;
+            std::fill(oh, oh + n_tokens*n_seq_max, 0.0f);
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                sidx[t] = ubatch->seq_id[t][0];
+                for (int32_t i = 0; i < ubatch->n_seq_id[t]; ++i) {
+                    oh[(int64_t) ubatch->seq_id[t][i]*n_tokens + t] = 1.0f;
+                }
+            }
+        }
+        if (future) {
+            // future[t, t2] (ne0 = t2): t2 shares t's first sequence and comes later, so it is already in
+            // the updated sums but not visible to row t
+            float * f = (float *) future->data;
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                const llama_seq_id s = ubatch->seq_id[t][0];
+                for (int64_t t2 = 0; t2 < n_tokens; ++t2) {
+                    bool later = false;
+                    if (ubatch->pos[t2] > ubatch->pos[t]) {
+                        for (int32_t i = 0; i < ubatch->n_seq_id[t2]; ++i) {
+                            later = later || ubatch->seq_id[t2][i] == s;
+                        }
+                    }
+                    f[t*n_tokens + t2] = later ? 1.0f : 0.0f;
+                }
+            }
+        }
+        for (auto & [h, t] : ones) {
+            float * o = (float *) t->data;
+            std::fill(o, o + ggml_nelements(t), 1.0f);
+        }
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        return (int64_t) params.ubatch.n_tokens == n_tokens;
+    }
+};
+
+sparq_graph_input * sparq_input(llm_graph_result * res, int64_t n_tokens, uint32_t n_seq_max) {
+    for (auto & inp : res->inputs) {
+        if (auto * s = dynamic_cast<sparq_graph_input *>(inp.get())) {
+            return s;
+        }
+    }
+    return static_cast<sparq_graph_input *>(res->add_input(std::make_unique<sparq_graph_input>(n_tokens, n_seq_max)));
+}
+
+void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
+    if (!L->logged) {
+        L->logged = true;
+        LLAMA_LOG_INFO("%s: SparQ: dense attention for layer %d: %s\n", __func__, il, why);
+    }
+}
+
+} // namespace
+
+ggml_tensor * llm_graph_context::build_attn_sparq(
+        const llama_kv_cache_context * mctx_cur,
+        ggml_tensor * q,
+        ggml_tensor * k_cur,
+        ggml_tensor * v_cur,
+        ggml_tensor * k_idxs,
+        ggml_tensor * kq_b,
+        ggml_tensor * kq_mask,
+        ggml_tensor * sinks,
+        ggml_tensor * v_mla,
+              float   kq_scale,
+                int   il) const {
+    const llama_sparq_params & sp = cparams.sparq;
+    if (!sp.enabled || mctx_cur == nullptr) {
+        return nullptr;
+    }
+    const llama_kv_cache * kv = mctx_cur->get_kv();
+    const sparq_kv_layer * L = kv->sparq_layer(il);
+    if (L == nullptr || !L->active) {
+        return nullptr;
+    }
+
+    const uint32_t n_seq_max = kv->get_n_seq_max();
+    sparq_graph_input * inp = sparq_input(res, n_tokens, n_seq_max);
+
+    const bool decode = ubatch.n_tokens == ubatch.n_seqs_unq;
+    const bool select = decode || sp.prefill;
+
+    // 1. the derived state follows this ubatch's writes
+    if (k_cur && L->kt) {
+        ggml_tensor * kt_idxs = inp->get_kt_idxs(ctx0, k_idxs, hparams.n_embd_k_gqa(il), kv->get_size());
+        ggml_build_forward_expand(gf, kv->sparq_cpy_kt(ctx0, k_cur, kt_idxs, il));
+    }
+
+    ggml_tensor * vsum_rows = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
+    if (v_cur && L->vsum) {
+        const int64_t d_v = hparams.n_embd_head_v(il);
+        const int64_t h   = hparams.n_head_kv(il);
+        const int64_t f   = (d_v + 1)*h;
+        const bool need_future = select && !decode;
+        inp->ensure_seq_inputs(ctx0, need_future);
+
+        ggml_tensor * v3  = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+        ggml_tensor * aug = ggml_concat(ctx0, v3, inp->get_ones(ctx0, h), 0);         // [d_v+1, h, n_tokens]
+        ggml_tensor * aug_t = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, aug, f, n_tokens)));
+
+        ggml_tensor * tab     = L->vsum;                                              // [f, n_seq_max]
+        ggml_tensor * tab_new = ggml_add(ctx0, tab, ggml_mul_mat(ctx0, aug_t, inp->onehot));
+        if (select) {
+            vsum_rows = ggml_get_rows(ctx0, tab_new, inp->seq_idx);
+            if (need_future) {
+                vsum_rows = ggml_sub(ctx0, vsum_rows, ggml_mul_mat(ctx0, aug_t, inp->future));
+            }
+            ggml_build_forward_expand(gf, vsum_rows);
+        }
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, tab_new, tab));
+    }
+
+    if (!select || !cparams.causal_attn) {
+        return nullptr;
+    }
+    const int64_t n_kv     = mctx_cur->get_n_kv();
+    const int32_t min_n_kv = sp.min_n_kv >= 0 ? sp.min_n_kv : SPARQ_DEFAULT_MIN_N_KV;
+    if (n_kv < min_n_kv) {
+        return nullptr;
+    }
+    if (kq_b || sinks || v_mla) {
+        sparq_log_fallback(L, il, kq_b ? "KQ bias" : sinks ? "attention-sink tensors" : "MLA");
+        return nullptr;
+    }
+
+    // 2. views in the shapes ggml_sparq_attn takes (as build_attn_mha prepares them for flash attention)
+    const auto & sinfo = mctx_cur->get_sinfo();
+    ggml_tensor * k  = mctx_cur->get_k(ctx0, il);
+    ggml_tensor * v  = mctx_cur->get_v(ctx0, il);
+    ggml_tensor * kt = L->kt ? kv->sparq_get_kt(ctx0, il, n_kv, sinfo) : nullptr;
+    const int64_t ns = k->ne[3];
+
+    ggml_tensor * qv = ggml_view_4d(ctx0, q, q->ne[0], q->ne[1], q->ne[2]/ns, ns,
+            q->nb[1], q->nb[2], q->nb[2]*(q->ne[2]/ns), 0);
+    qv = ggml_permute(ctx0, qv, 0, 2, 1, 3);
+    k  = ggml_permute(ctx0, k,  0, 2, 1, 3);
+    v  = ggml_permute(ctx0, v,  0, 2, 1, 3);
+
+    ggml_tensor * vsum = nullptr;
+    if (vsum_rows) {
+        vsum = ggml_reshape_4d(ctx0, vsum_rows, hparams.n_embd_head_v(il) + 1, hparams.n_head_kv(il), n_tokens/ns, ns);
+    }
+
+    const int64_t head_dim = hparams.n_embd_head_k(il);
+    ggml_sparq_params op = ggml_sparq_default_params();
+    op.k1              = sp.k1 > 0 ? sp.k1 : (int32_t) std::max<int64_t>(1, head_dim/4);
+    op.k2              = sp.k2;
+    op.window          = sp.window;
+    op.sinks           = sp.sinks;
+    op.mean            = L->mean_on ? GGML_SPARQ_MEAN_ON : GGML_SPARQ_MEAN_OFF;
+    op.policy          = (ggml_sparq_policy) sp.policy;
+    op.scale           = kq_scale;
+    op.softcap         = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
+    op.sparse_v_thresh = sp.sparse_v_thresh;
+
+    if (const char * err = ggml_sparq_attn_check(qv, k, kt, v, kq_mask, vsum, &op)) {
+        sparq_log_fallback(L, il, err);
+        return nullptr;
+    }
+
+    // 3. the op: [d_v, n_head, n_q, ns] -> [d_v*n_head, n_tokens], as flash attention returns it
+    ggml_tensor * cur = ggml_sparq_attn(ctx0, qv, k, kt, v, kq_mask, vsum, op);
+    cb(cur, "sparq_attn", il);
+    cur = ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
+    ggml_build_forward_expand(gf, cur);
+    return cur;
+}

@@ -1,0 +1,55 @@
+// sparq-llama inside libllama: the derived KV state SparQ keeps next to llama.cpp's cache, and the
+// per-graph inputs that maintain it. The code lives in member functions of llama.cpp's classes that
+// are declared by our patch (vendor/patches/0003) and defined in this directory:
+//   sparq-llama-context.cpp  C API, llama_context::set_sparq
+//   sparq-llama-kv.cpp       llama_kv_cache: allocation, invalidation, rebuild, K^T views and writes
+//   sparq-llama-graph.cpp    llm_graph_context::build_attn_sparq: writes + the decode op
+#pragma once
+
+#include "sparq-llama.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// Derived state of one cache layer. Absent pieces are nullptr.
+struct sparq_kv_layer {
+    bool          active = false;  // SparQ decodes this layer (otherwise dense, see reason)
+    std::string   reason;          // why not active
+    bool          mean_on = false; // mean-value reallocation resolved for this layer
+    ggml_tensor * kt   = nullptr;  // [kv_size, n_embd_k_gqa, n_stream] (K transposed per stream)
+    ggml_tensor * vsum = nullptr;  // [(n_embd_head_v + 1) * n_head_kv, n_seq_max] f32: per sequence,
+                                   // per KV head, the sum of V over the sequence's cells and their count
+    mutable bool  logged = false;  // a graph-time fallback reason was logged
+};
+
+struct sparq_kv_state {
+    llama_sparq_params params = {};
+
+    std::vector<sparq_kv_layer> layers; // indexed like llama_kv_cache::layers (ikv)
+
+    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
+
+    bool kt_dirty   = true; // K^T must be rebuilt from K (K-shift, state load, stream copy)
+    bool vsum_dirty = true; // V sums must be recomputed (cells removed, copied, cleared, state load)
+
+    bool has_kt() const {
+        for (const auto & l : layers) { if (l.kt) { return true; } }
+        return false;
+    }
+    bool has_vsum() const {
+        for (const auto & l : layers) { if (l.vsum) { return true; } }
+        return false;
+    }
+};
+
+// Dense below this many cells in the graph's KV view unless the user sets min_n_kv (measured on the
+// 2-core x86 machine with SmolLM2: bench/results/sparq_decode.json).
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV = 1024;
+
+// Sets the thread-local error returned by llama_sparq_last_error().
+void sparq_set_last_error(const std::string & msg);
