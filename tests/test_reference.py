@@ -13,15 +13,15 @@ import pytest
 
 try:
     from sparq_llama.reference import dense_attn, sparq_attn, transfer_ratio
-except ImportError:  # the package __init__ could not load its native libraries: load the module file alone
-    import importlib.util
+except ImportError:  # the package __init__ could not load its native libraries: load the source modules alone
+    import importlib
     import sys
+    import types
 
-    _path = Path(__file__).resolve().parents[1] / "py" / "sparq_llama" / "reference.py"
-    _spec = importlib.util.spec_from_file_location("sparq_llama_reference", _path)
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _mod
-    _spec.loader.exec_module(_mod)
+    _pkg = types.ModuleType("sparq_llama_src")  # a package over py/sparq_llama whose __init__ never runs
+    _pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "py" / "sparq_llama")]
+    sys.modules[_pkg.__name__] = _pkg
+    _mod = importlib.import_module("sparq_llama_src.reference")
     dense_attn, sparq_attn, transfer_ratio = _mod.dense_attn, _mod.sparq_attn, _mod.transfer_ratio
 
 

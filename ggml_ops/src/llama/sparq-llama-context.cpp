@@ -159,6 +159,10 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
     if (p->min_n_kv < -1) {
         return fail("min_n_kv must be >= 0 (or -1: the measured default), got %d", p->min_n_kv);
     }
+    if (ctx != nullptr && p->enabled && !ctx->get_cparams().flash_attn) {
+        return "SparQ needs flash attention's row-major V cache; create the context with flash attention on "
+               "(-fa on, flash_attn=True, LLAMA_FLASH_ATTN_TYPE_ENABLED)";
+    }
     if (ctx != nullptr && p->k1 > 0) {
         const auto & hparams = ctx->get_model().hparams;
         for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
@@ -190,4 +194,13 @@ struct llama_sparq_params llama_get_sparq(const struct llama_context * ctx) {
 
 const char * llama_sparq_last_error(void) {
     return g_sparq_error.c_str();
+}
+
+// After a state load: the cache marked its derived state stale; rebuild it before the caller times a decode
+// (llama-bench -d restores its prefix this way). State reads complete only when the reader is destroyed,
+// so this runs in the public wrappers, after the read.
+void llama_context::sparq_sync() {
+    if (cparams.sparq.enabled && memory) {
+        memory_update(false);
+    }
 }

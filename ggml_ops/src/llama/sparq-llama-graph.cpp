@@ -53,12 +53,14 @@ public:
         return t;
     }
 
-    void ensure_seq_inputs(ggml_context * ctx, bool with_future) {
-        if (seq_idx == nullptr) {
-            seq_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
-            onehot  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_tokens, n_seq_max);
-            ggml_set_input(seq_idx);
+    void ensure_seq_inputs(ggml_context * ctx, bool with_rows, bool with_future) {
+        if (onehot == nullptr) {
+            onehot = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_tokens, n_seq_max);
             ggml_set_input(onehot);
+        }
+        if (with_rows && seq_idx == nullptr) {
+            seq_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+            ggml_set_input(seq_idx);
         }
         if (with_future && future == nullptr) {
             future = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_tokens, n_tokens);
@@ -77,10 +79,22 @@ public:
         return t;
     }
 
+    // an input no node uses gets no memory from the scheduler
+    static bool allocated(const ggml_tensor * t) {
+        if (t == nullptr || t->data == nullptr) {
+            return false;
+        }
+        GGML_ASSERT(t->buffer && ggml_backend_buffer_is_host(t->buffer));
+        return true;
+    }
+
     void set_input(const llama_ubatch * ubatch) override {
         GGML_ASSERT(ubatch && (int64_t) ubatch->n_tokens == n_tokens);
         for (const auto & e : kt) {
-            GGML_ASSERT(ggml_backend_buffer_is_host(e.k_idxs->buffer) && ggml_backend_buffer_is_host(e.kt_idxs->buffer));
+            if (!allocated(e.kt_idxs)) {
+                continue;
+            }
+            GGML_ASSERT(allocated(e.k_idxs));
             const int64_t * src = (const int64_t *) e.k_idxs->data;
             int64_t * dst = (int64_t *) e.kt_idxs->data;
             for (int64_t t = 0; t < n_tokens; ++t) {
@@ -91,18 +105,22 @@ public:
                 }
             }
         }
-        if (seq_idx) {
+        if (allocated(seq_idx)) {
             int32_t * sidx = (int32_t *) seq_idx->data;
-            float   * oh   = (float *) onehot->data;
-            std::fill(oh, oh + n_tokens*n_seq_max, 0.0f);
             for (int64_t t = 0; t < n_tokens; ++t) {
                 sidx[t] = ubatch->seq_id[t][0];
+            }
+        }
+        if (allocated(onehot)) {
+            float * oh = (float *) onehot->data;
+            std::fill(oh, oh + n_tokens*n_seq_max, 0.0f);
+            for (int64_t t = 0; t < n_tokens; ++t) {
                 for (int32_t i = 0; i < ubatch->n_seq_id[t]; ++i) {
                     oh[(int64_t) ubatch->seq_id[t][i]*n_tokens + t] = 1.0f;
                 }
             }
         }
-        if (future) {
+        if (allocated(future)) {
             // future[t, t2] (ne0 = t2): t2 shares t's first sequence and comes later, so it is already in
             // the updated sums but not visible to row t
             float * f = (float *) future->data;
@@ -120,6 +138,9 @@ public:
             }
         }
         for (auto & [h, t] : ones) {
+            if (!allocated(t)) {
+                continue;
+            }
             float * o = (float *) t->data;
             std::fill(o, o + ggml_nelements(t), 1.0f);
         }
@@ -188,9 +209,13 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         const int64_t h   = hparams.n_head_kv(il);
         const int64_t f   = (d_v + 1)*h;
         const bool need_future = select && !decode;
-        inp->ensure_seq_inputs(ctx0, need_future);
+        inp->ensure_seq_inputs(ctx0, select, need_future);
 
-        ggml_tensor * v3  = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+        // the sums take V as the cache stores it (rounded to its type), so a rebuild from the cache agrees
+        ggml_tensor * v3 = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+        if (mctx_cur->type_v() != GGML_TYPE_F32) {
+            v3 = ggml_cast(ctx0, ggml_cast(ctx0, v3, mctx_cur->type_v()), GGML_TYPE_F32);
+        }
         ggml_tensor * aug = ggml_concat(ctx0, v3, inp->get_ones(ctx0, h), 0);         // [d_v+1, h, n_tokens]
         ggml_tensor * aug_t = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, aug, f, n_tokens)));
 

@@ -48,8 +48,8 @@ struct sparq_kv_state {
 };
 
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv (measured on the
-// 2-core x86 machine with SmolLM2: bench/results/sparq_decode.json).
-constexpr int32_t SPARQ_DEFAULT_MIN_N_KV = 1024;
+// 2-core x86 machine with SmolLM2: bench/results/sparq_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from 512).
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV = 512;
 
 // Sets the thread-local error returned by llama_sparq_last_error().
 void sparq_set_last_error(const std::string & msg);
