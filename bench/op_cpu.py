@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 import sparq_llama
 from sparq_llama import ops
 from sparq_llama.reference import transfer_ratio
+from tqdm import tqdm
 
 SHAPES = {"llama2-7b": dict(d=128, n_head=32, n_head_kv=32), "smollm2": dict(d=64, n_head=9, n_head_kv=3)}
 

@@ -6,7 +6,6 @@ import sys
 import tarfile
 
 import pytest
-
 from conftest import PIN, REPO, run
 from sparq_llama import models
 

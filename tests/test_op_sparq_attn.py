@@ -10,7 +10,6 @@ import itertools
 
 import numpy as np
 import pytest
-
 from sparq_llama import ops, reference
 
 TOL = {"f32": 2e-5, "f16": 2e-4, "bf16": 2e-4}  # abs+rel, on inputs already rounded to the KV type

@@ -4,7 +4,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import sparq_llama
 from conftest import python
 

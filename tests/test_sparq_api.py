@@ -10,7 +10,6 @@ import pickle
 import re
 
 import pytest
-
 import sparq_llama
 from conftest import REPO, python
 from sparq_llama import Llama, SparqConfig
@@ -102,7 +101,7 @@ def test_config_normalises_numbers():
 
 def _header_struct_fields() -> list[tuple[str, str]]:
     text = HEADER.read_text()
-    body = re.search(r"struct llama_sparq_params\s*\{(.*?)\};", text, re.S)
+    body = re.search(r"struct llama_sparq_params\s*\{(.*?)\};", text, re.DOTALL)
     assert body, f"no struct llama_sparq_params in {HEADER}"
     body_text = re.sub(r"//[^\n]*", "", body.group(1))
     return [(name, ctype) for ctype, name in re.findall(r"(\w+)\s+(\w+)\s*;", body_text)]

@@ -23,9 +23,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from sparq_llama import Llama, SparqConfig
 from sparq_llama import sparq as sparq_api
+
 from llama_cpp import llama_cpp as lc  # isort: skip  (after sparq_llama, which points it at our libllama)
 
 N_CTX = 1024

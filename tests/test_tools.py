@@ -8,7 +8,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import sparq_llama
 from conftest import PIN, run
 from sparq_llama.tools import TOOLS, tool_path

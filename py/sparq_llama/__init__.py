@@ -8,7 +8,10 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ._lib import build_info, claim_llama_cpp, devices, lib_dir
-from .sparq import SparqConfig, transfer_ratio  # plain Python: no native library, no numpy
+from .sparq import (  # plain Python: no native library, no numpy
+    SparqConfig,
+    transfer_ratio,
+)
 
 claim_llama_cpp()
 
@@ -17,7 +20,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0+unknown"
 
-__all__ = ["Llama", "SparqConfig", "build_info", "devices", "lib_dir", "transfer_ratio", "__version__"]
+__all__ = ["Llama", "SparqConfig", "__version__", "build_info", "devices", "lib_dir", "transfer_ratio"]
 
 
 def __getattr__(name: str):

@@ -9,8 +9,8 @@ from ._lib import llama_cpp_bindings
 from .sparq import SparqConfig
 
 llama_cpp_bindings()  # must load our libllama before llama_cpp.llama binds it
-from llama_cpp import Llama as _UpstreamLlama  # noqa: E402
-from llama_cpp import llama_cpp as _lc  # noqa: E402
+from llama_cpp import Llama as _UpstreamLlama
+from llama_cpp import llama_cpp as _lc
 
 
 def _upstream_kwargs() -> frozenset[str]:

@@ -133,7 +133,7 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
 
     params = _params(k1=k1, k2=k2, window=window, sinks=sinks, mean=mean, policy=policy, scale=scale,
                      softcap=softcap, sparse_v_thresh=sparse_v_thresh)
-    ptr = lambda a: None if a is None else a.ctypes.data  # noqa: E731
+    ptr = lambda a: None if a is None else a.ctypes.data
     args = SparqEvalArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
                          kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),

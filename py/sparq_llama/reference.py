@@ -41,7 +41,7 @@ from numpy.typing import ArrayLike, NDArray
 # The transfer model and the enum names live in the numpy-free settings module (one implementation).
 from .sparq import MEAN_MODES, POLICIES, _as_int, transfer_ratio
 
-__all__ = ["sparq_attn", "dense_attn", "transfer_ratio", "POLICIES", "MEAN_MODES"]
+__all__ = ["MEAN_MODES", "POLICIES", "dense_attn", "sparq_attn", "transfer_ratio"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]

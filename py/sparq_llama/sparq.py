@@ -20,12 +20,26 @@ import ctypes
 import difflib
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
-__all__ = ["SparqConfig", "LlamaSparqParams", "transfer_ratio", "available", "c_defaults", "check", "apply",
-           "read", "config_from_kwargs", "to_kwargs", "MEAN_MODES", "POLICIES", "KWARG_FIELDS"]
+__all__ = [
+    "KWARG_FIELDS",
+    "MEAN_MODES",
+    "POLICIES",
+    "LlamaSparqParams",
+    "SparqConfig",
+    "apply",
+    "available",
+    "c_defaults",
+    "check",
+    "config_from_kwargs",
+    "read",
+    "to_kwargs",
+    "transfer_ratio",
+]
 
 MEAN_MODES = ("auto", "on", "off")           # index = enum llama_sparq_mean / ggml_sparq_mean
 POLICIES = ("sparq", "exact", "window")      # index = enum llama_sparq_policy / ggml_sparq_policy
