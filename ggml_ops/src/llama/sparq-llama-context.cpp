@@ -64,6 +64,9 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
             cparams.sparq.enabled = false;
             return -1;
         }
+        if (!params.swa && dynamic_cast<llama_kv_cache_iswa *>(memory.get()) != nullptr) {
+            LLAMA_LOG_INFO("%s: SparQ: sliding-window layers stay dense (their read is bounded; --sparq-swa includes them)\n", __func__);
+        }
         for (auto * kv : caches) {
             if (!kv->sparq_enable(params, err)) {
                 for (auto * other : caches) {
