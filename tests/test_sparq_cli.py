@@ -15,7 +15,7 @@ def test_help_lists_the_flags_with_defaults():
     text = res.stdout
     for flag in ["--sparq", "--k1", "--k2", "--sparq-window", "--sparq-sinks", "--sparq-mean", "--sparq-policy",
                  "--sparq-default-layout", "--sparq-prefill", "--sparse-v-thresh", "--sparq-swa", "--sparq-min-kv"]:
-        assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", text, re.M), f"{flag} missing from --help"
+        assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", text, re.MULTILINE), f"{flag} missing from --help"
     assert re.search(r"--k2 N.*\n?.*default: 128", text)
 
 
