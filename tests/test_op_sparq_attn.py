@@ -196,3 +196,39 @@ def test_bad_shapes_and_types_raise():
         ops.sparq_attn(q, k, v, np.ones((2, 50), dtype=bool), k1=8, k2=16)
     with pytest.raises(ValueError, match="policy"):
         ops.sparq_attn(q, k, v, k1=8, k2=16, policy="topk")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cell positions (a KV cache refills holes, so cell order is not position order)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_window_and_sinks_follow_cell_positions(seed):
+    rng = np.random.default_rng(5000 + seed)
+    ns, n_kv, d = int(rng.choice([1, 2])), int(rng.integers(200, 900)), int(rng.choice([64, 128]))
+    q, k, v = make_case(rng, n_head_kv=2, group=int(rng.choice([1, 4])), n_q=int(rng.choice([1, 2])),
+                        n_kv=n_kv, d=d, d_v=d, ns=ns)
+    mask = make_mask(rng, str(rng.choice(["none", "holes"])), q.shape[2], n_kv)
+    pos = np.stack([rng.permutation(n_kv) + int(rng.integers(0, 1000)) for _ in range(ns)]).astype(np.int32)
+    kv_dtype = str(rng.choice(["f16", "f32"]))
+    kw = dict(k1=d // 4, k2=int(rng.choice([16, 64])), sinks=int(rng.choice([0, 3])),
+              policy=str(rng.choice(["sparq", "exact", "window"])), mean=str(rng.choice(["on", "off"])))
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, n_threads=2, pos=pos,
+                         layout=str(rng.choice(["kt", "default"])), **kw)
+    qr = q.astype(np.float32).astype(np.float64)
+    kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
+    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], **kw) for s in range(ns)])
+    assert_close(got, want, kv_dtype, dict(seed=seed, **kw))
+    # the positions matter: by position the window policy keeps other cells than in cell order
+    wkw = dict(kw, policy="window", return_selection=True)
+    _, by_pos = reference.sparq_attn(qr[0], kr[0], vr[0], mask, pos=pos[0], **wkw)
+    _, by_cell = reference.sparq_attn(qr[0], kr[0], vr[0], mask, **wkw)
+    assert not np.array_equal(by_pos[0][0], by_cell[0][0])
+
+
+def test_positions_in_cell_order_change_nothing():
+    rng = np.random.default_rng(7)
+    q, k, v = make_case(rng, n_head_kv=2, group=3, n_q=1, n_kv=700, d=64, d_v=64)
+    kw = dict(k1=16, k2=64, sinks=2, kv_dtype="f32", n_threads=2)
+    with_pos = ops.sparq_attn(q, k, v, None, pos=np.arange(700, dtype=np.int32) + 40, **kw)
+    assert np.array_equal(with_pos, ops.sparq_attn(q, k, v, None, **kw))

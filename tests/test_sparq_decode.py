@@ -450,10 +450,6 @@ def test_state_save_load(llm, smollm2_path, parts, toks, fresh):
     assert not bad, f"vs a fresh context that computed the same tokens (tolerance {TOL:g}): {errors}"
 
 
-# Known gap (reported on issue 4): ggml_sparq_attn takes the window and sinks as the last / first visible
-# *cells*; after seq_rm opens a hole (every llama-cli context shift), new tokens sit in lower cells, so the
-# "recent" window is wrong until the op takes cell positions. strict: the fix must turn this test green.
-@pytest.mark.xfail(strict=True, reason="window/sinks are chosen by cell index, not position (issue 4 note)")
 def test_recent_window_means_recent_positions(llm, toks):
     """After seq_rm opens a hole, new tokens land in it, in lower cells than older tokens: the recent window
     must still be the most recent positions, wherever the cache put them.

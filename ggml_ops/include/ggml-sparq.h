@@ -70,6 +70,12 @@ GGML_API struct ggml_tensor * ggml_sparq_attn(
         struct ggml_tensor  * vsum,
         struct ggml_sparq_params params);
 
+// Optional cell positions for the op: pos [n_kv, 1, 1, ns or 1] i32. The window and the sinks are then the
+// visible cells with the largest / smallest positions (ties: the higher / lower cell); without it the cell
+// order stands for the position order. A KV cache fills holes left by removed cells, so only positions say
+// which cells are recent. Call right after ggml_sparq_attn; aborts on a shape or type mismatch.
+GGML_API void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos);
+
 // Resolved parameters stored in the op (window, mean and scale made explicit), for backends.
 struct ggml_sparq_op_params {
     int32_t k1, k2, window, sinks;

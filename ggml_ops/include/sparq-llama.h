@@ -44,6 +44,7 @@ struct sparq_eval_args {
     const float * vsum;
     const struct ggml_sparq_params * params;
     float       * out;
+    const int32_t * pos;   // [ns][n_kv] cell positions for the window and sinks (NULL: cell order)
 };
 
 // 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).

@@ -174,3 +174,11 @@ struct ggml_sparq_op_params ggml_sparq_get_op_params(const struct ggml_tensor * 
     memcpy(&p, op->op_params, sizeof(p));
     return p;
 }
+
+void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos) {
+    GGML_ASSERT(op->op == GGML_OP_SPARQ_ATTN);
+    GGML_ASSERT(pos->type == GGML_TYPE_I32 && pos->nb[0] == sizeof(int32_t));
+    GGML_ASSERT(pos->ne[0] == op->src[1]->ne[1] && pos->ne[1] == 1 && pos->ne[2] == 1);
+    GGML_ASSERT(pos->ne[3] == op->src[1]->ne[3] || pos->ne[3] == 1);
+    op->src[6] = pos;
+}

@@ -76,6 +76,10 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_attn(c, q, k, kt, v, mask, vsum, *a->params);
+    ggml_tensor * pos = a->pos ? ggml_new_tensor_4d(c, GGML_TYPE_I32, a->n_kv, 1, 1, a->ns) : nullptr;
+    if (pos) {
+        ggml_sparq_attn_set_pos(out, pos);
+    }
     if (!ggml_backend_supports_op(backend.get(), out)) {
         return fail(err, err_size, "device '%s' does not support sparq_attn with these types",
                     ggml_backend_dev_name(dev));
@@ -94,6 +98,9 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     ggml_backend_tensor_set(v, a->v, 0, ggml_nbytes(v));
     if (mask) {
         ggml_backend_tensor_set(mask, a->mask, 0, ggml_nbytes(mask));
+    }
+    if (pos) {
+        ggml_backend_tensor_set(pos, a->pos, 0, ggml_nbytes(pos));
     }
     if (vsum) {
         ggml_backend_tensor_set(vsum, a->vsum, 0, ggml_nbytes(vsum));

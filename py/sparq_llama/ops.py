@@ -40,7 +40,7 @@ class SparqEvalArgs(ctypes.Structure):
         [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns")] + \
         [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p),
          ("mask", ctypes.c_void_p), ("vsum", ctypes.c_void_p), ("params", ctypes.POINTER(GgmlSparqParams)),
-         ("out", ctypes.c_void_p)]
+         ("out", ctypes.c_void_p), ("pos", ctypes.c_void_p)]
 
 
 def _params(*, k1: int, k2: int, window: int | None = None, sinks: int = 0, mean: str = "auto",
@@ -84,8 +84,8 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                policy: Literal["sparq", "exact", "window"] = "sparq", sparse_v_thresh: float = 0.0,
                vsum: np.ndarray | None = None, kv_dtype: Literal["f16", "bf16", "f32"] = "f16",
                layout: Literal["kt", "default"] = "kt", n_threads: int | None = None,
-               device: str | None = None) -> np.ndarray:
-    """ggml_sparq_attn on our library; arguments as `reference.sparq_attn`, plus:
+               device: str | None = None, pos: np.ndarray | None = None) -> np.ndarray:
+    """ggml_sparq_attn on our library; arguments as `reference.sparq_attn` (pos included), plus:
 
     kv_dtype: type K, K^T and V are stored in; layout: "kt" passes the transposed key copy, "default"
     lets the op gather from row-major K; n_threads: CPU threads (None: all cores); device: ggml device
@@ -129,6 +129,9 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     vsum_dev = None if vsum is None else np.ascontiguousarray(vsum, dtype=np.float32)
     if vsum_dev is not None and vsum_dev.shape != (ns, n_q, n_head_kv, d_v + 1):
         raise ValueError(f"vsum must be [ns, n_q, n_head_kv, d_v + 1] = {(ns, n_q, n_head_kv, d_v + 1)}")
+    pos_dev = None
+    if pos is not None:
+        pos_dev = np.ascontiguousarray(np.broadcast_to(np.asarray(pos), (ns, n_kv)), dtype=np.int32)
     out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
 
     params = _params(k1=k1, k2=k2, window=window, sinks=sinks, mean=mean, policy=policy, scale=scale,
@@ -137,7 +140,8 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     args = SparqEvalArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
                          kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
-                         mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out))
+                         mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
+                         pos=ptr(pos_dev))
     err = ctypes.create_string_buffer(1024)
     if _eval_fn()(ctypes.byref(args), err, len(err)) != 0:
         raise ValueError(err.value.decode())

@@ -163,15 +163,18 @@ def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float) -> F64:
     return _softmax(sigma * s_hat / np.sqrt(rho)[:, None])
 
 
-def _select(policy: str, vis: I64, rank_score: F64 | None, k2: int, window: int, sinks: int) -> I64:
+def _select(policy: str, vis: I64, rank_score: F64 | None, k2: int, window: int, sinks: int,
+            pos: I64 | None = None) -> I64:
     """I2 (sorted cell indices) for one group and row with |vis| > k2.
 
-    `rank_score` is the group-summed probability over `vis` (unused for the window policy)."""
-    sink_cells = vis[:sinks]
+    `rank_score` is the group-summed probability over `vis` (unused for the window policy). Sinks and
+    window are the visible cells of smallest / largest (position, cell); no `pos`: cell order."""
+    by_pos = vis if pos is None else vis[np.lexsort((vis, pos[vis]))]
+    sink_cells = by_pos[:sinks]
     if policy == "window":
-        recent = vis[len(vis) - (k2 - sinks):] if k2 > sinks else vis[:0]
+        recent = by_pos[len(by_pos) - (k2 - sinks):] if k2 > sinks else by_pos[:0]
         return np.union1d(sink_cells, recent)
-    forced = np.union1d(sink_cells, vis[len(vis) - window:] if window > 0 else vis[:0])
+    forced = np.union1d(sink_cells, by_pos[len(by_pos) - window:] if window > 0 else by_pos[:0])
     rest = ~np.isin(vis, forced)
     assert rank_score is not None
     chosen = _top_cells(rank_score[rest], vis[rest], k2 - len(forced))
@@ -211,7 +214,7 @@ def dense_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
 def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None = None, *,
                k1: int, k2: int, window: int | None = None, sinks: int = 0, mean: str = "auto",
                scale: float | None = None, softcap: float = 0.0, policy: str = "sparq",
-               sparse_v_thresh: float = 0.0, return_selection: bool = False
+               sparse_v_thresh: float = 0.0, pos: ArrayLike | None = None, return_selection: bool = False
                ) -> F64 | tuple[F64, list[list[I64]]]:
     """SparQ attention in float64 (the oracle), with the `exact` and `window` selection policies.
 
@@ -227,6 +230,9 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
         (sinks + the k2 - sinks most recent visible cells; `window` is then only validated).
         alpha for mean reallocation sums p_hat over I2 for "sparq", the true p for the others.
       sparse_v_thresh: theta in [0, 1); drop final weights < theta and renormalise (see module doc).
+      pos: [n_kv] integer position of each cell; sinks and window are then the visible cells with the
+        smallest / largest positions (ties: lower / higher cell), as in a KV cache whose holes were refilled.
+        None: cell order is position order.
       return_selection: also return I2 as sorted int64 arrays, indexed [kv_head][query_row].
 
     Rows are independent; a row with at most k2 visible cells gets exact attention over them (no mean
@@ -259,6 +265,12 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
     if not 0 <= theta < 1:
         raise ValueError(f"sparse_v_thresh must be in [0, 1) (0 disables Sparse-V), got {sparse_v_thresh!r}")
     use_mean = mean == "on" or (mean == "auto" and n_head == n_head_kv)
+    cell_pos = None
+    if pos is not None:
+        cell_pos = np.asarray(pos)
+        if cell_pos.shape != (n_kv,) or not np.issubdtype(cell_pos.dtype, np.integer):
+            raise ValueError(f"pos must be [n_kv={n_kv}] integers, got {cell_pos.shape} {cell_pos.dtype}")
+        cell_pos = cell_pos.astype(np.int64)
 
     group = n_head // n_head_kv
     out = np.zeros((n_head, n_q, d_v))
@@ -284,7 +296,7 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
                 p_alpha = _approx_probs(qg, k_vis, i1, sigma)             # p_hat over V_t
             else:
                 p_alpha = _softmax(_exact_logits(qg, k_vis, sigma, cap))  # true p over V_t
-            i2 = _select(policy, vis, p_alpha.sum(axis=0), k2, window, sinks)
+            i2 = _select(policy, vis, p_alpha.sum(axis=0), k2, window, sinks, cell_pos)
             pos = np.searchsorted(vis, i2)                                # positions of I2 in vis
 
             w = _sparse_v(_softmax(_exact_logits(qg, k_vis[pos], sigma, cap)), theta)

@@ -155,7 +155,7 @@ const float * load_f32(const void * src, ggml_type type, int64_t n, float * buf)
 }
 
 struct sparq_ctx {
-    const ggml_tensor *q, *k, *kt, *v, *mask, *vsum;
+    const ggml_tensor *q, *k, *kt, *v, *mask, *vsum, *pos;
     ggml_tensor * dst;
     ggml_sparq_op_params p;
     sparq_shape s;
@@ -183,6 +183,9 @@ struct sparq_ctx {
     }
     const void * v_row(int64_t j, int64_t h, int64_t st) const {
         return (const char *) v->data + j * v->nb[1] + h * v->nb[2] + st * v->nb[3];
+    }
+    const int32_t * pos_row(int64_t st) const {
+        return pos ? (const int32_t *) ((const char *) pos->data + (st % pos->ne[3]) * pos->nb[3]) : nullptr;
     }
     const uint16_t * mask_row(int64_t t, int64_t st) const {
         if (!mask) {
@@ -397,17 +400,41 @@ void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
     const int64_t sinks  = c.p.sinks;
     const int64_t window = c.p.policy == GGML_SPARQ_POLICY_WINDOW ? k2 - sinks : c.p.window;
     int64_t lo = 0, hi = n_kv;  // candidates are the visible cells in [lo, hi)
-    for (int64_t seen = 0; seen < sinks; ++lo) {
-        if (visible(lo)) {
-            i2[1 + n_sel++] = (int32_t) lo;
-            ++seen;
+    const int32_t * pr = c.pos_row(st);
+    if (!pr) {
+        for (int64_t seen = 0; seen < sinks; ++lo) {
+            if (visible(lo)) {
+                i2[1 + n_sel++] = (int32_t) lo;
+                ++seen;
+            }
         }
-    }
-    for (int64_t seen = 0; seen < window; ) {
-        --hi;
-        if (visible(hi)) {
-            i2[1 + n_sel++] = (int32_t) hi;
-            ++seen;
+        for (int64_t seen = 0; seen < window; ) {
+            --hi;
+            if (visible(hi)) {
+                i2[1 + n_sel++] = (int32_t) hi;
+                ++seen;
+            }
+        }
+    } else {
+        // by position: visible cells keyed (position, cell), smallest `sinks` and largest `window` keys
+        uint64_t * keys = (uint64_t *) (c.thread(ith) + c.l.pairs);
+        int64_t n = 0;
+        for (int64_t j = 0; j < n_kv; ++j) {
+            if (visible(j)) {
+                keys[n++] = ((uint64_t) ((uint32_t) pr[j] ^ 0x80000000u) << 32) | (uint64_t) j;
+            }
+        }
+        if (sinks > 0) {
+            std::nth_element(keys, keys + sinks, keys + n);
+        }
+        if (window > 0) {
+            std::nth_element(keys + sinks, keys + (n - window), keys + n);
+        }
+        for (int64_t i = 0; i < sinks; ++i) {
+            i2[1 + n_sel++] = (int32_t) (keys[i] & 0xFFFFFFFFu);
+        }
+        for (int64_t i = n - window; i < n; ++i) {
+            i2[1 + n_sel++] = (int32_t) (keys[i] & 0xFFFFFFFFu);
         }
     }
 
@@ -432,6 +459,11 @@ void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
         if (m) {
             for (int64_t j = lo; j < hi; ++j) {
                 sc[j - lo] = m[j] == k_f16_neg_inf ? -1.0f : sc[j - lo];
+            }
+        }
+        if (pr) {
+            for (int32_t i = 0; i < n_sel; ++i) {  // forced cells are not candidates
+                sc[i2[1 + i] - lo] = -1.0f;
             }
         }
         // threshold: the sample's value at the rank that leaves ~2 * n_top cells above it
@@ -599,7 +631,7 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     const int ith = params->ith, nth = params->nth;
     sparq_ctx c;
     c.q = dst->src[0]; c.k = dst->src[1]; c.kt = dst->src[2]; c.v = dst->src[3];
-    c.mask = dst->src[4]; c.vsum = dst->src[5];
+    c.mask = dst->src[4]; c.vsum = dst->src[5]; c.pos = dst->src[6];
     c.dst = dst;
     c.p = ggml_sparq_get_op_params(dst);
     c.s = make_shape(dst, nth);

@@ -35,6 +35,14 @@ public:
     };
     std::vector<kt_entry> kt;
 
+    // cell positions for the op's window and sinks, one per cache: [n_kv, 1, 1, ns] I32
+    struct pos_entry {
+        const llama_kv_cache * kv;
+        uint32_t      s0;
+        ggml_tensor * pos;
+    };
+    std::vector<pos_entry> pos;
+
     ggml_tensor * seq_idx = nullptr;            // [n_tokens] I32: the token's (first) sequence
     ggml_tensor * onehot  = nullptr;            // [n_tokens, n_seq_max] f32: token t belongs to sequence s
     ggml_tensor * future  = nullptr;            // [n_tokens, n_tokens] f32: t2 is a later token of t's sequence
@@ -50,6 +58,19 @@ public:
         ggml_set_input(t);
         ggml_set_name(t, "sparq_inp_kt_idxs");
         kt.push_back({ k_idxs, n_embd, kv_size, t });
+        return t;
+    }
+
+    ggml_tensor * get_pos(ggml_context * ctx, const llama_kv_cache * kv, uint32_t s0, int64_t n_kv, int64_t ns) {
+        for (const auto & e : pos) {
+            if (e.kv == kv) {
+                return e.pos;
+            }
+        }
+        ggml_tensor * t = ggml_new_tensor_4d(ctx, GGML_TYPE_I32, n_kv, 1, 1, ns);
+        ggml_set_input(t);
+        ggml_set_name(t, "sparq_inp_pos");
+        pos.push_back({ kv, s0, t });
         return t;
     }
 
@@ -102,6 +123,20 @@ public:
                 const int64_t cell   = src[t] % e.kv_size;
                 for (int64_t j = 0; j < e.n_embd; ++j) {
                     dst[t*e.n_embd + j] = (stream*e.n_embd + j)*e.kv_size + cell;
+                }
+            }
+        }
+        for (const auto & e : pos) {
+            if (!allocated(e.pos)) {
+                continue;
+            }
+            int32_t * p = (int32_t *) e.pos->data;
+            const int64_t n_kv = e.pos->ne[0];
+            for (int64_t s = 0; s < e.pos->ne[3]; ++s) {
+                // a stream's cells: sequence s0+s owns stream s0+s unless the cache is unified (one stream)
+                const auto & cells = e.kv->get_cells(e.kv->get_n_stream() == 1 ? 0 : (llama_seq_id) (e.s0 + s));
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    p[s*n_kv + j] = cells.is_empty(j) ? -1 : cells.pos_get(j);
                 }
             }
         }
@@ -281,6 +316,8 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
 
     // 3. the op: [d_v, n_head, n_q, ns] -> [d_v*n_head, n_tokens], as flash attention returns it
     ggml_tensor * cur = ggml_sparq_attn(ctx0, qv, k, kt, v, kq_mask, vsum, op);
+    // window and sinks by position: after seq_rm fills a hole, new tokens sit in lower cells than old ones
+    ggml_sparq_attn_set_pos(cur, inp->get_pos(ctx0, kv, sinfo.s0, n_kv, ns));
     cb(cur, "sparq_attn", il);
     cur = ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     ggml_build_forward_expand(gf, cur);
