@@ -416,25 +416,50 @@ void phase_select(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
             }
         }
     } else {
-        // by position: visible cells keyed (position, cell), smallest `sinks` and largest `window` keys
-        uint64_t * keys = (uint64_t *) (c.thread(ith) + c.l.pairs);
-        int64_t n = 0;
+        // by position: the `sinks` smallest and `window` largest (position, cell) keys of the visible cells.
+        // Fast path: a sequence's positions are distinct, so the cells within `window` of the largest
+        // position (and `sinks` of the smallest) are exactly them; otherwise order the keys.
+        int32_t p_min = INT32_MAX, p_max = INT32_MIN;
         for (int64_t j = 0; j < n_kv; ++j) {
             if (visible(j)) {
-                keys[n++] = ((uint64_t) ((uint32_t) pr[j] ^ 0x80000000u) << 32) | (uint64_t) j;
+                p_min = std::min(p_min, pr[j]);
+                p_max = std::max(p_max, pr[j]);
             }
         }
-        if (sinks > 0) {
-            std::nth_element(keys, keys + sinks, keys + n);
+        const int64_t w_lo = (int64_t) p_max - window, s_hi = (int64_t) p_min + sinks;  // window: pos > w_lo
+        int64_t n_w = 0, n_s = 0;
+        for (int64_t j = 0; j < n_kv && n_w <= window && n_s <= sinks; ++j) {
+            if (visible(j)) {
+                n_w += pr[j] > w_lo;
+                n_s += pr[j] < s_hi;
+            }
         }
-        if (window > 0) {
-            std::nth_element(keys + sinks, keys + (n - window), keys + n);
-        }
-        for (int64_t i = 0; i < sinks; ++i) {
-            i2[1 + n_sel++] = (int32_t) (keys[i] & 0xFFFFFFFFu);
-        }
-        for (int64_t i = n - window; i < n; ++i) {
-            i2[1 + n_sel++] = (int32_t) (keys[i] & 0xFFFFFFFFu);
+        if (n_w == window && n_s == sinks && w_lo >= s_hi - 1) {
+            for (int64_t j = 0; j < n_kv; ++j) {
+                if (visible(j) && (pr[j] > w_lo || pr[j] < s_hi)) {
+                    i2[1 + n_sel++] = (int32_t) j;
+                }
+            }
+        } else {
+            uint64_t * keys = (uint64_t *) (c.thread(ith) + c.l.pairs);
+            int64_t n = 0;
+            for (int64_t j = 0; j < n_kv; ++j) {
+                if (visible(j)) {
+                    keys[n++] = ((uint64_t) ((uint32_t) pr[j] ^ 0x80000000u) << 32) | (uint64_t) j;
+                }
+            }
+            if (sinks > 0) {
+                std::nth_element(keys, keys + sinks, keys + n);
+            }
+            if (window > 0) {
+                std::nth_element(keys + sinks, keys + (n - window), keys + n);
+            }
+            for (int64_t i = 0; i < sinks; ++i) {
+                i2[1 + n_sel++] = (int32_t) (keys[i] & 0xFFFFFFFFu);
+            }
+            for (int64_t i = n - window; i < n; ++i) {
+                i2[1 + n_sel++] = (int32_t) (keys[i] & 0xFFFFFFFFu);
+            }
         }
     }
 
