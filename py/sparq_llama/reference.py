@@ -33,13 +33,13 @@ Choices this module makes where the design leaves room (kernels must match them)
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 # The transfer model and the enum names live in the numpy-free settings module (one implementation).
 from .sparq import MEAN_MODES, POLICIES, _as_int, transfer_ratio
+from .sparq import _finite_float as _as_float
 
 __all__ = ["MEAN_MODES", "POLICIES", "dense_attn", "sparq_attn", "transfer_ratio"]
 
@@ -49,16 +49,6 @@ I64 = NDArray[np.int64]
 
 # ---------------------------------------------------------------------------------------------------
 # Validation helpers
-
-
-def _as_float(name: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return out
 
 
 def _check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> tuple[F64, F64, F64]:

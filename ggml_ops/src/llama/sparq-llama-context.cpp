@@ -15,10 +15,6 @@
 
 static thread_local std::string g_sparq_error;
 
-void sparq_set_last_error(const std::string & msg) {
-    g_sparq_error = msg;
-}
-
 // The caches whose layers SparQ may decode. SWA caches only when the user includes SWA layers.
 // Returns false with err set when the context's memory has no attention KV cache.
 static bool sparq_caches(llama_memory_i * mem, bool with_swa, std::vector<llama_kv_cache *> & out, std::string & err) {
@@ -76,11 +72,11 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
                 return -1;
             }
         }
-        const int32_t min_n_kv = params.min_n_kv >= 0 ? params.min_n_kv : SPARQ_DEFAULT_MIN_N_KV;
+        const int32_t min_n_kv = sparq_min_n_kv(params);
         LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
                        "dense below n_kv = %d%s\n", __func__,
                 params.k1, params.k1 == 0 ? " (head_dim/4)" : "", params.k2,
-                params.window >= 0 ? params.window : params.k2 / 4, params.sinks,
+                sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
                 params.default_layout ? "default (no K^T)" : "K^T", min_n_kv,
                 params.min_n_kv < 0 ? " (measured default)" : "");
@@ -146,7 +142,7 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
     if (p->sinks < 0) {
         return fail("sinks must be >= 0, got %d", p->sinks);
     }
-    const int32_t window = p->window >= 0 ? p->window : p->k2 / 4;
+    const int32_t window = sparq_window(*p);
     if ((int64_t) window + p->sinks > p->k2) {
         return fail("window (%d) + sinks (%d) must not exceed k2 (%d)", window, p->sinks, p->k2);
     }

@@ -270,8 +270,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         return nullptr;
     }
     const int64_t n_kv     = mctx_cur->get_n_kv();
-    const int32_t min_n_kv = sp.min_n_kv >= 0 ? sp.min_n_kv : SPARQ_DEFAULT_MIN_N_KV;
-    if (n_kv < min_n_kv) {
+    if (n_kv < sparq_min_n_kv(sp)) {
         return nullptr;
     }
     if (kq_b || sinks || v_mla) {

@@ -51,5 +51,10 @@ struct sparq_kv_state {
 // 2-core x86 machine with SmolLM2: bench/results/sparq_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from 512).
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV = 512;
 
-// Sets the thread-local error returned by llama_sparq_last_error().
-void sparq_set_last_error(const std::string & msg);
+// The settings' automatic values, resolved (one definition for the graph, the check and the log).
+inline int32_t sparq_min_n_kv(const llama_sparq_params & p) {
+    return p.min_n_kv >= 0 ? p.min_n_kv : SPARQ_DEFAULT_MIN_N_KV;
+}
+inline int32_t sparq_window(const llama_sparq_params & p) {
+    return p.window >= 0 ? p.window : p.k2 / 4;
+}

@@ -40,23 +40,20 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
     st->layers.resize(layers.size());
 
     std::map<std::string, std::string> dense_layers; // reason -> layer list, one log line per reason
-    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_map;
+    std::map<ggml_backend_buffer_type_t, ggml_context_ptr> ctx_map; // one context per buffer type
 
     auto ctx_for = [&](ggml_backend_buffer_type_t buft) -> ggml_context * {
-        auto it = ctx_map.find(buft);
-        if (it != ctx_map.end()) {
-            return it->second;
+        auto & ctx = ctx_map[buft];
+        if (!ctx) {
+            ggml_init_params ip = {
+                /*.mem_size   =*/ 2u*layers.size()*ggml_tensor_overhead(),
+                /*.mem_buffer =*/ nullptr,
+                /*.no_alloc   =*/ true,
+            };
+            ctx.reset(ggml_init(ip));
+            GGML_ASSERT(ctx && "sparq: failed to create a ggml context");
         }
-        ggml_init_params ip = {
-            /*.mem_size   =*/ 2u*layers.size()*ggml_tensor_overhead(),
-            /*.mem_buffer =*/ nullptr,
-            /*.no_alloc   =*/ true,
-        };
-        ggml_context * ctx = ggml_init(ip);
-        GGML_ASSERT(ctx && "sparq: failed to create a ggml context");
-        ctx_map[buft] = ctx;
-        st->ctxs_bufs.emplace_back(ggml_context_ptr(ctx), nullptr);
-        return ctx;
+        return ctx.get();
     };
 
     const uint32_t kv_size = get_size();
@@ -107,25 +104,19 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         LLAMA_LOG_INFO("%s: SparQ: dense attention for layers %s: %s\n", __func__, list.c_str(), reason.c_str());
     }
 
-    for (auto & [ctx, buf] : st->ctxs_bufs) {
-        ggml_backend_buffer_type_t buft = nullptr;
-        for (const auto & [b, c] : ctx_map) {
-            if (c == ctx.get()) {
-                buft = b;
-            }
-        }
+    for (auto & [buft, ctx] : ctx_map) {
         if (ggml_get_first_tensor(ctx.get()) == nullptr) {
-            continue;
+            continue; // only layers without K^T and V sums on this buffer type
         }
-        ggml_backend_buffer_t b = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
-        if (b == nullptr) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        if (buf == nullptr) {
             err = std::string("SparQ: failed to allocate the derived KV state in ") + ggml_backend_buft_name(buft);
             return false;
         }
-        ggml_backend_buffer_clear(b, 0);
-        buf.reset(b);
+        ggml_backend_buffer_clear(buf, 0);
         LLAMA_LOG_INFO("%s: %10s SparQ K^T + V-sum buffer size = %8.2f MiB\n", __func__,
-                ggml_backend_buffer_name(b), ggml_backend_buffer_get_size(b)/1024.0/1024.0);
+                ggml_backend_buffer_name(buf), ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+        st->ctxs_bufs.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
     }
 
     st->kt_dirty   = st->has_kt();
@@ -175,9 +166,7 @@ void llama_kv_cache::sparq_memory_breakdown(std::map<ggml_backend_buffer_type_t,
         return;
     }
     for (const auto & [ctx, buf] : sparq->ctxs_bufs) {
-        if (buf) {
-            ret[ggml_backend_buffer_get_type(buf.get())] += ggml_backend_buffer_get_size(buf.get());
-        }
+        ret[ggml_backend_buffer_get_type(buf.get())] += ggml_backend_buffer_get_size(buf.get());
     }
 }
 
