@@ -38,6 +38,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import eval as ev
+    from .eval import report
+
+    overrides = {}
+    if args.tasks:
+        overrides["tasks"] = tuple(args.tasks.split(","))
+    cfg = ev.EvalConfig.preset(args.model, args.mode, seed=args.seed, n_threads=args.threads, **overrides)
+    out = Path(args.out) if args.out else None
+    data = ev.run(cfg, out, fresh=args.fresh, progress=not args.no_progress)
+    print(report.markdown(data))
+    if args.plot:
+        report.plot(data, Path(args.plot))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from .demo import DemoConfig
     from .models import MODELS
@@ -66,6 +84,22 @@ def _parser() -> argparse.ArgumentParser:
                       help="SparQ: query components for the approximate scores (default: %(default)s)")
     demo.add_argument("--k2", type=int, default=d.k2, help="SparQ: KV cells kept per step (default: %(default)s)")
     demo.set_defaults(func=_cmd_demo)
+
+    from .eval import ALL_TASKS, PRESETS
+
+    ev = sub.add_parser("eval", help="quality: dense vs SparQ at 1/2, 1/4, 1/8 transfer vs the exact top-k and "
+                                     "window baselines (perplexity, retrieval, repetition, selection agreement)")
+    ev.add_argument("--model", default=d.model, help="smollm2, gemma3 or a GGUF path (default: %(default)s)")
+    ev.add_argument("--mode", choices=sorted(PRESETS), default="quick",
+                    help="quick: minutes on 2 cores; full: the committed results (default: %(default)s)")
+    ev.add_argument("--tasks", help=f"comma-separated subset of {','.join(ALL_TASKS)} (default: all)")
+    ev.add_argument("--out", help="results JSON, written as it goes; an existing one of the same config resumes")
+    ev.add_argument("--fresh", action="store_true", help="start over even if --out holds results")
+    ev.add_argument("--plot", help="write the metric-vs-transfer plot here (PNG; needs matplotlib)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.set_defaults(func=_cmd_eval)
     return ap
 
 

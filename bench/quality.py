@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Quality evidence: SparQ vs dense vs the exact top-k oracle and the window baseline, on real GGUF models.
+
+    python bench/quality.py                      # full mode, SmolLM2 and Gemma-3 (about an hour on 2 cores)
+    python bench/quality.py --model smollm2 --mode quick
+
+For each model: bench/results/quality_<model>[_<mode>].json (machine, commit, command, every per-example
+record, summaries with standard errors, selection agreement, the target checks), a markdown table next to
+it (.md) and a plot (.png: each metric vs transfer ratio with ±1 SE bands, per-layer agreement).
+Resumable: run the same command again after an interruption and it continues.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import sparq_llama  # noqa: F401  (before llama_cpp)
+from sparq_decode import build_info, git_commit, machine
+from sparq_llama.eval import (
+    EvalConfig,
+    report,
+    run,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", help="smollm2 / gemma3 (repeatable; default: both)")
+    ap.add_argument("--mode", default="full", choices=("quick", "full"))
+    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--fresh", action="store_true", help="discard earlier partial results")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for model in args.model or ["smollm2", "gemma3"]:
+        stem = f"quality_{model}" + ("" if args.mode == "full" else f"_{args.mode}")
+        out = Path(args.out_dir) / f"{stem}.json"
+        cfg = EvalConfig.preset(model, args.mode, n_threads=args.threads)
+        t0 = time.time()
+        data = run(cfg, out, fresh=args.fresh)
+        data.update(bench="quality", mode=args.mode, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    machine=machine(), build=build_info(), command=" ".join([sys.executable, *sys.argv]),
+                    wall_s_this_run=round(time.time() - t0, 1), targets=report.targets(data), **git_commit())
+        out.write_text(json.dumps(data, indent=1))
+        table = report.markdown(data)
+        out.with_suffix(".md").write_text(f"# Quality: {model} ({args.mode})\n\n{table}\n")
+        report.plot(data, out.with_suffix(".png"))
+        print(f"\n## {model}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The attention settings the quality evaluation compares, and the paper's recipe for k1.
+
+Every setting is one `SparqConfig` for the engine (or dense attention), named so that tables and plots can
+be read without this file:
+
+    dense                 llama.cpp's flash attention over every cell
+    sparq-1/2 ...-1/8     SparQ, k2 = 128, window k2/4, k1 picked so that the attention data moved per
+                          step is at most that fraction of dense at the task's context length (the paper's
+                          recipe: fix k = 128, tune r)
+    sparq-1/8-mean-on     the same with mean-value reallocation forced to the other state than auto picks
+    sparq-1/8-no-window   ... with no recent window (window 0: all k2 cells by score)
+    sparq-1/8-sinks16     ... with 16 sink cells as well as the window
+    sparq-1/8-swa         ... with sliding-window layers sparsified too (models that have them)
+    exact                 the oracle: top-k2 of the true scores (reads all of K: FlexGen, >= 1/2 of dense)
+    window                sinks + recent only at the same k2 (LM-Infinite: 16 sinks, k2 - 16 recent)
+
+A ratio k2 alone exceeds (k2 = 128 already moves 2*k2*d elements) is not reachable at short contexts: the
+setting is then left out for that length, and the report says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from ..sparq import SparqConfig, transfer_ratio
+
+K2 = 128
+WINDOW_BASELINE_SINKS = 16          # LM-Infinite keeps the first 16 positions (the paper's baseline)
+TARGET_RATIOS = (Fraction(1, 2), Fraction(1, 4), Fraction(1, 8))
+HEADLINE = Fraction(1, 8)           # the ratio the issue's targets are stated at
+ABLATIONS = ("mean", "no-window", "sinks16", "swa")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the settings depend on: head dim, whether heads are grouped, whether some layers are SWA."""
+
+    head_dim: int
+    n_head: int
+    n_head_kv: int
+    has_swa: bool = False
+
+    @property
+    def gqa(self) -> bool:
+        return self.n_head != self.n_head_kv
+
+    @property
+    def mean_auto(self) -> bool:
+        """Mean reallocation under `mean="auto"`: on for MHA, off for GQA (the paper's finding)."""
+        return not self.gqa
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the comparison: a name, the engine's SparQ config (None: dense) and its transfer ratio."""
+
+    name: str
+    config: SparqConfig | None
+    transfer: float                 # SparQ / dense attention elements moved per KV head and step (1 = dense)
+    family: str                     # dense | sparq | ablation | exact | window
+    target: Fraction | None = None  # the ratio a sparq setting was picked for
+
+
+def k1_for_ratio(target: Fraction, n_kv: int, head_dim: int, k2: int = K2, mean: bool = False) -> int | None:
+    """The paper's recipe: the largest r (<= head_dim) whose SparQ transfer is at most `target` of dense
+    at `n_kv` cells; None when k2 rows alone already exceed it."""
+    dense = 2 * n_kv * head_dim + 2 * head_dim
+    fixed = 2 * k2 * head_dim + (4 if mean else 2) * head_dim
+    r = int((target * dense - fixed) // n_kv)
+    return min(r, head_dim) if r >= 1 else None
+
+
+def sparq_transfer(n_kv: int, shape: ModelShape, k1: int, k2: int, mean: bool) -> float:
+    """SparQ / dense elements moved (the inverse of `transfer_ratio`)."""
+    return 1.0 / transfer_ratio(n_kv, shape.head_dim, k1, k2, mean=mean)
+
+
+def ratio_label(target: Fraction) -> str:
+    return f"{target.numerator}/{target.denominator}"
+
+
+def settings_for(n_kv: int, shape: ModelShape, *, ablations: tuple[str, ...] = ABLATIONS,
+                 k2: int = K2) -> tuple[list[Setting], list[tuple[str, str]]]:
+    """The settings compared at a context of `n_kv` cells, and (name, reason) of the ones left out."""
+    d = shape.head_dim
+    base = SparqConfig(enabled=True, k2=k2, prefill=True, min_n_kv=0)
+    out = [Setting("dense", None, 1.0, "dense")]
+    skipped: list[tuple[str, str]] = []
+    mean = shape.mean_auto
+    headline_k1 = None
+    for target in TARGET_RATIOS:
+        k1 = k1_for_ratio(target, n_kv, d, k2, mean)
+        label = ratio_label(target)
+        if k1 is None:
+            skipped.append((f"sparq-{label}", f"unreachable with k2={k2}, d={d} (k2 rows alone move more)"))
+            continue
+        out.append(Setting(f"sparq-{label}", replace(base, k1=k1), sparq_transfer(n_kv, shape, k1, k2, mean),
+                           "sparq", target))
+        if target == HEADLINE:
+            headline_k1 = k1
+    if headline_k1 is not None:
+        k1, h = headline_k1, ratio_label(HEADLINE)
+        if "mean" in ablations:
+            other = not mean
+            out.append(Setting(f"sparq-{h}-mean-{'on' if other else 'off'}",
+                               replace(base, k1=k1, mean="on" if other else "off"),
+                               sparq_transfer(n_kv, shape, k1, k2, other), "ablation", HEADLINE))
+        if "no-window" in ablations:
+            out.append(Setting(f"sparq-{h}-no-window", replace(base, k1=k1, window=0),
+                               sparq_transfer(n_kv, shape, k1, k2, mean), "ablation", HEADLINE))
+        if "sinks16" in ablations:
+            out.append(Setting(f"sparq-{h}-sinks16", replace(base, k1=k1, sinks=WINDOW_BASELINE_SINKS),
+                               sparq_transfer(n_kv, shape, k1, k2, mean), "ablation", HEADLINE))
+        if "swa" in ablations and shape.has_swa:
+            out.append(Setting(f"sparq-{h}-swa", replace(base, k1=k1, swa=True),
+                               sparq_transfer(n_kv, shape, k1, k2, mean), "ablation", HEADLINE))
+    exact_transfer = (n_kv * d + k2 * d + 2 * d) / (2 * n_kv * d + 2 * d)
+    out.append(Setting("exact", replace(base, policy="exact"), exact_transfer, "exact"))
+    window_transfer = (2 * k2 * d + 2 * d) / (2 * n_kv * d + 2 * d)
+    out.append(Setting("window", replace(base, policy="window", sinks=WINDOW_BASELINE_SINKS,
+                                         window=k2 - WINDOW_BASELINE_SINKS), window_transfer, "window"))
+    return out, skipped
