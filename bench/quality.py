@@ -7,7 +7,8 @@
 For each model: bench/results/quality_<model>[_<mode>].json (machine, commit, command, every per-example
 record, summaries with standard errors, selection agreement, the target checks), a markdown table next to
 it (.md) and a plot (.png: each metric vs transfer ratio with ±1 SE bands, per-layer agreement).
-Resumable: run the same command again after an interruption and it continues.
+Resumable: run the same command again after an interruption and it continues. The commit recorded is the
+one checked out when the run started (with `dirty` if the tree had changes).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    provenance = git_commit()       # the code that produces the numbers, read before it runs
     for model in args.model or ["smollm2", "gemma3"]:
         stem = f"quality_{model}" + ("" if args.mode == "full" else f"_{args.mode}")
         out = Path(args.out_dir) / f"{stem}.json"
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         data = run(cfg, out, fresh=args.fresh)
         data.update(bench="quality", mode=args.mode, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     machine=machine(), build=build_info(), command=" ".join([sys.executable, *sys.argv]),
-                    wall_s_this_run=round(time.time() - t0, 1), targets=report.targets(data), **git_commit())
+                    wall_s_this_run=round(time.time() - t0, 1), targets=report.targets(data), **provenance)
         out.write_text(json.dumps(data, indent=1))
         table = report.markdown(data)
         out.with_suffix(".md").write_text(f"# Quality: {model} ({args.mode})\n\n{table}\n")
