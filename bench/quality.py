@@ -2,7 +2,7 @@
 """Quality evidence: SparQ vs dense vs the exact top-k oracle and the window baseline, on real GGUF models.
 
     python bench/quality.py                      # full mode, SmolLM2 and Gemma-3 (about an hour on 2 cores)
-    python bench/quality.py --model smollm2 --mode quick
+    python bench/quality.py --model smollm2 --quick
 
 For each model: bench/results/quality_<model>[_<mode>].json (machine, commit, command, every per-example
 record, summaries with standard errors, selection agreement, the target checks), a markdown table next to
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", help="smollm2 / gemma3 (repeatable; default: both)")
     ap.add_argument("--mode", default="full", choices=("quick", "full"))
+    ap.add_argument("--quick", dest="mode", action="store_const", const="quick", help="same as --mode quick")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--fresh", action="store_true", help="discard earlier partial results")
     ap.add_argument("-t", "--threads", type=int, default=None)

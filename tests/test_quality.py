@@ -38,17 +38,28 @@ def test_tail_after_truncation_equals_a_fresh_prefill(engine):
     assert np.abs(sparse - whole).max() > 1e-2          # k2 = 32 of ~1000 cells really changed the scores
 
 
-def test_sparq_with_k2_over_the_context_is_dense(engine):
-    ex = tasks.repetition_examples(engine, lengths=(768,), n_per_length=1, n_prompt=16, n_generate=12, seed=1)[0]
-    out = {}
-    for name, cfg in (("dense", None), ("all", SparqConfig(k1=8, k2=1024, prefill=True, min_n_kv=0))):
-        engine.clear()
-        engine.apply(None)
-        engine.prefill(ex.context)
-        engine.apply(cfg)
-        out[name] = engine.generate(ex.tail, 12)
+def test_sparq_with_k2_over_the_context_is_dense_to_rounding(engine, smollm2_path):
+    """k2 >= the context makes SparQ exact attention: its teacher-forced scores differ from flash
+    attention's by no more than llama.cpp's other dense path (no flash attention) does; this model's
+    Q4_1 activations amplify rounding to tenths of a nat, so that is the honest oracle here. k2 = 32
+    differs far more."""
+    ex = tasks.ppl_examples(engine, lengths=(1024,), n_per_length=1, n_score=64, seed=3)[0]
+    engine.clear()
     engine.apply(None)
-    assert out["all"] == out["dense"] and len(out["dense"]) == 12
+    engine.prefill(ex.context)
+    lp = {}
+    for name, cfg in (("dense", None), ("all", SparqConfig(k1=8, k2=1024, prefill=True, min_n_kv=0)),
+                      ("k2=32", SparqConfig(k1=8, k2=32, prefill=True, min_n_kv=0))):
+        engine.truncate(ex.n_kv)
+        engine.apply(cfg)
+        lp[name] = engine.logprobs(ex.tail)
+    engine.apply(None)
+    with Engine(EngineConfig(str(smollm2_path), n_ctx=1280, flash_attn=False)) as other:
+        other.prefill(ex.context)
+        lp["no-fa"] = other.logprobs(ex.tail)
+    dev = {k: float(np.abs(v - lp["dense"]).max()) for k, v in lp.items()}
+    assert dev["all"] <= max(dev["no-fa"], 0.05), dev
+    assert dev["k2=32"] > 2 * dev["all"], dev
 
 
 def test_examples_are_deterministic_and_well_formed(engine):
@@ -67,9 +78,10 @@ def test_examples_are_deterministic_and_well_formed(engine):
     deep_text = engine.detokenize(deep.context)
     assert deep_text.index(f"The secret number of {deep.meta['name']} is") > len(deep_text) - 200
     rep = tasks.repetition_examples(engine, lengths=(1024,), n_per_length=2, n_prompt=16, n_generate=8, seed=5)
+    n_sep = len(engine.tokenize("\n\n"))
     for ex in rep:
-        s = ex.meta["passage_start"]
-        assert ex.tail[-16:] == ex.context[s:s + 16]
+        s, passage = ex.meta["passage_start"], ex.tail[n_sep:]
+        assert 16 <= len(passage) <= 32 and passage == ex.context[s:s + len(passage)]
         assert engine.detokenize(ex.context).count(ex.meta["target"][:40]) >= 1
 
 
@@ -106,21 +118,25 @@ def test_quick_mode_resumes_without_recomputing(quick, tmp_path):
 
 
 def test_quick_mode_headline_relations(quick):
-    """What the method must show even on the small quick set (SmolLM2, 2k tokens)."""
+    """What the method must show even on the small quick set (SmolLM2, 1-2k tokens), with margins wide
+    enough that a greedy flip or two (another CPU's rounding) cannot change the verdict."""
     _, _, data = quick
     s = {(x["task"], x["setting"]): x for x in data["summary"] if x["length"] is None}
-    # perplexity: more transfer never hurts much, SparQ at 1/2 is close to dense, SparQ at 1/8 beats the
-    # window baseline by far
-    assert s[("ppl", "sparq-1/2")]["rel"] < 1.02
-    assert s[("ppl", "sparq-1/2")]["rel"] <= s[("ppl", "sparq-1/8")]["rel"]
-    assert s[("ppl", "sparq-1/8")]["rel"] < s[("ppl", "window")]["rel"]
-    assert s[("ppl", "exact")]["rel"] < s[("ppl", "window")]["rel"]
-    # repetition needs the copied passage, far back in the context: the window baseline cannot see it
-    assert s[("repetition", "sparq-1/8")]["value"] > 2 * s[("repetition", "window")]["value"]
-    assert s[("repetition", "sparq-1/2")]["rel"] >= 0.9
-    # agreement: more components find more of the exact top-k
+    # perplexity: SparQ at 1/2 and 1/4 is within 2% of dense; at 1/8 it is far better than the window
+    # baseline (which moves even less), and so is the exact top-k oracle
+    assert s[("ppl", "sparq-1/2")]["rel"] < 1.02 and s[("ppl", "sparq-1/4")]["rel"] < 1.02
+    assert s[("ppl", "sparq-1/8")]["rel"] - 1 < (s[("ppl", "window")]["rel"] - 1) / 4
+    assert s[("ppl", "exact")]["rel"] < 1.02
+    # retrieval: the needle is found where dense finds it; the window baseline finds only recent needles
+    assert s[("retrieval", "dense")]["value"] >= 5 / 6
+    assert s[("retrieval", "sparq-1/2")]["value"] >= s[("retrieval", "window")]["value"] + 0.3
+    # repetition: the copied passage lies far back; SparQ at 1/2 and the oracle reproduce what dense does,
+    # the window baseline cannot see it
+    assert s[("repetition", "sparq-1/2")]["rel"] >= 0.8 and s[("repetition", "exact")]["rel"] >= 0.8
+    assert s[("repetition", "window")]["rel"] <= 0.5
+    # agreement: more components find more of the exact top-k; at 1/2 nearly all of it
     ag = data["agreement"]["summary"]["2048"]
-    assert ag["1/2"]["mean"] > ag["1/4"]["mean"] > ag["1/8"]["mean"] > 0.3
+    assert ag["1/2"]["mean"] > 0.9 and ag["1/2"]["mean"] > ag["1/4"]["mean"] > ag["1/8"]["mean"]
     for row in report.targets(data):
         assert math.isfinite(row["value"])
 
@@ -132,3 +148,9 @@ def test_eval_cli(tmp_path, smollm2_path):
     assert res.returncode != 0 and "nonsense" in res.stderr
     res = run(["sparq-llama", "eval", "--mode", "huge"])
     assert res.returncode != 0 and "invalid choice" in res.stderr
+    out = tmp_path / "agreement.json"
+    res = run(["sparq-llama", "eval", "--quick", "--tasks", "agreement", "--out", str(out), "--no-progress"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Selection agreement at 2048 tokens" in res.stdout
+    saved = json.loads(out.read_text())
+    assert saved["config"]["tasks"] == ["agreement"] and saved["agreement"]["summary"]["2048"]["1/2"]["mean"] > 0.9

@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=d.model, help="smollm2, gemma3 or a GGUF path (default: %(default)s)")
     ev.add_argument("--mode", choices=sorted(PRESETS), default="quick",
                     help="quick: minutes on 2 cores; full: the committed results (default: %(default)s)")
+    ev.add_argument("--quick", dest="mode", action="store_const", const="quick", help="same as --mode quick")
+    ev.add_argument("--full", dest="mode", action="store_const", const="full", help="same as --mode full")
     ev.add_argument("--tasks", help=f"comma-separated subset of {','.join(ALL_TASKS)} (default: all)")
     ev.add_argument("--out", help="results JSON, written as it goes; an existing one of the same config resumes")
     ev.add_argument("--fresh", action="store_true", help="start over even if --out holds results")

@@ -35,6 +35,7 @@ class EngineConfig:
     n_batch: int = 512
     n_threads: int | None = None      # None: all cores
     seed: int = 0
+    flash_attn: bool = True           # False: llama.cpp's other dense path (a reference; SparQ needs it on)
 
 
 class Engine:
@@ -49,7 +50,7 @@ class Engine:
         self._lc = lc
         n_threads = cfg.n_threads or os.cpu_count() or 1
         self.llm = Llama(cfg.model_path, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
-                         flash_attn=True, seed=cfg.seed, n_threads=n_threads, n_threads_batch=n_threads,
+                         flash_attn=cfg.flash_attn, seed=cfg.seed, n_threads=n_threads, n_threads_batch=n_threads,
                          verbose=False, sparq=False)
         self.ctx = self.llm.ctx
         self.vocab = lc.llama_model_get_vocab(self.llm.model)
