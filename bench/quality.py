@@ -34,13 +34,20 @@ from sparq_llama.eval import (
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", help="smollm2 / gemma3 (repeatable; default: both)")
-    ap.add_argument("--mode", default="full", choices=("quick", "full"))
+    ap.add_argument("--mode", default="full", choices=("quick", "full", "budget"))
     ap.add_argument("--quick", dest="mode", action="store_const", const="quick", help="same as --mode quick")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--fresh", action="store_true", help="discard earlier partial results")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the .md table and .png plot from the existing JSON (no model runs)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.render:
+        for model in args.model or ["smollm2", "gemma3"]:
+            out = Path(args.out_dir) / (f"quality_{model}" + ("" if args.mode == "full" else f"_{args.mode}") + ".json")
+            render(model, args.mode, json.loads(out.read_text()), out)
+        return 0
     provenance = git_commit()       # the code that produces the numbers, read before it runs
     for model in args.model or ["smollm2", "gemma3"]:
         stem = f"quality_{model}" + ("" if args.mode == "full" else f"_{args.mode}")
@@ -52,11 +59,17 @@ def main(argv: list[str] | None = None) -> int:
                     machine=machine(), build=build_info(), command=" ".join([sys.executable, *sys.argv]),
                     wall_s_this_run=round(time.time() - t0, 1), targets=report.targets(data), **provenance)
         out.write_text(json.dumps(data, indent=1))
-        table = report.markdown(data)
-        out.with_suffix(".md").write_text(f"# Quality: {model} ({args.mode})\n\n{table}\n")
-        report.plot(data, out.with_suffix(".png"))
-        print(f"\n## {model}\n\n{table}\n")
+        render(model, args.mode, data, out)
     return 0
+
+
+def render(model: str, mode: str, data: dict, out: Path) -> None:
+    """The markdown table (.md) and the plot (.png) next to the JSON; the table is printed too."""
+    table = report.markdown(data)
+    out.with_suffix(".md").write_text(f"# Quality: {model} ({mode})\n\nFrom `{out.name}` (commit "
+                                      f"{data.get('commit', 'unknown')[:10]}, {data.get('date', '')}).\n\n{table}\n")
+    report.plot(data, out.with_suffix(".png"))
+    print(f"\n## {model}\n\n{table}\n")
 
 
 if __name__ == "__main__":

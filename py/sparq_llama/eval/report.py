@@ -99,6 +99,7 @@ def markdown(data: dict[str, Any]) -> str:
         n_sparq = len(next(iter(by_ratio.values()))["sparq_layers"])
         lines += [f"Selection agreement at {length} tokens (share of the exact top-128 found, over the {n_sparq} "
                       f"layers SparQ runs on): " + "; ".join(parts)]
+    lines += _per_length(data)
     checks = targets(data)
     if checks:
         lines += ["", "| target (SparQ at 1/8, same examples) | task | measured | met |", "| --- | --- | --- | --- |"]
@@ -109,6 +110,36 @@ def markdown(data: dict[str, Any]) -> str:
     if skipped:
         lines += ["", "Not run: " + "; ".join(skipped)]
     return "\n".join(lines)
+
+
+def _per_length(data: dict[str, Any]) -> list[str]:
+    """Task x length rows of the main settings' scores relative to dense (ppl: % change; others: % of dense)."""
+    rows = [s for s in data.get("summary") or summaries(data) if s["length"] is not None]
+    main = ["sparq-1/2", "sparq-1/4", "sparq-1/8", "exact", "window"]
+    by = {(s["task"], s["length"], s["setting"]): s for s in rows}
+    keys = sorted({(s["task"], s["length"]) for s in rows}, key=lambda k: (TASK_ORDER.index(k[0]), k[1]))
+    if not keys:
+        return []
+    out = ["", "Per context length, relative to dense on the same examples (perplexity: change; accuracy and "
+           "repetition: share of dense's; n = examples):", "",
+           "| task | length | n | dense | " + " | ".join(main) + " |", "| --- | --- | --- | --- | " +
+           " | ".join("---" for _ in main) + " |"]
+    for task, length in keys:
+        d = by.get((task, length, "dense"))
+        if d is None:
+            continue
+        dense = f"{d['value']:.2f}" if task != "retrieval" else f"{100 * d['value']:.0f}%"
+        cells = []
+        for name in main:
+            s = by.get((task, length, name))
+            if s is None:
+                cells.append("n/a")
+            elif task == "ppl":
+                cells.append(f"{100 * (s['rel'] - 1):+.1f}% ± {100 * s['rel_se']:.1f}")
+            else:
+                cells.append(f"{100 * s['rel']:.0f}% ± {100 * s['rel_se']:.0f}")
+        out.append(f"| {task} | {length} | {d['n']} | {dense} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _setting_order(name: str) -> tuple[int, str]:

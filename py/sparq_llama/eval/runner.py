@@ -24,7 +24,7 @@ from tqdm import tqdm
 from . import agreement as _agreement
 from . import tasks as _tasks
 from .engine import Engine, EngineConfig, model_path
-from .settings import ABLATIONS, settings_for
+from .settings import ABLATIONS, KNOWN_ABLATIONS, settings_for
 from .stats import summarize
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class EvalConfig:
     agreement_windows: int = 1
     agreement_rows: int = 8            # query rows (the last ones of each window) per window
     ablations: tuple[str, ...] = ABLATIONS
+    only: tuple[str, ...] = ()         # run just these settings (and dense); empty: all
     seed: int = 0
     n_threads: int | None = field(default=None, compare=False)   # not part of the fingerprint
 
@@ -60,9 +61,9 @@ class EvalConfig:
         bad = [t for t in self.tasks if t not in ALL_TASKS]
         if bad or not self.tasks:
             raise ValueError(f"tasks must be a non-empty subset of {', '.join(ALL_TASKS)}; got {self.tasks}")
-        bad = [a for a in self.ablations if a not in ABLATIONS]
+        bad = [a for a in self.ablations if a not in KNOWN_ABLATIONS]
         if bad:
-            raise ValueError(f"unknown ablations {bad}; known: {', '.join(ABLATIONS)}")
+            raise ValueError(f"unknown ablations {bad}; known: {', '.join(KNOWN_ABLATIONS)}")
         for name in ("ppl_windows", "ppl_score", "retrieval_per_cell", "repetition_per_length",
                      "repetition_prompt", "repetition_generate", "agreement_windows", "agreement_rows"):
             if getattr(self, name) < 1:
@@ -104,6 +105,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                    "repetition_lengths": (2048, 4096), "repetition_per_length": 6, "repetition_generate": 48,
                    "agreement_lengths": (2048, 4096), "agreement_windows": 2},
         "*": {},
+    },
+    # how to spend the 1/8 budget: k2 = 64 / 128 / 256 with k1 by the recipe (perplexity and repetition)
+    "budget": {
+        "*": {"tasks": ("ppl", "repetition"), "ablations": ("k2",),
+              "only": ("sparq-1/8", "sparq-1/8-k2-64", "sparq-1/8-k2-256"), "ppl_lengths": (2048, 4096), "ppl_windows": 6,
+              "repetition_lengths": (2048, 4096), "repetition_per_length": 10, "repetition_generate": 48},
     },
 }
 
@@ -147,6 +154,9 @@ def _save(out: Path | None, data: dict[str, Any]) -> None:
 def _run_example(engine: Engine, ex: _tasks.Example, data: dict[str, Any], cfg: EvalConfig,
                  save: Callable[[], None]) -> None:
     settings, skipped = settings_for(ex.n_kv, engine.shape, ablations=cfg.ablations)
+    if cfg.only:
+        settings = [s for s in settings if s.name == "dense" or s.name in cfg.only]
+        skipped = [(name, note) for name, note in skipped if name in cfg.only]
     todo = [s for s in settings if f"{ex.id}|{s.name}" not in data["records"]]
     for name, note in skipped:
         data.setdefault("skipped", {})[f"{ex.id}|{name}"] = f"{name} at {ex.task} length {ex.length}: {note}"

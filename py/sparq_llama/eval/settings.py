@@ -11,6 +11,7 @@ be read without this file:
     sparq-1/8-no-window   ... with no recent window (window 0: all k2 cells by score)
     sparq-1/8-sinks16     ... with 16 sink cells as well as the window
     sparq-1/8-swa         ... with sliding-window layers sparsified too (models that have them)
+    sparq-1/8-k2-64/256   the same 1/8 budget with k2 = 64 or 256 (k1 by the recipe): is 128 the right split?
     exact                 the oracle: top-k2 of the true scores (reads all of K: FlexGen, >= 1/2 of dense)
     window                sinks + recent only at the same k2 (LM-Infinite: 16 sinks, k2 - 16 recent)
 
@@ -28,7 +29,9 @@ K2 = 128
 WINDOW_BASELINE_SINKS = 16          # LM-Infinite keeps the first 16 positions (the paper's baseline)
 TARGET_RATIOS = (Fraction(1, 2), Fraction(1, 4), Fraction(1, 8))
 HEADLINE = Fraction(1, 8)           # the ratio the issue's targets are stated at
-ABLATIONS = ("mean", "no-window", "sinks16", "swa")
+ABLATIONS = ("mean", "no-window", "sinks16", "swa")      # the defaults' ablations (full mode)
+BUDGET_K2 = (64, 256)               # the "k2" study: the 1/8 budget spent on fewer / more kept cells
+KNOWN_ABLATIONS = (*ABLATIONS, "k2")
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,15 @@ def settings_for(n_kv: int, shape: ModelShape, *, ablations: tuple[str, ...] = A
         if "sinks16" in ablations:
             out.append(Setting(f"sparq-{h}-sinks16", replace(base, k1=k1, sinks=WINDOW_BASELINE_SINKS),
                                sparq_transfer(n_kv, shape, k1, k2, mean), "ablation", HEADLINE))
+        if "k2" in ablations:
+            for other_k2 in BUDGET_K2:
+                k1_other = k1_for_ratio(HEADLINE, n_kv, d, other_k2, mean)
+                name = f"sparq-{h}-k2-{other_k2}"
+                if k1_other is None:
+                    skipped.append((name, f"unreachable with k2={other_k2}, d={d}"))
+                    continue
+                out.append(Setting(name, replace(base, k1=k1_other, k2=other_k2),
+                                   sparq_transfer(n_kv, shape, k1_other, other_k2, mean), "ablation", HEADLINE))
         if "swa" in ablations and shape.has_swa:
             out.append(Setting(f"sparq-{h}-swa", replace(base, k1=k1, swa=True),
                                sparq_transfer(n_kv, shape, k1, k2, mean), "ablation", HEADLINE))
