@@ -120,8 +120,9 @@ def _per_length(data: dict[str, Any]) -> list[str]:
     keys = sorted({(s["task"], s["length"]) for s in rows}, key=lambda k: (TASK_ORDER.index(k[0]), k[1]))
     if not keys:
         return []
-    out = ["", "Per context length, relative to dense on the same examples (perplexity: change; accuracy and "
-           "repetition: share of dense's; n = examples):", "",
+    title = ("Per context length, relative to dense on the same examples (perplexity: change; accuracy and "
+             "repetition: share of dense's; n = examples):")
+    out = ["", title, "",
            "| task | length | n | dense | " + " | ".join(main) + " |", "| --- | --- | --- | --- | " +
            " | ".join("---" for _ in main) + " |"]
     for task, length in keys:
