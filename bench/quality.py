@@ -34,7 +34,7 @@ from sparq_llama.eval import (
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", help="smollm2 / gemma3 (repeatable; default: both)")
-    ap.add_argument("--mode", default="full", choices=("quick", "full", "budget"))
+    ap.add_argument("--mode", default="full", choices=("quick", "full", "budget", "long"))
     ap.add_argument("--quick", dest="mode", action="store_const", const="quick", help="same as --mode quick")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--fresh", action="store_true", help="discard earlier partial results")

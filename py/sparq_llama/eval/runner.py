@@ -106,6 +106,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                    "agreement_lengths": (2048, 4096), "agreement_windows": 2},
         "*": {},
     },
+    # the longest haystacks (Gemma-3 at 16k): retrieval only, the main settings
+    "long": {
+        "*": {"tasks": ("retrieval",), "retrieval_lengths": (16384,), "retrieval_depths": (0.0, 0.25, 0.5, 0.75, 1.0),
+              "retrieval_per_cell": 1, "retrieval_distractors": 1, "ablations": (),
+              "only": ("sparq-1/2", "sparq-1/4", "sparq-1/8", "exact", "window")},
+    },
     # how to spend the 1/8 budget: k2 = 64 / 128 / 256 with k1 by the recipe (perplexity: the low-noise metric)
     "budget": {
         "*": {"tasks": ("ppl",), "ablations": ("k2",), "only": ("sparq-1/8", "sparq-1/8-k2-64", "sparq-1/8-k2-256"),
