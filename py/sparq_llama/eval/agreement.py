@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import random
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from .._lib import lib_dir
 from ..sparq import SparqConfig
 from ..sparq import apply as apply_sparq
 from .settings import K2, TARGET_RATIOS, k1_for_ratio, ratio_label
+from .tasks import PPL_WORKS, _Corpus
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -163,10 +165,6 @@ def window_agreement(q: np.ndarray, k: np.ndarray, first_row: int, k1s: dict[str
 def measure(engine: Engine, cfg: EvalConfig, done: dict[str, Any], *, progress: bool = True,
             save: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Agreement per length, window, layer and KV head (resumes from `done`); with per-ratio means."""
-    import random
-
-    from .tasks import PPL_WORKS, _Corpus
-
     corpus = _Corpus(engine)
     result = dict(done)
     jobs = [(n, w) for n in cfg.agreement_lengths for w in range(cfg.agreement_windows)]

@@ -15,7 +15,6 @@ expensive part) is shared by all settings of an example.
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,6 @@ import numpy as np
 
 from ..sparq import SparqConfig
 from .settings import ModelShape
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,14 +71,11 @@ class Engine:
     # -- model facts ---------------------------------------------------------------------------------
 
     def _shape(self) -> ModelShape:
-        lc, llm = self._lc, self.llm
-        n_head = lc.llama_model_n_head(llm.model)
-        n_head_kv = lc.llama_model_n_head_kv(llm.model)
-        arch = llm.metadata.get("general.architecture", "")
-        key_length = llm.metadata.get(f"{arch}.attention.key_length")
-        head_dim = int(key_length) if key_length else lc.llama_model_n_embd(llm.model) // n_head
-        has_swa = bool(lc.llama_model_n_swa(llm.model)) if hasattr(lc, "llama_model_n_swa") else False
-        return ModelShape(head_dim=head_dim, n_head=n_head, n_head_kv=n_head_kv, has_swa=has_swa)
+        from ..demo import attention_shape
+
+        a = attention_shape(self.llm)
+        return ModelShape(head_dim=a.head_dim, n_head=a.n_head, n_head_kv=a.n_head_kv,
+                          has_swa=bool(self._lc.llama_model_n_swa(self.llm.model)))
 
     def tokenize(self, text: str, *, bos: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=bos, special=False)

@@ -72,9 +72,8 @@ class _Corpus:
     def line_starts(self, work: str) -> list[int]:
         """Token indices that begin a line (the token before ends with a newline)."""
         if work not in self._line_starts:
-            toks = self.tokens(work)
-            piece = [self.engine.detokenize([t]) for t in toks]
-            self._line_starts[work] = [i for i in range(1, len(toks)) if piece[i - 1].endswith("\n")]
+            flags = _line_start_flags(self.engine, self.tokens(work))
+            self._line_starts[work] = [i for i, ok in enumerate(flags) if ok and i > 0]
         return self._line_starts[work]
 
     def window(self, work: str, n: int, rng: random.Random) -> list[int]:
