@@ -8,6 +8,11 @@ target_include_directories(ggml-base PUBLIC "${SPARQ_OPS_DIR}/include")
 target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c")
 target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
+if (GGML_CUDA)
+    # the kernel includes ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our header
+    target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu")
+    target_include_directories(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda" "${SPARQ_LLAMA_TREE}/ggml/src/ggml-cuda")
+endif()
 
 # ---- llama: C API (libllama exports it; everything that links llama can include it) -------------
 target_include_directories(llama PUBLIC "${SPARQ_OPS_DIR}/include")

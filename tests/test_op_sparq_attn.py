@@ -47,7 +47,7 @@ def run_both(q, k, v, mask, kv_dtype, **kw):
     """(op, reference) outputs, [ns, n_head, n_q, d_v] each; the reference runs stream by stream."""
     qr = q.astype(np.float32).astype(np.float64)
     kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
-    op_only = {key: kw.pop(key) for key in ("layout", "n_threads") if key in kw}
+    op_only = {key: kw.pop(key) for key in ("layout", "n_threads", "backend") if key in kw}
     got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, **op_only, **kw)
     masks = [None] * q.shape[0] if mask is None else (
         [mask] * q.shape[0] if mask.ndim == 2 else list(mask))
@@ -181,6 +181,15 @@ def test_bad_parameters_raise_with_the_ops_message(kwargs, message):
     q, k, v = make_case(rng, n_head_kv=1, group=1, n_q=1, n_kv=50, d=64, d_v=64)
     with pytest.raises(ValueError, match="ggml_sparq_attn: .*" + __import__("re").escape(message)):
         ops.sparq_attn(q, k, v, **kwargs)
+
+
+def test_unknown_backend_is_a_clear_error():
+    rng = np.random.default_rng(0)
+    q, k, v = make_case(rng, n_head_kv=1, group=1, n_q=1, n_kv=50, d=64, d_v=64)
+    with pytest.raises(ValueError, match="no ggml device CUDA7"):
+        ops.sparq_attn(q, k, v, k1=8, k2=16, backend="cuda:7")
+    with pytest.raises(ValueError, match="backend must be"):
+        ops.sparq_attn(q, k, v, k1=8, k2=16, backend="gpu")
 
 
 def test_bad_shapes_and_types_raise():

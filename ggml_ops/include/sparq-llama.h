@@ -51,8 +51,8 @@ struct sparq_eval_args {
 SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, char * err, size_t err_size);
 
 // Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
-// one decode query (n_q = 1, one stream, all cells visible), n_runs interleaved timed runs after a
-// warm-up; times in microseconds. 0 on success, else 1 with a message in err.
+// one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
+// interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
 struct sparq_bench_args {
     const char * device;   // NULL or "": the CPU
     int          n_threads;
@@ -63,6 +63,7 @@ struct sparq_bench_args {
     const struct ggml_sparq_params * params;
     double     * sparq_us; // [n_runs]
     double     * flash_us; // [n_runs]
+    int64_t      n_seq;    // sequences (streams), each with its own n_kv cells; 0: 1
 };
 SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
 

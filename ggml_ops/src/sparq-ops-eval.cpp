@@ -114,28 +114,53 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
 
 // ---- microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext on the same tensors ----------------
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
 namespace {
 
-void fill_random(ggml_tensor * t, std::mt19937 & rng, float heavy_tail) {
-    const int64_t n = ggml_nelements(t);
+// Random values for a tensor of any size without generating them all: a pool of 2^22 values drawn once,
+// copied in tiles, each tile starting at a different pool offset. Timings do not depend on the values;
+// the pool is longer than any K^T row, so cells of a row keep distinct scores.
+struct random_pool {
+    std::vector<float> f32;
+    std::vector<ggml_fp16_t> f16;
+    std::vector<ggml_bf16_t> bf16;
+
+    explicit random_pool(std::mt19937 & rng) : f32(size_t(1) << 22), f16(f32.size()), bf16(f32.size()) {
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (auto & x : f32) {
+            x = normal(rng);
+        }
+        ggml_fp32_to_fp16_row(f32.data(), f16.data(), (int64_t) f32.size());
+        ggml_fp32_to_bf16_row(f32.data(), bf16.data(), (int64_t) f32.size());
+    }
+    const void * data(ggml_type type) const {
+        return type == GGML_TYPE_F32 ? (const void *) f32.data() : type == GGML_TYPE_F16 ? (const void *) f16.data()
+                                                                                          : (const void *) bf16.data();
+    }
+};
+
+void fill_random(ggml_tensor * t, const random_pool & pool, std::mt19937 & rng) {
+    const size_t ts = ggml_type_size(t->type), n = pool.f32.size(), total = ggml_nbytes(t);
+    const char * src = (const char *) pool.data(t->type);
+    const size_t tile = (n / 2) * ts;
+    for (size_t off = 0; off < total; off += tile) {
+        const size_t start = (rng() % (n / 2)) * ts;
+        ggml_backend_tensor_set(t, src + start, off, std::min(tile, total - off));
+    }
+}
+
+// Heavy-tailed queries (a few large components, as real models have): z * (1 + 0.3 z^2).
+void fill_queries(ggml_tensor * q, std::mt19937 & rng) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<float> f32(n);
-    for (auto & x : f32) {
+    std::vector<float> x(ggml_nelements(q));
+    for (auto & v : x) {
         const float z = normal(rng);
-        x = heavy_tail > 0.0f ? z * (1.0f + heavy_tail * z * z) : z;  // heavy-tailed queries
+        v = z * (1.0f + 0.3f * z * z);
     }
-    std::vector<uint8_t> bytes(ggml_nbytes(t));
-    if (t->type == GGML_TYPE_F32) {
-        memcpy(bytes.data(), f32.data(), bytes.size());
-    } else if (t->type == GGML_TYPE_F16) {
-        ggml_fp32_to_fp16_row(f32.data(), (ggml_fp16_t *) bytes.data(), n);
-    } else {
-        ggml_fp32_to_bf16_row(f32.data(), (ggml_bf16_t *) bytes.data(), n);
-    }
-    ggml_backend_tensor_set(t, bytes.data(), 0, bytes.size());
+    ggml_backend_tensor_set(q, x.data(), 0, ggml_nbytes(q));
 }
 
 }  // namespace
@@ -153,13 +178,13 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     ggml_init_params ip = { ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), nullptr, true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
-    const int64_t d = a->d, n_kv = a->n_kv;
-    ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, 1);
-    ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, 1);
-    ggml_tensor * kt   = a->use_kt ? ggml_new_tensor_4d(c, kv_type, n_kv, d, a->n_head_kv, 1) : nullptr;
-    ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, 1);
+    const int64_t d = a->d, n_kv = a->n_kv, ns = std::max<int64_t>(1, a->n_seq);
+    ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, ns);
+    ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
+    ggml_tensor * kt   = a->use_kt ? ggml_new_tensor_4d(c, kv_type, n_kv, d, a->n_head_kv, ns) : nullptr;
+    ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
     ggml_tensor * mask = ggml_new_tensor_4d(c, GGML_TYPE_F16, n_kv, 1, 1, 1);
-    ggml_tensor * vsum = ggml_new_tensor_4d(c, GGML_TYPE_F32, d + 1, a->n_head_kv, 1, 1);
+    ggml_tensor * vsum = ggml_new_tensor_4d(c, GGML_TYPE_F32, d + 1, a->n_head_kv, 1, ns);
     if (const char * msg = ggml_sparq_attn_check(q, k, kt, v, mask, vsum, a->params)) {
         return fail(err, err_size, "%s", msg);
     }
@@ -178,28 +203,21 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     if (!buf) {
         return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
     }
+    // K^T holds its own random values rather than the transpose of K: the op reads the same amount either
+    // way, and at 128k x 16 sequences a host-side transpose would take minutes
     std::mt19937 rng(1234);
-    fill_random(q, rng, 0.3f);
-    fill_random(k, rng, 0.0f);
-    fill_random(v, rng, 0.0f);
-    if (kt) {  // the transposed copy of k, as llama keeps it
-        std::vector<uint8_t> src(ggml_nbytes(k)), dst(ggml_nbytes(kt));
-        ggml_backend_tensor_get(k, src.data(), 0, src.size());
-        const size_t ts = ggml_type_size(kv_type);
-        for (int64_t h = 0; h < a->n_head_kv; ++h) {
-            for (int64_t j = 0; j < n_kv; ++j) {
-                for (int64_t i = 0; i < d; ++i) {
-                    memcpy(&dst[((h * d + i) * n_kv + j) * ts], &src[((h * n_kv + j) * d + i) * ts], ts);
-                }
-            }
+    const random_pool pool(rng);
+    fill_queries(q, rng);
+    for (ggml_tensor * t : { k, kt, v }) {
+        if (t) {
+            fill_random(t, pool, rng);
         }
-        ggml_backend_tensor_set(kt, dst.data(), 0, dst.size());
     }
     std::vector<ggml_fp16_t> zeros(n_kv, ggml_fp32_to_fp16(0.0f));
     ggml_backend_tensor_set(mask, zeros.data(), 0, n_kv * sizeof(ggml_fp16_t));
-    std::vector<float> vs((d + 1) * a->n_head_kv, 0.0f);
-    for (int64_t h = 0; h < a->n_head_kv; ++h) {
-        vs[h * (d + 1) + d] = (float) n_kv;
+    std::vector<float> vs((d + 1) * a->n_head_kv * ns, 0.0f);
+    for (int64_t i = 0; i < a->n_head_kv * ns; ++i) {
+        vs[i * (d + 1) + d] = (float) n_kv;
     }
     ggml_backend_tensor_set(vsum, vs.data(), 0, vs.size() * sizeof(float));
 

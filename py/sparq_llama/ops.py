@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._lib import libllama
+from ._lib import devices, libllama
 from .reference import MEAN_MODES, POLICIES
 
 # ggml_type values (ggml.h)
@@ -52,6 +52,19 @@ def _params(*, k1: int, k2: int, window: int | None = None, sinks: int = 0, mean
                            softcap=float(softcap), sparse_v_thresh=float(sparse_v_thresh))
 
 
+def _device_name(backend: str) -> bytes | None:
+    """The ggml device for a backend argument: None (the CPU) or b"CUDA<N>"; ValueError if there is none."""
+    if backend == "cpu":
+        return None
+    kind, _, index = backend.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"backend must be 'cpu', 'cuda' or 'cuda:N', got {backend!r}")
+    name, seen = f"CUDA{index or 0}", [dev["name"] for dev in devices()]
+    if name not in seen:
+        raise ValueError(f"backend {backend!r}: no ggml device {name} (this build sees {seen})")
+    return name.encode()
+
+
 def _eval_fn():
     fn = libllama().sparq_llama_eval_sparq_attn
     fn.argtypes = [ctypes.POINTER(SparqEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
@@ -84,12 +97,13 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                policy: Literal["sparq", "exact", "window"] = "sparq", sparse_v_thresh: float = 0.0,
                vsum: np.ndarray | None = None, kv_dtype: Literal["f16", "bf16", "f32"] = "f16",
                layout: Literal["kt", "default"] = "kt", n_threads: int | None = None,
-               device: str | None = None, pos: np.ndarray | None = None) -> np.ndarray:
+               backend: str = "cpu", pos: np.ndarray | None = None) -> np.ndarray:
     """ggml_sparq_attn on our library; arguments as `reference.sparq_attn` (pos included), plus:
 
     kv_dtype: type K, K^T and V are stored in; layout: "kt" passes the transposed key copy, "default"
-    lets the op gather from row-major K; n_threads: CPU threads (None: all cores); device: ggml device
-    name (None: the CPU); vsum: per-row running sums [ns, n_q, n_head_kv, d_v + 1] (None: computed).
+    lets the op gather from row-major K; n_threads: CPU threads (None: all cores); backend: "cpu",
+    "cuda" (the first CUDA device) or "cuda:N" (`sparq_llama.devices()` lists them); vsum: per-row running sums
+    [ns, n_q, n_head_kv, d_v + 1] (None: computed).
     Bad arguments raise ValueError with the op's own message. Returns float64 in the input's layout.
     """
     if kv_dtype not in _GGML_TYPES:
@@ -137,7 +151,7 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     params = _params(k1=k1, k2=k2, window=window, sinks=sinks, mean=mean, policy=policy, scale=scale,
                      softcap=softcap, sparse_v_thresh=sparse_v_thresh)
     ptr = lambda a: None if a is None else a.ctypes.data
-    args = SparqEvalArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
+    args = SparqEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
                          kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
                          mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
@@ -155,24 +169,25 @@ class SparqBenchArgs(ctypes.Structure):
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv")] + \
         [("use_kt", ctypes.c_int), ("n_runs", ctypes.c_int), ("params", ctypes.POINTER(GgmlSparqParams)),
-         ("sparq_us", ctypes.POINTER(ctypes.c_double)), ("flash_us", ctypes.POINTER(ctypes.c_double))]
+         ("sparq_us", ctypes.POINTER(ctypes.c_double)), ("flash_us", ctypes.POINTER(ctypes.c_double)),
+         ("n_seq", ctypes.c_int64)]
 
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,
                n_threads: int | None = None, kv_dtype: str = "f16", layout: str = "kt", mean: str = "auto",
-               device: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decode-step times (µs) of ggml_sparq_attn and ggml_flash_attn_ext on the same random cache,
-    `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us)."""
+               backend: str = "cpu", n_seq: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Decode-step times (µs) of ggml_sparq_attn and ggml_flash_attn_ext on the same random cache of
+    `n_seq` sequences of `n_kv` cells, `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us)."""
     fn = libllama().sparq_llama_bench_attn
     fn.argtypes = [ctypes.POINTER(SparqBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
     fn.restype = ctypes.c_int
     params = _params(k1=k1, k2=k2, mean=mean)
     sparq_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
-    args = SparqBenchArgs(device=device.encode() if device else None, n_threads=int(n_threads or os.cpu_count() or 1),
+    args = SparqBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
                           kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
-                          sparq_us=sparq_us, flash_us=flash_us)
+                          sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq))
     err = ctypes.create_string_buffer(1024)
     if fn(ctypes.byref(args), err, len(err)) != 0:
         raise ValueError(err.value.decode())

@@ -1,0 +1,32 @@
+"""What every CUDA benchmark record holds: the GPU and driver, the commit, the command, the build."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparq_decode import build_info, git_commit, machine  # noqa: E402
+
+
+def gpu() -> dict[str, Any]:
+    """nvidia-smi's view of the GPUs (name, driver, memory), or the error."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, check=True).stdout
+        return {"gpus": [dict(zip(("name", "driver", "memory", "max_sm_clock"), (f.strip() for f in line.split(","))))
+                         for line in out.strip().splitlines()]}
+    except (OSError, subprocess.CalledProcessError) as e:
+        return {"error": str(e)}
+
+
+def provenance() -> dict[str, Any]:
+    """Machine, GPU, commit (git, or $SPARQ_COMMIT where the tree was copied without .git), command, build."""
+    commit = git_commit()
+    if commit.get("commit") in (None, "", "unknown"):
+        commit = {"commit": os.environ.get("SPARQ_COMMIT", "unknown"), "dirty": None,
+                  "note": "tree copied without .git; commit given by $SPARQ_COMMIT"}
+    return {"machine": machine(), "gpu": gpu(), "git": commit, "command": " ".join([sys.executable, *sys.argv]),
+            "build": build_info()}

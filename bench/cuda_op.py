@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Benchmark (a) of issue 6: ggml_sparq_attn vs ggml_flash_attn_ext on CUDA, one decode step.
+
+Llama-2-7B heads (32 q / 32 kv, d = 128), f16 KV, k1 = 32, k2 = 128, S in {4k, 16k, 32k, 64k, 128k},
+B in {1, 16} sequences (streams of S cells each). Median of N interleaved runs per op. Reports time, the
+bandwidth each op achieves on the paper's transfer model, the speedup and the speedup the model predicts.
+
+    python bench/cuda_op.py [--runs 50] [--out bench/results/cuda_op.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from sparq_llama import ops
+from sparq_llama.reference import transfer_ratio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_common import provenance  # noqa: E402
+
+HEADS = dict(d=128, n_head=32, n_head_kv=32)
+
+
+def bytes_moved(s: int, b: int, d: int, n_head_kv: int, k1: int, k2: int, sparq: bool) -> float:
+    """f16 bytes per step on the paper's model: dense 2Sd + 2d, SparQ Sr + 2kd + 4d elements per KV head."""
+    per_head = s * k1 + 2 * k2 * d + 4 * d if sparq else 2 * s * d + 2 * d
+    return 2.0 * per_head * n_head_kv * b
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--seqs", default="4096,16384,32768,65536,131072")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--k1", type=int, default=32)
+    ap.add_argument("--k2", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cuda_op.json")
+    args = ap.parse_args()
+
+    rows = []
+    print(f"{'S':>7} {'B':>3} {'sparq us':>9} {'flash us':>9} {'sparq GB/s':>10} {'flash GB/s':>10} "
+          f"{'speedup':>8} {'theory':>7}", flush=True)
+    for b in (int(x) for x in args.batches.split(",")):
+        for s in (int(x) for x in args.seqs.split(",")):
+            sparq_us, flash_us = ops.bench_attn(**HEADS, n_kv=s, k1=args.k1, k2=args.k2, n_runs=args.runs,
+                                                backend="cuda", n_seq=b, mean="auto")
+            ts, tf = float(np.median(sparq_us)), float(np.median(flash_us))
+            theory = transfer_ratio(s, HEADS["d"], args.k1, args.k2)
+            row = dict(S=s, B=b, sparq_us=ts, flash_us=tf, speedup=tf / ts, theory=theory,
+                       sparq_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], args.k1, args.k2, True) / ts / 1e3,
+                       flash_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], args.k1, args.k2, False) / tf / 1e3,
+                       raw_sparq_us=[float(x) for x in sparq_us], raw_flash_us=[float(x) for x in flash_us])
+            rows.append(row)
+            print(f"{s:>7} {b:>3} {ts:>9.1f} {tf:>9.1f} {row['sparq_gbps']:>10.0f} {row['flash_gbps']:>10.0f} "
+                  f"{row['speedup']:>7.2f}x {theory:>6.2f}x", flush=True)
+    target = next((r for r in rows if r["S"] == 32768 and r["B"] == 1), None)
+    result = dict(provenance(), params=dict(HEADS, k1=args.k1, k2=args.k2, kv="f16", runs=args.runs,
+                                             mean="auto (on: MHA)", statistic="median"),
+                  target={"what": "speedup >= 6x at S = 32k, B = 1",
+                          "measured": target["speedup"] if target else None,
+                          "met": bool(target and target["speedup"] >= 6.0)},
+                  rows=rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Issue 6 on a lent GPU machine without a package registry, in stages (each one call of the device tool):
+#   bench/device_cuda.sh build test op       build (incremental in build/cuda), CUDA op tests, benchmark (a)
+#   bench/device_cuda.sh sanitize e2e        compute-sanitizer memcheck + racecheck, benchmark (b)
+#   bench/device_cuda.sh batched greedy      benchmark (c), greedy text CPU vs GPU on SmolLM2
+# Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
+# llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
+# the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
+# and collect in /tmp/m). Logs and results go to $OUT; SPARQ_COMMIT names the commit for the records.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/m
+REPO=$PWD
+BUILD=$REPO/build/cuda
+export PYTHONPATH=$REPO/py:/tmp/site PYTHONUNBUFFERED=1 SPARQ_LLAMA_LIB_DIR=$BUILD/bin
+status=0
+
+setup_python() {
+    [ -d /tmp/site/llama_cpp ] && return
+    for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+}
+collect_model_parts() {
+    for p in .device/m/smollm2.part*; do [ -f "$p" ] && cp "$p" /tmp/m/; done
+}
+
+stage_build() {
+    local t0=$(date +%s)
+    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DSPARQ_LLAMA_SOURCE="$REPO/.device/llama.cpp-src.tgz" -DPython3_EXECUTABLE="$(command -v python3)" \
+        > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; return 1; }
+    cmake --build "$BUILD" --target llama llama-bench llama-batched-bench llama-completion -j "$(nproc)" \
+        > "$OUT/build.log" 2>&1 || { grep -B2 -A12 "error" "$OUT/build.log" | head -80; return 1; }
+    echo "build: $(( $(date +%s) - t0 )) s"
+}
+
+stage_test() {
+    python3 -c "import sparq_llama, json; print(json.dumps(sparq_llama.devices()))"
+    python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -15
+}
+
+stage_op() {
+    python3 bench/cuda_op.py --runs 50 --out "$OUT/cuda_op.json"
+}
+
+stage_sanitize() {
+    local t="tests/test_op_sparq_attn_cuda.py"
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
+        -k "(random_case and 3) or window_and_sinks or empty_rows or k2_covering or long_sequences" \
+        > "$OUT/memcheck.log" 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+    compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
+        -k "(random_case and 7) or (window_and_sinks and 1)" \
+        > "$OUT/racecheck.log" 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck.log" | tail -3
+}
+
+stage_e2e() {
+    python3 bench/cuda_e2e.py --bin "$BUILD/bin" --models /tmp/models --part b 2>&1 | tee "$OUT/e2e.log" | grep -v "^running"
+    cp bench/results/cuda_e2e.json "$OUT/" 2>/dev/null
+}
+
+stage_batched() {
+    python3 bench/cuda_e2e.py --bin "$BUILD/bin" --models /tmp/models --part c 2>&1 | tee "$OUT/batched.log" | grep -v "^running"
+    cp bench/results/cuda_batched.json "$OUT/" 2>/dev/null
+}
+
+stage_greedy() {
+    cat /tmp/m/smollm2.part* > /tmp/m/smollm2.gguf
+    local prompt="The history of the Roman Empire begins with the founding of the city. Over many centuries the small \
+settlement on the Tiber grew into a republic, then into an empire that ruled the whole Mediterranean. Its roads, laws \
+and language shaped the continent for a thousand years after its fall. Historians still argue about why it fell:"
+    local common=(-m /tmp/m/smollm2.gguf -p "$prompt" -n 96 --temp 0 -no-cnv -c 2048 -fa on --sparq-min-kv 0)
+    for k2 in 4096 64; do
+        "$BUILD/bin/llama-completion" "${common[@]}" --sparq --k1 16 --k2 $k2 -dev none -t 16 > "$OUT/greedy_cpu_k2_$k2.txt" 2>/dev/null
+        "$BUILD/bin/llama-completion" "${common[@]}" --sparq --k1 16 --k2 $k2 -ngl 99 > "$OUT/greedy_gpu_k2_$k2.txt" 2>"$OUT/greedy_gpu_k2_$k2.log"
+        if cmp -s "$OUT/greedy_cpu_k2_$k2.txt" "$OUT/greedy_gpu_k2_$k2.txt"; then echo "greedy k2=$k2: CPU == GPU"; else
+            echo "greedy k2=$k2: CPU != GPU"; diff <(tr ' ' '\n' < "$OUT/greedy_cpu_k2_$k2.txt") <(tr ' ' '\n' < "$OUT/greedy_gpu_k2_$k2.txt") | head -5; fi
+    done
+    grep -c "sparq_attn\|SparQ on" "$OUT/greedy_gpu_k2_64.log"
+}
+
+setup_python
+collect_model_parts
+for stage in "$@"; do
+    echo "=== $stage ($(date +%T))"
+    "stage_$stage" || { status=1; echo "stage $stage failed"; [ "$stage" = build ] && exit 1; }
+done
+exit $status

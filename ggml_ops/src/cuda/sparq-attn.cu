@@ -1,0 +1,1261 @@
+// CUDA kernel of ggml_sparq_attn. Semantics: ggml_ops/include/ggml-sparq.h and shared/DESIGN.md; the CPU
+// kernel (ggml_ops/src/cpu/sparq-attn-cpu.cpp) is the reference for every detail (tie rules included).
+//
+// A row is (KV head h, query row t, stream s), as on the CPU; the query heads of h's group share the row's
+// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, two
+// kernels, both split along the sequence so that every SM streams even when there are only 8 KV heads:
+//   A. scores (grid: chunks of A_CHUNK cells x rows). Each block recomputes the row's I1 and scaled query
+//      components (a few hundred flops), writes the approximate logits of its chunk and the chunk's softmax
+//      max/sum and visible-cell statistics. The row's last block merges the chunk statistics (softmax
+//      normaliser, visible count, position range) and sets a candidate threshold from a strided sample of
+//      the group score, so that about 4x the needed cells pass it.
+//   B. select + attend (grid: chunks of B_CHUNK cells x rows). Each block marks the row's forced cells
+//      (window and sinks, or every visible cell of a dense row) in a bitmap whose words it owns, and appends
+//      the cells whose group score passes the threshold to the row's candidate list. The row's last block
+//      picks the exact top of the candidates (radix select on (score, cell) keys, equal scores going to the
+//      lower cell), reads I2 in cell order out of the bitmap and runs exact attention for every head.
+// When the sample misleads (too few or too many candidates) or positions are not distinct, the last block
+// falls back to exact selections over all cells: slower, same result. Launch sizes depend on shapes only
+// (CUDA graphs stay on); no host round trip.
+#include "sparq-attn.cuh"
+
+#include "ggml-sparq.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int      A_THREADS   = 256;
+constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
+constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
+constexpr int      A_UNROLL    = 4;                      // K^T rows in flight per thread
+constexpr int      B_THREADS   = 256;
+constexpr int64_t  B_CHUNK     = 4096;
+constexpr int      N_WARPS_B   = B_THREADS / WARP_SIZE;
+constexpr int      SAMPLE      = 1024;                   // cells sampled for the candidate threshold
+constexpr int      MAX_NG      = 8;                      // query heads per pass over K^T in kernel A
+constexpr int      V_HEADS     = 4;                      // query heads per pass over V in kernel B
+constexpr int      RED_FLOATS  = 8192;                   // kernel B's shared buffer for the V reduction
+constexpr int      MAX_HEAD_DIM = 1024;
+constexpr uint16_t F16_NEG_INF = 0xFC00;
+constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
+constexpr int      N_CTR       = 8;                      // per-row counters (see ctr_*)
+
+enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
+enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
+enum counter { CTR_DONE_A = 0, CTR_DONE_B = 1, CTR_N_W = 2, CTR_N_S = 3, CTR_N_CAND = 4 };
+enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, N_RI = 8 };
+
+struct sparq_args {
+    const char * q; const char * k; const char * kt; const char * v;
+    const char * mask; const char * vsum; const char * pos;
+    char * dst;
+    int64_t d, d_v, n_q, n_head, n_head_kv, ns, n_kv, group;
+    size_t q_nb1, q_nb2, q_nb3;
+    size_t k_nb1, k_nb2, k_nb3;
+    size_t kt_nb1, kt_nb2, kt_nb3;
+    size_t v_nb1, v_nb2, v_nb3;
+    size_t m_nb1, m_nb3;  int64_t m_ns;
+    size_t vs_nb1, vs_nb2, vs_nb3;
+    size_t p_nb3;         int64_t p_ns;
+    size_t o_nb1, o_nb2, o_nb3;
+    ggml_sparq_op_params p;
+    int32_t window, sinks, n_top;  // resolved for sparse rows: forced recent / first cells, cells to pick
+    int32_t cell_bits;             // bits of a cell index in a candidate key
+    int32_t n_chunks_a, n_chunks_b;
+    int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
+    bool vec_kt, vec_kv, vec_logits;
+};
+
+struct sparq_scratch {
+    float    * logits;   // [W][G][n_kv] approximate (or exact) logits, -inf for hidden cells
+    float    * cmax;     // [W][G][n_chunks_a]
+    float    * csum;     // [W][G][n_chunks_a]
+    int32_t  * cvis;     // [W][n_chunks_a][3]: visible cells, smallest and largest position
+    float    * rstat;    // [W][2G]: max logit M_g, 1/Z_g
+    int64_t  * rinfo;    // [W][N_RI]
+    uint32_t * counters; // [W][N_CTR], zeroed before kernel A
+    uint32_t * bitmap;   // [W][n_words]: I2
+    uint64_t * cand;     // [W][cap]
+    int32_t  * i2;       // [W][k2]
+    float    * weights;  // [W][G][k2]
+};
+
+// ---- loads -----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(nv_bfloat16 x) { return __bfloat162float(x); }
+
+// 8 consecutive values from a 16-byte aligned address.
+__device__ __forceinline__ void load8(const half * p, float (&x)[8]) {
+    const uint4 u = *(const uint4 *) p;
+    const half2 * h = (const half2 *) &u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        x[2*i] = f.x; x[2*i + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void load8(const nv_bfloat16 * p, float (&x)[8]) {
+    const uint4 u = *(const uint4 *) p;
+    const uint32_t w[4] = { u.x, u.y, u.z, u.w };
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        x[2*i]     = __uint_as_float(w[i] << 16);
+        x[2*i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
+__device__ __forceinline__ void load8(const float * p, float (&x)[8]) {
+    const float4 a = ((const float4 *) p)[0], b = ((const float4 *) p)[1];
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+// Elements [e0, e0 + 8) of a row of n values, vector load when allowed, zero past the end.
+template <typename T>
+__device__ __forceinline__ void load8_row(const T * row, int64_t e0, int64_t n, bool vec, float (&x)[8]) {
+    if (vec && e0 + 8 <= n) {
+        load8(row + e0, x);
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        x[e] = e0 + e < n ? to_f32(row[e0 + e]) : 0.0f;
+    }
+}
+
+// ---- row addressing --------------------------------------------------------------------------------
+
+struct row_coords {
+    int64_t h, t, st;
+};
+__device__ __forceinline__ row_coords coords_of(const sparq_args & a, int64_t r) {  // heads fastest (as the CPU)
+    return { r % a.n_head_kv, (r / a.n_head_kv) % a.n_q, r / (a.n_head_kv * a.n_q) };
+}
+__device__ __forceinline__ const float * q_row(const sparq_args & a, int64_t hq, const row_coords & c) {
+    return (const float *) (a.q + c.t*a.q_nb1 + hq*a.q_nb2 + c.st*a.q_nb3);
+}
+__device__ __forceinline__ const uint16_t * mask_row(const sparq_args & a, const row_coords & c) {
+    return a.mask ? (const uint16_t *) (a.mask + c.t*a.m_nb1 + (c.st % a.m_ns)*a.m_nb3) : nullptr;
+}
+__device__ __forceinline__ const int32_t * pos_row(const sparq_args & a, const row_coords & c) {
+    return a.pos ? (const int32_t *) (a.pos + (c.st % a.p_ns)*a.p_nb3) : nullptr;
+}
+__device__ __forceinline__ bool visible(const uint16_t * m, int64_t j) { return !m || m[j] != F16_NEG_INF; }
+__device__ __forceinline__ int64_t position(const int32_t * p, int64_t j) { return p ? p[j] : j; }
+
+__device__ __forceinline__ float logit_exact(const sparq_args & a, float dot) {
+    float l = a.p.scale * dot;
+    if (a.p.softcap > 0.0f) {
+        l = a.p.softcap * tanhf(l / a.p.softcap);
+    }
+    return l;
+}
+
+// ---- block-wide helpers ----------------------------------------------------------------------------
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+    for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
+        v = op(v, __shfl_xor_sync(0xFFFFFFFF, v, off));
+    }
+    return v;
+}
+
+// Reduction over the block in a fixed order (deterministic). red: 32 shared slots of T.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op, T identity, T * red) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    v = warp_reduce(v, op);
+    __syncthreads();
+    if (lane == 0) {
+        red[warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int) (blockDim.x / WARP_SIZE) ? red[lane] : identity;
+        v = warp_reduce(v, op);
+        if (lane == 0) {
+            red[0] = v;
+        }
+    }
+    __syncthreads();
+    return red[0];
+}
+
+struct op_max { template <typename T> __device__ T operator()(T x, T y) const { return x > y ? x : y; } };
+struct op_min { template <typename T> __device__ T operator()(T x, T y) const { return x < y ? x : y; } };
+struct op_add { template <typename T> __device__ T operator()(T x, T y) const { return x + y; } };
+
+struct select_state {
+    uint64_t prefix;
+    uint32_t need;
+    int      done;
+};
+
+// Radix select over keys key_of(0..n) (0 = not an item; items have distinct keys): returns T such that
+// exactly `need` items have key >= T (need <= number of items). Digits of 8 bits from bit top_shift down;
+// stops early once a digit's bin holds exactly the remaining need.
+template <typename KeyFn>
+__device__ uint64_t block_select(int64_t n, uint32_t need, int top_shift, KeyFn key_of, uint32_t * hist,
+                                 select_state * sst) {
+    if (threadIdx.x == 0) {
+        sst->prefix = 0;
+        sst->need   = need;
+        sst->done   = 0;
+    }
+    uint64_t pmask = 0;
+    for (int shift = top_shift; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+            hist[b] = 0;
+        }
+        __syncthreads();
+        const uint64_t prefix = sst->prefix;
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+            const uint64_t key = key_of(i);
+            if (key != 0 && (key & pmask) == prefix) {
+                atomicAdd(&hist[(key >> shift) & 0xFF], 1u);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < WARP_SIZE) {
+            // lane l owns bins 255 - 8l ... 248 - 8l (descending); prefix sums over lanes find the bin where the
+            // count from the top reaches `need`
+            const int lane = threadIdx.x;
+            uint32_t c[8], tot = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                c[e] = hist[255 - 8*lane - e];
+                tot += c[e];
+            }
+            uint32_t incl = tot;
+#pragma unroll
+            for (int off = 1; off < WARP_SIZE; off <<= 1) {
+                const uint32_t y = __shfl_up_sync(0xFFFFFFFF, incl, off);
+                incl += lane >= off ? y : 0;
+            }
+            const uint32_t need_now = sst->need;
+            __syncwarp();
+            if (incl - tot < need_now && incl >= need_now) {
+                uint32_t cum = incl - tot;
+                for (int e = 0; e < 8; ++e) {
+                    if (cum + c[e] >= need_now) {
+                        sst->prefix = prefix | ((uint64_t) (255 - 8*lane - e) << shift);
+                        sst->need   = need_now - cum;
+                        sst->done   = c[e] == need_now - cum;
+                        break;
+                    }
+                    cum += c[e];
+                }
+            }
+        }
+        __syncthreads();
+        pmask |= (uint64_t) 0xFF << shift;
+        if (sst->done) {
+            break;
+        }
+    }
+    const uint64_t result = sst->prefix;
+    __syncthreads();
+    return result;
+}
+
+__device__ __forceinline__ int top_shift_for(int bits) { return ((bits - 1) / 8) * 8; }
+
+// Group score of cell j: sum over the group's heads of the approximate probability.
+__device__ __forceinline__ float group_score(const float * lrow, int64_t n_kv, int64_t G, const float * rstat, int64_t j) {
+    float c = 0.0f;
+    for (int64_t g = 0; g < G; ++g) {
+        c += __expf(lrow[g*n_kv + j] - rstat[g]) * rstat[G + g];
+    }
+    return c;
+}
+__device__ __forceinline__ uint32_t score_key(float c) { return __float_as_uint(c) + 1u; }  // c >= 0: order kept
+
+// ---- kernel A: scores ------------------------------------------------------------------------------
+
+// I1 (ascending) of the row: the k1 largest components of sum_g |q_g|, ties to the lower component.
+__device__ void compute_i1(const sparq_args & a, const row_coords & c, float * absum, int * rank, int * i1) {
+    const int64_t d = a.d, G = a.group;
+    const int k1 = a.p.k1;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        float s = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+            s += fabsf(q_row(a, c.h*G + g, c)[i]);
+        }
+        absum[i] = s;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float ai = absum[i];
+        int rk = 0;
+        for (int64_t j = 0; j < d; ++j) {
+            const float b = absum[j];
+            rk += (b > ai) | ((b == ai) & (j < i));
+        }
+        rank[i] = rk;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        if (rank[i] < k1) {
+            int at = 0;
+            for (int64_t j = 0; j < i; ++j) {
+                at += rank[j] < k1;
+            }
+            i1[at] = (int) i;
+        }
+    }
+    __syncthreads();
+}
+
+// Heads g0 .. g0+NG of the row into shared memory: scaled components at I1 (SparQ) or whole rows (exact).
+template <int POL, int NG>
+__device__ void load_query_pass(const sparq_args & a, const row_coords & c, int64_t g0, const int * i1,
+                                float * fac, float * qs) {
+    const int64_t G = a.group, d = a.d;
+    const int k1 = a.p.k1;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    __syncthreads();  // qs of the previous pass is no longer read
+    if (POL == SC_KT || POL == SC_GATHER) {
+        // factor_g = scale / sqrt(rho_g), rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU)
+        for (int gg = warp; gg < NG; gg += blockDim.x / WARP_SIZE) {
+            if (g0 + gg >= G) {
+                continue;
+            }
+            const float * qg = q_row(a, c.h*G + g0 + gg, c);
+            double all = 0.0, sel = 0.0;
+            for (int64_t i = lane; i < d; i += WARP_SIZE) {
+                all += fabs((double) qg[i]);
+            }
+            for (int i = lane; i < k1; i += WARP_SIZE) {
+                sel += fabs((double) qg[i1[i]]);
+            }
+            all = warp_reduce(all, op_add());
+            sel = warp_reduce(sel, op_add());
+            if (lane == 0) {
+                const double rho = all > 0.0 ? sel / all : 1.0;
+                fac[gg] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
+            }
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < NG*k1; idx += blockDim.x) {
+            const int gg = idx / k1, i = idx % k1;
+            qs[idx] = g0 + gg < G ? q_row(a, c.h*G + g0 + gg, c)[i1[i]] * fac[gg] : 0.0f;
+        }
+    } else if (POL == SC_EXACT) {
+        for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
+            const int64_t gg = idx / d, i = idx % d;
+            qs[idx] = g0 + gg < G ? q_row(a, c.h*G + g0 + gg, c)[i] : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
+// The row's last kernel-A block: merge the chunk statistics, classify the row, set the candidate threshold.
+__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r) {
+    __shared__ uint32_t skey[2*SAMPLE];
+    __shared__ uint32_t hist[256];
+    __shared__ select_state sst;
+    __shared__ int64_t info[N_RI];
+    __shared__ int red[32];
+    const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
+    float * rstat = s.rstat + w*2*G;
+    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+        const float * cm = s.cmax + (w*G + g)*nA;
+        const float * cs = s.csum + (w*G + g)*nA;
+        float mx = -INFINITY;
+        for (int64_t ch = 0; ch < nA; ++ch) {
+            mx = fmaxf(mx, cm[ch]);
+        }
+        double total = 0.0;
+        for (int64_t ch = 0; ch < nA; ++ch) {
+            total += cm[ch] == -INFINITY ? 0.0 : cs[ch] * exp((double) cm[ch] - mx);
+        }
+        rstat[g]     = mx;
+        rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        int64_t n_vis = 0, p_min = INT64_MAX, p_max = INT64_MIN;
+        for (int64_t ch = 0; ch < nA; ++ch) {
+            const int32_t * cv = s.cvis + (w*nA + ch)*3;
+            if (cv[0] > 0) {
+                n_vis += cv[0];
+                p_min = min(p_min, (int64_t) cv[1]);
+                p_max = max(p_max, (int64_t) cv[2]);
+            }
+        }
+        info[RI_KIND]  = n_vis == 0 ? ROW_EMPTY : n_vis <= a.p.k2 ? ROW_DENSE : ROW_SPARSE;
+        info[RI_N_VIS] = n_vis;
+        info[RI_W_LO]  = p_max - a.window;   // window: position > w_lo
+        info[RI_S_HI]  = p_min + a.sinks;    // sinks:  position < s_hi
+        info[RI_THR]   = 1;                  // every candidate
+    }
+    __syncthreads();  // rstat (global, this block) and info
+    if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
+        // threshold: the sample's value at the rank that leaves ~4 * n_top cells above it
+        const int64_t stride = max((int64_t) 1, n_kv / SAMPLE);
+        const int64_t n_samp = (n_kv + stride - 1) / stride;  // < 2 * SAMPLE
+        const float * lrow = s.logits + w*G*n_kv;
+        const int64_t w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
+        const row_coords c = coords_of(a, r);
+        const uint16_t * m = mask_row(a, c);
+        const int32_t * pr = pos_row(a, c);
+        int cnt = 0;
+        for (int64_t i = threadIdx.x; i < n_samp; i += blockDim.x) {
+            const int64_t j = i * stride;
+            const int64_t pj = position(pr, j);
+            const bool cand = visible(m, j) && !(pj > w_lo || pj < s_hi);
+            skey[i] = cand ? score_key(group_score(lrow, n_kv, G, rstat, j)) : 0u;
+            cnt += cand;
+        }
+        const int n_valid = block_reduce(cnt, op_add(), 0, red);
+        const int64_t rank = (4 * (int64_t) a.n_top + 16) / stride;
+        if (rank < n_valid) {
+            const uint64_t thr = block_select(n_samp, (uint32_t) rank + 1, 24,
+                                              [&](int64_t i) { return (uint64_t) skey[i]; }, hist, &sst);
+            if (threadIdx.x == 0) {
+                info[RI_THR] = (int64_t) thr;
+            }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < N_RI; i += blockDim.x) {
+        s.rinfo[w*N_RI + i] = info[i];
+    }
+}
+
+template <typename T, int POL, int NG>
+__global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ float sm[];
+    __shared__ float fac[MAX_NG];
+    __shared__ float redf[32];
+    __shared__ int   redi[32];
+    __shared__ int   is_last;
+    const int64_t w = blockIdx.y, chunk = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
+    const int k1 = a.p.k1;
+    float * absum = sm;                       // [d]
+    int   * rank  = (int *) (sm + d);         // [d]
+    float * qs    = sm + 2*d;                 // [NG][k1] scaled components, or [NG][d] query rows
+    __shared__ int i1_buf[MAX_HEAD_DIM];
+
+    if (POL == SC_KT || POL == SC_GATHER) {
+        compute_i1(a, c, absum, rank, i1_buf);
+    }
+    const uint16_t * m  = mask_row(a, c);
+    const int32_t  * pr = pos_row(a, c);
+    const int64_t j0 = chunk*A_CHUNK + (int64_t) threadIdx.x*A_CELLS;
+
+    uint32_t vis = 0;  // bit u: cell j0 + u is visible
+    int n_vis = 0, p_min = INT32_MAX, p_max = INT32_MIN;
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        const int64_t j = j0 + u;
+        if (j < n_kv && visible(m, j)) {
+            vis |= 1u << u;
+            ++n_vis;
+            const int32_t pj = (int32_t) position(pr, j);
+            p_min = min(p_min, pj);
+            p_max = max(p_max, pj);
+        }
+    }
+
+    if (POL != SC_NONE) {
+        for (int64_t g0 = 0; g0 < G; g0 += NG) {
+            load_query_pass<POL, NG>(a, c, g0, i1_buf, fac, qs);
+            float acc[NG][A_CELLS];
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    acc[g][u] = 0.0f;
+                }
+            }
+            if (POL == SC_KT) {
+                // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load,
+                // A_UNROLL rows in flight
+                const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
+                const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
+                for (int i = 0; i < k1; i += A_UNROLL) {
+                    float x[A_UNROLL][A_CELLS];
+#pragma unroll
+                    for (int uu = 0; uu < A_UNROLL; ++uu) {
+                        const T * row = (const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1);
+                        if (vec) {
+                            load8(row + j0, x[uu]);
+                        } else {
+#pragma unroll
+                            for (int u = 0; u < A_CELLS; ++u) {
+                                x[uu][u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int uu = 0; uu < A_UNROLL; ++uu) {
+                        if (i + uu < k1) {
+#pragma unroll
+                            for (int g = 0; g < NG; ++g) {
+                                const float qv = qs[g*k1 + i + uu];
+#pragma unroll
+                                for (int u = 0; u < A_CELLS; ++u) {
+                                    acc[g][u] += qv * x[uu][u];
+                                }
+                            }
+                        }
+                    }
+                }
+            } else {
+                // default layout (gather k1 components of each row-major K row) or exact scores
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    const int64_t j = j0 + u;
+                    if (j >= n_kv) {
+                        continue;
+                    }
+                    const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
+                    if (POL == SC_GATHER) {
+                        for (int i = 0; i < k1; ++i) {
+                            const float x = to_f32(krow[i1_buf[i]]);
+#pragma unroll
+                            for (int g = 0; g < NG; ++g) {
+                                acc[g][u] += qs[g*k1 + i] * x;
+                            }
+                        }
+                    } else {
+                        for (int64_t i = 0; i < d; ++i) {
+                            const float x = to_f32(krow[i]);
+#pragma unroll
+                            for (int g = 0; g < NG; ++g) {
+                                acc[g][u] += qs[g*d + i] * x;
+                            }
+                        }
+#pragma unroll
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] = logit_exact(a, acc[g][u]);
+                        }
+                    }
+                }
+            }
+            // hidden cells: -inf; write the logits; the chunk's max and sum of exponentials per head
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                if (g0 + g >= G) {
+                    break;
+                }
+                float mx = -INFINITY;
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    acc[g][u] = (vis >> u) & 1 ? acc[g][u] : -INFINITY;
+                    mx = fmaxf(mx, acc[g][u]);
+                }
+                float * lrow = s.logits + (w*G + g0 + g)*n_kv;
+                if (a.vec_logits && j0 + A_CELLS <= n_kv) {
+                    ((float4 *) (lrow + j0))[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+                    ((float4 *) (lrow + j0))[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < A_CELLS; ++u) {
+                        if (j0 + u < n_kv) {
+                            lrow[j0 + u] = acc[g][u];
+                        }
+                    }
+                }
+                mx = block_reduce(mx, op_max(), -INFINITY, redf);
+                float sum = 0.0f;
+                if (mx != -INFINITY) {
+#pragma unroll
+                    for (int u = 0; u < A_CELLS; ++u) {
+                        sum += (vis >> u) & 1 ? __expf(acc[g][u] - mx) : 0.0f;
+                    }
+                }
+                sum = block_reduce(sum, op_add(), 0.0f, redf);
+                if (threadIdx.x == 0) {
+                    s.cmax[(w*G + g0 + g)*a.n_chunks_a + chunk] = mx;
+                    s.csum[(w*G + g0 + g)*a.n_chunks_a + chunk] = sum;
+                }
+            }
+        }
+    } else if (threadIdx.x < G) {
+        for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+            s.cmax[(w*G + g)*a.n_chunks_a + chunk] = -INFINITY;
+            s.csum[(w*G + g)*a.n_chunks_a + chunk] = 0.0f;
+        }
+    }
+    n_vis = block_reduce(n_vis, op_add(), 0, redi);
+    p_min = block_reduce(p_min, op_min(), INT32_MAX, redi);
+    p_max = block_reduce(p_max, op_max(), INT32_MIN, redi);
+    if (threadIdx.x == 0) {
+        int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
+        cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
+    }
+
+    // the row's last block to finish prepares the selection
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(&s.counters[w*N_CTR + CTR_DONE_A], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    __threadfence();
+    prepare_row(a, s, w, r0 + w);
+}
+
+// ---- kernel B: select and attend --------------------------------------------------------------------
+
+// Exclusive prefix sum over the block (fixed order); *total gets the sum. red: 32 shared ints.
+__device__ int block_exclusive_scan(int v, int * total, int * red) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, n_warps = blockDim.x / WARP_SIZE;
+    int incl = v;
+#pragma unroll
+    for (int off = 1; off < WARP_SIZE; off <<= 1) {
+        const int y = __shfl_up_sync(0xFFFFFFFF, incl, off);
+        incl += lane >= off ? y : 0;
+    }
+    __syncthreads();
+    if (lane == WARP_SIZE - 1) {
+        red[warp] = incl;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int x = lane < n_warps ? red[lane] : 0;
+#pragma unroll
+        for (int off = 1; off < WARP_SIZE; off <<= 1) {
+            const int y = __shfl_up_sync(0xFFFFFFFF, x, off);
+            x += lane >= off ? y : 0;
+        }
+        red[lane] = x;
+    }
+    __syncthreads();
+    const int before = warp > 0 ? red[warp - 1] : 0;
+    *total = red[n_warps - 1];
+    __syncthreads();
+    return before + incl - v;
+}
+
+__device__ __forceinline__ void mark_cell(uint32_t * bm, int64_t j) { atomicOr(&bm[j >> 5], 1u << (j & 31)); }
+// Bitmap words are read past L1 (__ldcg): this block's atomics update them in L2.
+__device__ __forceinline__ bool marked(const uint32_t * bm, int64_t j) { return (__ldcg(bm + (j >> 5)) >> (j & 31)) & 1u; }
+
+__device__ __forceinline__ uint64_t order_key(int64_t pos, int64_t j) {  // (position, cell) as one unsigned key
+    return ((uint64_t) ((uint32_t) pos ^ 0x80000000u) << 32) | (uint64_t) j;
+}
+
+// Exact selections over every cell of the row (the fallback): window and sinks by (position, cell), then the
+// top of the group score over the rest.
+__device__ void select_all_cells(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
+                                 uint32_t * hist, select_state * sst) {
+    const int64_t n_kv = a.n_kv, G = a.group;
+    const uint16_t * m  = mask_row(a, c);
+    const int32_t  * pr = pos_row(a, c);
+    uint32_t * bm = s.bitmap + w*a.n_words;
+    const float * lrow  = s.logits + w*G*n_kv;
+    const float * rstat = s.rstat + w*2*G;
+    for (int64_t i = threadIdx.x; i < a.n_words; i += blockDim.x) {
+        bm[i] = 0;
+    }
+    __syncthreads();
+    auto key_window = [&](int64_t j) -> uint64_t { return visible(m, j) ? order_key(position(pr, j), j) + 1 : 0; };
+    auto key_sinks  = [&](int64_t j) -> uint64_t { return visible(m, j) ? ~order_key(position(pr, j), j) : 0; };
+    if (a.window > 0) {
+        const uint64_t thr = block_select(n_kv, (uint32_t) a.window, 56, key_window, hist, sst);
+        for (int64_t j = threadIdx.x; j < n_kv; j += blockDim.x) {
+            const uint64_t key = key_window(j);
+            if (key != 0 && key >= thr) {
+                mark_cell(bm, j);
+            }
+        }
+    }
+    if (a.sinks > 0) {
+        const uint64_t thr = block_select(n_kv, (uint32_t) a.sinks, 56, key_sinks, hist, sst);
+        for (int64_t j = threadIdx.x; j < n_kv; j += blockDim.x) {
+            const uint64_t key = key_sinks(j);
+            if (key != 0 && key >= thr) {
+                mark_cell(bm, j);
+            }
+        }
+    }
+    __syncthreads();
+    if (a.n_top > 0) {
+        const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+        auto key_cand = [&](int64_t j) -> uint64_t {
+            if (!visible(m, j) || marked(bm, j)) {
+                return 0;
+            }
+            return ((uint64_t) score_key(group_score(lrow, n_kv, G, rstat, j)) << a.cell_bits) | (cmask - (uint64_t) j);
+        };
+        const uint64_t thr = block_select(n_kv, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits), key_cand, hist, sst);
+        for (int64_t j = threadIdx.x; j < n_kv; j += blockDim.x) {
+            const uint64_t key = key_cand(j);  // only this thread sets bit j: the key cannot change under it
+            if (key != 0 && key >= thr) {
+                mark_cell(bm, j);
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The row's last kernel-B block: final selection, I2 in cell order, then exact attention of every head.
+template <typename T, int VPT>
+__device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
+                           float * red_v, float * qsh, float * alpha) {
+    __shared__ uint32_t hist[256];
+    __shared__ select_state sst;
+    __shared__ int red[32];
+    __shared__ float vmean[MAX_HEAD_DIM];
+    const int64_t G = a.group, d = a.d, d_v = a.d_v, k2 = a.p.k2, n_kv = a.n_kv;
+    const int64_t * ri = s.rinfo + w*N_RI;
+    const int64_t kind = ri[RI_KIND];
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    auto out_row = [&](int64_t g) {
+        return (float *) (a.dst + (c.h*G + g)*a.o_nb1 + c.t*a.o_nb2 + c.st*a.o_nb3);
+    };
+    if (kind == ROW_EMPTY) {
+        for (int64_t idx = tid; idx < G*d_v; idx += blockDim.x) {
+            out_row(idx / d_v)[idx % d_v] = 0.0f;
+        }
+        return;
+    }
+    uint32_t * bm = s.bitmap + w*a.n_words;
+    if (kind == ROW_SPARSE) {
+        const volatile uint32_t * ctr = s.counters + w*N_CTR;
+        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND];
+        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
+                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
+        if (fast && a.n_top > 0) {
+            const uint64_t * cl = s.cand + w*a.cap;
+            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
+                                              [&](int64_t i) { return cl[i]; }, hist, &sst);
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                if (cl[i] >= thr) {
+                    mark_cell(bm, (int64_t) (cmask - (cl[i] & cmask)));
+                }
+            }
+        } else if (!fast) {
+            select_all_cells(a, s, w, c, hist, &sst);
+        }
+        __syncthreads();
+    }
+
+    // I2 in cell order from the bitmap
+    int32_t * i2 = s.i2 + w*k2;
+    const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
+    const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
+    int cnt = 0;
+    for (int64_t wd = wd0; wd < wd1; ++wd) {
+        cnt += __popc(__ldcg(bm + wd));
+    }
+    int n_sel = 0;
+    int at = block_exclusive_scan(cnt, &n_sel, red);
+    for (int64_t wd = wd0; wd < wd1; ++wd) {
+        for (uint32_t bits = __ldcg(bm + wd); bits; bits &= bits - 1) {
+            if (at < k2) {
+                i2[at] = (int32_t) (wd*32 + __ffs(bits) - 1);
+            }
+            ++at;
+        }
+    }
+    n_sel = min((int64_t) n_sel, k2);
+
+    // alpha_g and the mean value (sparse rows with the mean on)
+    const bool mix = kind == ROW_SPARSE && a.p.mean_on;
+    const row_coords cc = c;
+    __syncthreads();
+    if (mix) {
+        const float * lrow  = s.logits + w*G*n_kv;
+        const float * rstat = s.rstat + w*2*G;
+        for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+            float sum = 0.0f;
+            for (int i = lane; i < n_sel; i += WARP_SIZE) {
+                sum += __expf(lrow[g*n_kv + i2[i]] - rstat[g]) * rstat[G + g];
+            }
+            sum = warp_reduce(sum, op_add());
+            if (lane == 0) {
+                alpha[g] = sum;
+            }
+        }
+        if (a.vsum) {
+            const float * vs = (const float *) (a.vsum + cc.h*a.vs_nb1 + cc.t*a.vs_nb2 + cc.st*a.vs_nb3);
+            const float inv = vs[d_v] > 0.0f ? 1.0f / vs[d_v] : 0.0f;
+            for (int64_t i = tid; i < d_v; i += blockDim.x) {
+                vmean[i] = vs[i] * inv;
+            }
+        } else {
+            // no running sums given: the mean over every visible cell (reads all of V)
+            const uint16_t * m = mask_row(a, cc);
+            const float inv = 1.0f / (float) ri[RI_N_VIS];
+            for (int64_t i = tid; i < d_v; i += blockDim.x) {
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    if (visible(m, j)) {
+                        sum += to_f32(((const T *) (a.v + j*a.v_nb1 + cc.h*a.v_nb2 + cc.st*a.v_nb3))[i]);
+                    }
+                }
+                vmean[i] = sum * inv;
+            }
+        }
+    }
+    for (int64_t idx = tid; idx < G*d; idx += blockDim.x) {
+        qsh[idx] = q_row(a, cc.h*G + idx / d, cc)[idx % d];
+    }
+    __syncthreads();
+
+    // exact logits over I2: a group of tpr threads per cell, 8 components per thread and vector, 4 cells in
+    // flight per group
+    float * wts = s.weights + w*G*k2;
+    {
+        const int nvec = (int) ((d + 7) / 8);
+        int tpr = 1;
+        while (tpr < nvec && tpr < WARP_SIZE) {
+            tpr <<= 1;
+        }
+        const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
+        const char * kb = a.k + cc.h*a.k_nb2 + cc.st*a.k_nb3;
+        for (int ib = 0; ib < n_sel; ib += 4*slots) {
+            float x[4][VPT][8];
+#pragma unroll
+            for (int uu = 0; uu < 4; ++uu) {
+                const int i = ib + uu*slots + slot;
+                const T * krow = (const T *) (kb + (int64_t) (i < n_sel ? i2[i] : 0)*a.k_nb1);
+#pragma unroll
+                for (int vi = 0; vi < VPT; ++vi) {
+                    const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
+                    if (i < n_sel && e0 < d) {
+                        load8_row(krow, e0, d, a.vec_kv, x[uu][vi]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            x[uu][vi][e] = 0.0f;
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int uu = 0; uu < 4; ++uu) {
+                const int i = ib + uu*slots + slot;
+                for (int64_t g = 0; g < G; ++g) {
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int vi = 0; vi < VPT; ++vi) {
+                        const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            dot += e0 + e < d ? qsh[g*d + e0 + e] * x[uu][vi][e] : 0.0f;
+                        }
+                    }
+                    for (int off = tpr/2; off > 0; off >>= 1) {
+                        dot += __shfl_xor_sync(0xFFFFFFFF, dot, off);
+                    }
+                    if (lr == 0 && i < n_sel) {
+                        wts[g*k2 + i] = logit_exact(a, dot);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // softmax per head (one warp per head), Sparse-V threshold
+    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+        float * wg = wts + g*k2;
+        float mx = -INFINITY;
+        for (int i = lane; i < n_sel; i += WARP_SIZE) {
+            mx = fmaxf(mx, wg[i]);
+        }
+        mx = warp_reduce(mx, op_max());
+        float sum = 0.0f;
+        for (int i = lane; i < n_sel; i += WARP_SIZE) {
+            const float e = __expf(wg[i] - mx);
+            wg[i] = e;
+            sum += e;
+        }
+        sum = warp_reduce(sum, op_add());
+        const float inv = 1.0f / sum;
+        float wmax = 0.0f;
+        for (int i = lane; i < n_sel; i += WARP_SIZE) {
+            wg[i] *= inv;
+            wmax = fmaxf(wmax, wg[i]);
+        }
+        if (a.p.sparse_v_thresh > 0.0f) {
+            // drop weights below the threshold (the largest always stays) and renormalise
+            const float keep = fminf(a.p.sparse_v_thresh, warp_reduce(wmax, op_max()));
+            float kept = 0.0f;
+            for (int i = lane; i < n_sel; i += WARP_SIZE) {
+                wg[i] = wg[i] >= keep ? wg[i] : 0.0f;
+                kept += wg[i];
+            }
+            kept = warp_reduce(kept, op_add());
+            for (int i = lane; i < n_sel; i += WARP_SIZE) {
+                wg[i] /= kept;
+            }
+        }
+    }
+    __syncthreads();
+
+    // V: a group of tpr threads per cell accumulates up to V_HEADS heads; groups reduced through shared memory
+    {
+        const int nvec = (int) ((d_v + 7) / 8);
+        int tpr = 1;
+        while (tpr < nvec && tpr < WARP_SIZE) {
+            tpr <<= 1;
+        }
+        const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
+        const int hv = (int) max((int64_t) 1, min((int64_t) V_HEADS, RED_FLOATS / (slots*d_v)));
+        const char * vb = a.v + cc.h*a.v_nb2 + cc.st*a.v_nb3;
+        for (int64_t gb0 = 0; gb0 < G; gb0 += hv) {
+            float acc[V_HEADS][VPT][8];
+#pragma unroll
+            for (int gg = 0; gg < V_HEADS; ++gg) {
+#pragma unroll
+                for (int vi = 0; vi < VPT; ++vi) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        acc[gg][vi][e] = 0.0f;
+                    }
+                }
+            }
+            for (int ib = 0; ib < n_sel; ib += 4*slots) {
+                float x[4][VPT][8];
+#pragma unroll
+                for (int uu = 0; uu < 4; ++uu) {
+                    const int i = ib + uu*slots + slot;
+                    const T * vrow = (const T *) (vb + (int64_t) (i < n_sel ? i2[i] : 0)*a.v_nb1);
+#pragma unroll
+                    for (int vi = 0; vi < VPT; ++vi) {
+                        const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
+                        if (i < n_sel && e0 < d_v) {
+                            load8_row(vrow, e0, d_v, a.vec_kv, x[uu][vi]);
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) {
+                                x[uu][vi][e] = 0.0f;
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int uu = 0; uu < 4; ++uu) {
+                    const int i = ib + uu*slots + slot;
+                    if (i >= n_sel) {
+                        continue;
+                    }
+#pragma unroll
+                    for (int gg = 0; gg < V_HEADS; ++gg) {
+                        if (gg < hv && gb0 + gg < G) {
+                            const float p = wts[(gb0 + gg)*k2 + i];
+#pragma unroll
+                            for (int vi = 0; vi < VPT; ++vi) {
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) {
+                                    acc[gg][vi][e] += p * x[uu][vi][e];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int gg = 0; gg < V_HEADS; ++gg) {
+#pragma unroll
+                for (int vi = 0; vi < VPT; ++vi) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const int64_t dim = (int64_t) (lr + vi*tpr)*8 + e;
+                        if (gg < hv && dim < d_v) {
+                            red_v[(slot*hv + gg)*d_v + dim] = acc[gg][vi][e];
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+            for (int64_t idx = tid; idx < hv*d_v; idx += blockDim.x) {
+                const int64_t gg = idx / d_v, dim = idx % d_v, g = gb0 + gg;
+                if (g >= G) {
+                    continue;
+                }
+                float sum = 0.0f;
+                for (int p = 0; p < slots; ++p) {
+                    sum += red_v[(p*hv + gg)*d_v + dim];
+                }
+                out_row(g)[dim] = mix ? alpha[g]*sum + (1.0f - alpha[g])*vmean[dim] : sum;
+            }
+            __syncthreads();
+        }
+    }
+}
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ float smb[];  // [RED_FLOATS] V reduction | [G][d] query rows | [G] alpha
+    __shared__ int red[32];
+    __shared__ int is_last;
+    const int64_t w = blockIdx.y, chunk = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, n_kv = a.n_kv;
+    const int64_t * ri = s.rinfo + w*N_RI;
+    const int64_t kind = ri[RI_KIND], w_lo = ri[RI_W_LO], s_hi = ri[RI_S_HI];
+    const uint32_t thr = (uint32_t) ri[RI_THR];
+    const float * rstat = s.rstat + w*2*G;
+    const float * lrow  = s.logits + w*G*n_kv;
+    const uint16_t * m  = mask_row(a, c);
+    const int32_t  * pr = pos_row(a, c);
+    uint32_t * bm  = s.bitmap + w*a.n_words;
+    uint64_t * cl  = s.cand + w*a.cap;
+    uint32_t * ctr = s.counters + w*N_CTR;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const bool find_cand = kind == ROW_SPARSE && a.n_top > 0;
+    const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+
+    // sweep: a warp per 32 cells (one bitmap word, owned by that warp: no atomics, no clearing)
+    int n_w = 0, n_s = 0;
+    const int64_t jb0 = chunk*B_CHUNK, jb1 = min(n_kv, jb0 + B_CHUNK);
+    for (int64_t base = jb0 + warp*WARP_SIZE; base < jb1; base += N_WARPS_B*WARP_SIZE) {
+        const int64_t j = base + lane;
+        const bool vis = j < jb1 && visible(m, j);
+        const int64_t pj = vis ? position(pr, j) : 0;
+        const bool in_w = kind == ROW_SPARSE && vis && pj > w_lo;
+        const bool in_s = kind == ROW_SPARSE && vis && pj < s_hi;
+        const bool mark = kind == ROW_DENSE ? vis : (in_w || in_s);
+        bool cand = find_cand && vis && !mark;
+        uint32_t key32 = 0;
+        if (cand) {
+            key32 = score_key(group_score(lrow, n_kv, G, rstat, j));
+            cand = key32 >= thr;
+        }
+        const uint32_t word = __ballot_sync(0xFFFFFFFF, mark);
+        const uint32_t bw   = __ballot_sync(0xFFFFFFFF, in_w);
+        const uint32_t bs   = __ballot_sync(0xFFFFFFFF, in_s);
+        const uint32_t bc   = __ballot_sync(0xFFFFFFFF, cand);
+        if (lane == 0) {
+            bm[base / WARP_SIZE] = word;
+            n_w += __popc(bw);
+            n_s += __popc(bs);
+        }
+        if (bc) {
+            uint32_t at = 0;
+            if (lane == 0) {
+                at = atomicAdd(&ctr[CTR_N_CAND], (uint32_t) __popc(bc));
+            }
+            at = __shfl_sync(0xFFFFFFFF, at, 0) + __popc(bc & ((1u << lane) - 1));
+            if (cand && at < a.cap) {
+                cl[at] = ((uint64_t) key32 << a.cell_bits) | (cmask - (uint64_t) j);
+            }
+        }
+    }
+    n_w = block_reduce(n_w, op_add(), 0, red);
+    n_s = block_reduce(n_s, op_add(), 0, red);
+    if (threadIdx.x == 0 && kind == ROW_SPARSE) {
+        atomicAdd(&ctr[CTR_N_W], (uint32_t) n_w);
+        atomicAdd(&ctr[CTR_N_S], (uint32_t) n_s);
+    }
+
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(&ctr[CTR_DONE_B], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    __threadfence();
+    finish_row<T, VPT>(a, s, w, c, smb, smb + RED_FLOATS, smb + RED_FLOATS + G*a.d);
+}
+
+// ---- host ------------------------------------------------------------------------------------------
+
+// Opt a kernel into more than the default 48 KiB of shared memory (static + dynamic) when a launch needs it;
+// once per kernel and size.
+template <auto kernel>
+void ensure_smem(size_t bytes) {
+    static size_t configured = 0;  // one per kernel instance
+    if (bytes <= configured) {
+        return;
+    }
+    cudaFuncAttributes attr;
+    CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    if (attr.sharedSizeBytes + bytes > 48*1024) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) bytes));
+    }
+    configured = bytes;
+}
+
+template <typename T, int POL, int NG>
+void launch_scores(dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+    ensure_smem<sparq_scores<T, POL, NG>>(smem);
+    sparq_scores<T, POL, NG><<<grid, A_THREADS, smem, stream>>>(a, s, r0);
+}
+
+template <typename T, int POL>
+void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a,
+                      const sparq_scratch & s, int64_t r0) {
+    switch (ng) {
+        case 1:  launch_scores<T, POL, 1>(grid, smem, stream, a, s, r0); break;
+        case 2:  launch_scores<T, POL, 2>(grid, smem, stream, a, s, r0); break;
+        case 4:  launch_scores<T, POL, 4>(grid, smem, stream, a, s, r0); break;
+        default: launch_scores<T, POL, 8>(grid, smem, stream, a, s, r0); break;
+    }
+}
+
+template <typename T>
+void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, dim3 grid_b, size_t smem_b, cudaStream_t stream,
+                const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+    switch (pol) {
+        case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
+        case SC_KT:     launch_scores_ng<T, SC_KT>    (ng, grid_a, smem_a, stream, a, s, r0); break;
+        case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
+        default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
+    }
+    switch (vpt) {
+        case 1:
+            ensure_smem<sparq_select_attend<T, 1>>(smem_b);
+            sparq_select_attend<T, 1><<<grid_b, B_THREADS, smem_b, stream>>>(a, s, r0);
+            break;
+        case 2:
+            ensure_smem<sparq_select_attend<T, 2>>(smem_b);
+            sparq_select_attend<T, 2><<<grid_b, B_THREADS, smem_b, stream>>>(a, s, r0);
+            break;
+        default:
+            ensure_smem<sparq_select_attend<T, 4>>(smem_b);
+            sparq_select_attend<T, 4><<<grid_b, B_THREADS, smem_b, stream>>>(a, s, r0);
+            break;
+    }
+}
+
+bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
+bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0; }
+
+// Scratch of one wave: each array 256-byte aligned.
+struct scratch_plan {
+    size_t logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, i2, weights, total;
+};
+scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
+    const int64_t G = a.group;
+    scratch_plan p;
+    size_t o = 0;
+    auto take = [&](size_t bytes) { const size_t at = o; o += (bytes + 255) & ~size_t(255); return at; };
+    p.logits   = take(scores ? sizeof(float) * W*G*a.n_kv : 0);
+    p.cmax     = take(sizeof(float) * W*G*a.n_chunks_a);
+    p.csum     = take(sizeof(float) * W*G*a.n_chunks_a);
+    p.cvis     = take(sizeof(int32_t) * W*a.n_chunks_a*3);
+    p.rstat    = take(sizeof(float) * W*2*G);
+    p.rinfo    = take(sizeof(int64_t) * W*N_RI);
+    p.counters = take(sizeof(uint32_t) * W*N_CTR);
+    p.bitmap   = take(sizeof(uint32_t) * W*a.n_words);
+    p.cand     = take(a.n_top > 0 ? sizeof(uint64_t) * W*a.cap : 0);
+    p.i2       = take(sizeof(int32_t) * W*a.p.k2);
+    p.weights  = take(sizeof(float) * W*G*a.p.k2);
+    p.total    = o;
+    return p;
+}
+
+}  // namespace
+
+bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
+    GGML_UNUSED(device);
+    const ggml_tensor * q = op->src[0], * k = op->src[1], * kt = op->src[2], * v = op->src[3];
+    const ggml_tensor * mask = op->src[4], * vsum = op->src[5], * pos = op->src[6];
+    const bool kv_type_ok = k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
+    if (q->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32 || !kv_type_ok || v->type != k->type ||
+        (kt && kt->type != k->type) || (mask && mask->type != GGML_TYPE_F16) ||
+        (vsum && vsum->type != GGML_TYPE_F32) || (pos && pos->type != GGML_TYPE_I32)) {
+        return false;
+    }
+    for (const ggml_tensor * t : { q, k, kt, v, mask, vsum, pos }) {
+        if (t && t->nb[0] != ggml_type_size(t->type)) {
+            return false;
+        }
+    }
+    return ggml_is_contiguous(op) && q->ne[0] <= MAX_HEAD_DIM && v->ne[0] <= MAX_HEAD_DIM;
+}
+
+void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0], * k = dst->src[1], * kt = dst->src[2], * v = dst->src[3];
+    const ggml_tensor * mask = dst->src[4], * vsum = dst->src[5], * pos = dst->src[6];
+    GGML_ASSERT(ggml_cuda_sparq_attn_supported(ctx.device, dst));
+
+    sparq_args a = {};
+    a.q = (const char *) q->data; a.k = (const char *) k->data; a.kt = kt ? (const char *) kt->data : nullptr;
+    a.v = (const char *) v->data; a.mask = mask ? (const char *) mask->data : nullptr;
+    a.vsum = vsum ? (const char *) vsum->data : nullptr; a.pos = pos ? (const char *) pos->data : nullptr;
+    a.dst = (char *) dst->data;
+    a.d = q->ne[0]; a.n_q = q->ne[1]; a.n_head = q->ne[2]; a.ns = q->ne[3];
+    a.n_kv = k->ne[1]; a.n_head_kv = k->ne[2]; a.d_v = v->ne[0]; a.group = a.n_head / a.n_head_kv;
+    a.q_nb1 = q->nb[1]; a.q_nb2 = q->nb[2]; a.q_nb3 = q->nb[3];
+    a.k_nb1 = k->nb[1]; a.k_nb2 = k->nb[2]; a.k_nb3 = k->nb[3];
+    if (kt) {
+        a.kt_nb1 = kt->nb[1]; a.kt_nb2 = kt->nb[2]; a.kt_nb3 = kt->nb[3];
+    }
+    a.v_nb1 = v->nb[1]; a.v_nb2 = v->nb[2]; a.v_nb3 = v->nb[3];
+    if (mask) {
+        a.m_nb1 = mask->nb[1]; a.m_nb3 = mask->nb[3]; a.m_ns = mask->ne[3];
+    }
+    if (vsum) {
+        a.vs_nb1 = vsum->nb[1]; a.vs_nb2 = vsum->nb[2]; a.vs_nb3 = vsum->nb[3];
+    }
+    if (pos) {
+        a.p_nb3 = pos->nb[3]; a.p_ns = pos->ne[3];
+    }
+    a.o_nb1 = dst->nb[1]; a.o_nb2 = dst->nb[2]; a.o_nb3 = dst->nb[3];
+    a.p = ggml_sparq_get_op_params(dst);
+    a.sinks  = a.p.sinks;
+    a.window = a.p.policy == GGML_SPARQ_POLICY_WINDOW ? a.p.k2 - a.p.sinks : a.p.window;
+    a.n_top  = std::max(0, a.p.k2 - a.window - a.sinks);
+    a.cell_bits = 1;
+    while ((int64_t(1) << a.cell_bits) < a.n_kv) {
+        ++a.cell_bits;
+    }
+    a.n_chunks_a = (int32_t) ((a.n_kv + A_CHUNK - 1) / A_CHUNK);
+    a.n_chunks_b = (int32_t) ((a.n_kv + B_CHUNK - 1) / B_CHUNK);
+    a.n_words    = (a.n_kv + 31) / 32;
+    a.cap        = 8 * (int64_t) a.p.k2 + 4096;
+    a.vec_kt     = kt && aligned16(kt->data) && strides16(kt);
+    a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
+    a.vec_logits = a.n_kv % 4 == 0;
+
+    const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
+    const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
+    const int64_t G = a.group;
+    const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
+    const int64_t vec_max = (std::max(a.d, a.d_v) + 7) / 8;
+    const int vpt = vec_max <= 32 ? 1 : vec_max <= 64 ? 2 : 4;
+
+    const int64_t n_rows = a.n_head_kv * a.n_q * a.ns;
+    const int64_t row_bytes = plan_scratch(a, scores, 1).total;
+    const int64_t W = std::max<int64_t>(1, std::min<int64_t>({ n_rows, 65535, WAVE_BYTES / row_bytes }));
+    const scratch_plan plan = plan_scratch(a, scores, W);
+    ggml_cuda_pool_alloc<char> buf(ctx.pool(), plan.total);
+    char * base = buf.get();
+    sparq_scratch s;
+    s.logits   = (float *)    (base + plan.logits);
+    s.cmax     = (float *)    (base + plan.cmax);
+    s.csum     = (float *)    (base + plan.csum);
+    s.cvis     = (int32_t *)  (base + plan.cvis);
+    s.rstat    = (float *)    (base + plan.rstat);
+    s.rinfo    = (int64_t *)  (base + plan.rinfo);
+    s.counters = (uint32_t *) (base + plan.counters);
+    s.bitmap   = (uint32_t *) (base + plan.bitmap);
+    s.cand     = (uint64_t *) (base + plan.cand);
+    s.i2       = (int32_t *)  (base + plan.i2);
+    s.weights  = (float *)    (base + plan.weights);
+
+    const size_t smem_a = sizeof(float) * (2*a.d + ng*std::max<int64_t>(a.p.k1, a.d));
+    const size_t smem_b = sizeof(float) * (RED_FLOATS + G*a.d + G);
+    cudaStream_t stream = ctx.stream();
+    for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
+        const int64_t nw = std::min(W, n_rows - r0);
+        CUDA_CHECK(cudaMemsetAsync(s.counters, 0, sizeof(uint32_t) * nw*N_CTR, stream));
+        const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
+        switch (k->type) {
+            case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
+            case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
+            default:             launch_all<nv_bfloat16>(pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
+        }
+        CUDA_CHECK(cudaGetLastError());
+    }
+}

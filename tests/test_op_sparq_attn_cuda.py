@@ -1,0 +1,126 @@
+"""ggml_sparq_attn on CUDA against the float64 reference and against the CPU op.
+
+Runs where our library was built with CUDA and sees a device (bench/device_cuda.sh runs it on the lent GPU);
+elsewhere the module is skipped as a whole. The cases are the CPU op's cases (tests/test_op_sparq_attn.py)
+plus long sequences that split every kernel over many blocks, and the paths only a GPU kernel has: the
+sampled candidate threshold, its exact fallback, waves of rows, and repeated runs giving identical bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sparq_llama
+from sparq_llama import ops, reference
+
+from test_op_sparq_attn import CASES, assert_close, make_case, make_mask, run_both
+
+pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
+                                reason="no CUDA device in this build (the GPU run is bench/device_cuda.sh)")
+
+
+def both_backends(q, k, v, mask, kv_dtype, **kw):
+    """(cuda, cpu, reference) outputs on the same inputs."""
+    got, want = run_both(q, k, v, mask, kv_dtype, backend="cuda", **kw)
+    cpu = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, n_threads=2,
+                         **{key: val for key, val in kw.items() if key != "backend"})
+    return got, cpu, want
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['seed']}")
+def test_random_case_matches_reference_and_cpu(case):
+    rng = np.random.default_rng(1000 + case["seed"])
+    q, k, v = make_case(rng, n_head_kv=case["n_head_kv"], group=case["group"], n_q=case["n_q"],
+                        n_kv=case["n_kv"], d=case["d"], d_v=case["d_v"], ns=case["ns"])
+    mask = make_mask(rng, case["mask"], case["n_q"], case["n_kv"])
+    kw = {key: case[key] for key in ("k1", "k2", "window", "sinks", "mean", "policy", "softcap",
+                                     "sparse_v_thresh", "scale", "layout")}
+    got, cpu, want = both_backends(q, k, v, mask, case["kv_dtype"], **kw)
+    assert_close(got, want, case["kv_dtype"], case)
+    assert_close(got, cpu, case["kv_dtype"], case)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_window_and_sinks_follow_cell_positions(seed):
+    # distinct positions take the fast path; repeated ones the exact fallback over all cells
+    rng = np.random.default_rng(5000 + seed)
+    ns, n_kv, d = int(rng.choice([1, 2])), int(rng.integers(200, 9000)), int(rng.choice([64, 128]))
+    q, k, v = make_case(rng, n_head_kv=2, group=int(rng.choice([1, 4])), n_q=int(rng.choice([1, 2])),
+                        n_kv=n_kv, d=d, d_v=d, ns=ns)
+    mask = make_mask(rng, str(rng.choice(["none", "holes"])), q.shape[2], n_kv)
+    if seed % 2:
+        pos = rng.integers(0, n_kv // 3, size=(ns, n_kv)).astype(np.int32)
+    else:
+        pos = np.stack([rng.permutation(n_kv) + int(rng.integers(0, 1000)) for _ in range(ns)]).astype(np.int32)
+    kv_dtype = str(rng.choice(["f16", "f32"]))
+    kw = dict(k1=d // 4, k2=int(rng.choice([16, 64, 128])), sinks=int(rng.choice([0, 3])),
+              policy=str(rng.choice(["sparq", "exact", "window"])), mean=str(rng.choice(["on", "off"])))
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, pos=pos, backend="cuda",
+                         layout=str(rng.choice(["kt", "default"])), **kw)
+    qr = q.astype(np.float32).astype(np.float64)
+    kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
+    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], **kw) for s in range(ns)])
+    assert_close(got, want, kv_dtype, dict(seed=seed, **kw))
+
+
+@pytest.mark.parametrize("shape", [
+    dict(n_head_kv=4, group=1, d=128, n_kv=33000, k1=32, k2=128),    # Llama-2 heads (MHA), many chunks
+    dict(n_head_kv=2, group=4, d=128, n_kv=40000, k1=16, k2=256),    # Llama-3 heads (GQA 4)
+    dict(n_head_kv=1, group=4, d=256, n_kv=20000, k1=64, k2=128),    # Gemma-3: one KV head, d = 256
+    dict(n_head_kv=3, group=3, d=64, n_kv=12345, k1=8, k2=1024),     # SmolLM2, large k2 (long candidate list)
+    dict(n_head_kv=1, group=16, d=128, n_kv=9000, k1=32, k2=64),     # wide group: several passes over K^T and V
+    dict(n_head_kv=1, group=2, d=512, n_kv=5000, k1=128, k2=128),    # d = 512: two vectors per thread
+])
+@pytest.mark.parametrize("mean", ["on", "off"])
+def test_long_sequences_match_reference_and_cpu(shape, mean):
+    rng = np.random.default_rng(shape["n_kv"])
+    q, k, v = make_case(rng, n_head_kv=shape["n_head_kv"], group=shape["group"], n_q=2, n_kv=shape["n_kv"],
+                        d=shape["d"], d_v=shape["d"])
+    mask = make_mask(rng, "causal", 2, shape["n_kv"])
+    got, cpu, want = both_backends(q, k, v, mask, "f16", k1=shape["k1"], k2=shape["k2"], mean=mean)
+    assert_close(got, want, "f16", shape)
+    assert_close(got, cpu, "f16", shape)
+
+
+def test_many_rows_run_in_waves_and_repeat_bit_for_bit():
+    # a prefill-sized batch of query rows: more rows than one wave of scratch holds at this length
+    rng = np.random.default_rng(21)
+    n_q, n_kv = 160, 60000
+    q, k, v = make_case(rng, n_head_kv=8, group=1, n_q=n_q, n_kv=n_kv, d=64, d_v=64)
+    mask = make_mask(rng, "causal", n_q, n_kv)
+    kw = dict(k1=16, k2=64, kv_dtype="f16", backend="cuda")
+    first = ops.sparq_attn(q, k, v, mask, **kw)
+    np.testing.assert_array_equal(first, ops.sparq_attn(q, k, v, mask, **kw))
+    rows = [0, 77, n_q - 1]  # the reference is slow at this size: check rows from the first and last wave
+    want = reference.sparq_attn(q[0][:, rows].astype(np.float32).astype(np.float64), ops.kv_round(k[0], "f16"),
+                                ops.kv_round(v[0], "f16"), mask[rows], k1=16, k2=64)
+    assert_close(first[0][:, rows], want, "f16", "waves")
+
+
+def test_k2_covering_the_context_equals_dense_attention():
+    rng = np.random.default_rng(7)
+    q, k, v = make_case(rng, n_head_kv=3, group=3, n_q=2, n_kv=3000, d=64, d_v=64)
+    mask = make_mask(rng, "causal", 2, 3000)
+    got = ops.sparq_attn(q, k, v, mask, k1=8, k2=3000, backend="cuda")
+    dense = reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], "f16"),
+                                 ops.kv_round(v[0], "f16"), mask)
+    assert_close(got[0], dense, "f16", "k2 >= visible")
+
+
+def test_empty_rows_give_zeros_and_vsum_is_used():
+    rng = np.random.default_rng(2)
+    q, k, v = make_case(rng, n_head_kv=2, group=2, n_q=2, n_kv=5000, d=64, d_v=64)
+    mask = np.ones((2, 5000), dtype=bool)
+    mask[1] = False
+    got = ops.sparq_attn(q, k, v, mask, k1=8, k2=16, backend="cuda")
+    assert np.all(got[0, :, 1] == 0.0) and np.abs(got[0, :, 0]).max() > 0
+    vr = ops.kv_round(v, "f16")
+    vsum = np.zeros((1, 2, 2, 65))
+    for h in range(2):
+        vsum[0, 0, h, :64] = vr[0, h].sum(axis=0)
+        vsum[0, 0, h, 64] = 5000
+    with_sum = ops.sparq_attn(q, k, v, mask, k1=8, k2=64, mean="on", vsum=vsum, backend="cuda")
+    without = ops.sparq_attn(q, k, v, mask, k1=8, k2=64, mean="on", backend="cuda")
+    np.testing.assert_allclose(with_sum[0, :, 0], without[0, :, 0], rtol=1e-4, atol=1e-5)
+    vsum[..., :64] *= 2
+    wrong = ops.sparq_attn(q, k, v, mask, k1=8, k2=64, mean="on", vsum=vsum, backend="cuda")
+    assert np.abs(wrong - without).max() > 1e-3
