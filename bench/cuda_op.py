@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +31,16 @@ def bytes_moved(s: int, b: int, d: int, n_head_kv: int, k1: int, k2: int, sparq:
     return 2.0 * per_head * n_head_kv * b
 
 
+def measure(s: int, b: int, k1: int, k2: int, runs: int) -> dict:
+    sparq_us, flash_us = ops.bench_attn(**HEADS, n_kv=s, k1=k1, k2=k2, n_runs=runs, backend="cuda", n_seq=b,
+                                        mean="auto")
+    ts, tf = float(np.median(sparq_us)), float(np.median(flash_us))
+    return dict(S=s, B=b, sparq_us=ts, flash_us=tf, speedup=tf / ts, theory=transfer_ratio(s, HEADS["d"], k1, k2),
+                sparq_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], k1, k2, True) / ts / 1e3,
+                flash_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], k1, k2, False) / tf / 1e3,
+                raw_sparq_us=[float(x) for x in sparq_us], raw_flash_us=[float(x) for x in flash_us])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=50)
@@ -38,25 +49,29 @@ def main() -> int:
     ap.add_argument("--k1", type=int, default=32)
     ap.add_argument("--k2", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cuda_op.json")
+    ap.add_argument("--one", type=int, nargs=2, metavar=("S", "B"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        print(json.dumps(measure(*args.one, args.k1, args.k2, args.runs)))
+        return 0
 
     rows = []
     print(f"{'S':>7} {'B':>3} {'sparq us':>9} {'flash us':>9} {'sparq GB/s':>10} {'flash GB/s':>10} "
           f"{'speedup':>8} {'theory':>7}", flush=True)
     for b in (int(x) for x in args.batches.split(",")):
         for s in (int(x) for x in args.seqs.split(",")):
-            sparq_us, flash_us = ops.bench_attn(**HEADS, n_kv=s, k1=args.k1, k2=args.k2, n_runs=args.runs,
-                                                backend="cuda", n_seq=b, mean="auto")
-            ts, tf = float(np.median(sparq_us)), float(np.median(flash_us))
-            theory = transfer_ratio(s, HEADS["d"], args.k1, args.k2)
-            row = dict(S=s, B=b, sparq_us=ts, flash_us=tf, speedup=tf / ts, theory=theory,
-                       sparq_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], args.k1, args.k2, True) / ts / 1e3,
-                       flash_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], args.k1, args.k2, False) / tf / 1e3,
-                       raw_sparq_us=[float(x) for x in sparq_us], raw_flash_us=[float(x) for x in flash_us])
+            # one process per configuration: a failure (a CUDA error aborts the process) is recorded, not fatal
+            proc = subprocess.run([sys.executable, __file__, "--one", str(s), str(b), "--runs", str(args.runs),
+                                   "--k1", str(args.k1), "--k2", str(args.k2)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                rows.append(dict(S=s, B=b, error=proc.stderr[-2000:]))
+                print(f"{s:>7} {b:>3} failed: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+                continue
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append(row)
-            print(f"{s:>7} {b:>3} {ts:>9.1f} {tf:>9.1f} {row['sparq_gbps']:>10.0f} {row['flash_gbps']:>10.0f} "
-                  f"{row['speedup']:>7.2f}x {theory:>6.2f}x", flush=True)
-    target = next((r for r in rows if r["S"] == 32768 and r["B"] == 1), None)
+            print(f"{s:>7} {b:>3} {row['sparq_us']:>9.1f} {row['flash_us']:>9.1f} {row['sparq_gbps']:>10.0f} "
+                  f"{row['flash_gbps']:>10.0f} {row['speedup']:>7.2f}x {row['theory']:>6.2f}x", flush=True)
+    target = next((r for r in rows if r["S"] == 32768 and r["B"] == 1 and "error" not in r), None)
     result = dict(provenance(), params=dict(HEADS, k1=args.k1, k2=args.k2, kv="f16", runs=args.runs,
                                              mean="auto (on: MHA)", statistic="median"),
                   target={"what": "speedup >= 6x at S = 32k, B = 1",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 6 on a lent GPU machine without a package registry, in stages (each one call of the device tool):
 #   bench/device_cuda.sh build test op       build (incremental in build/cuda), CUDA op tests, benchmark (a)
+#   bench/device_cuda.sh build profile       per-kernel times (ncu) at a few lengths
 #   bench/device_cuda.sh sanitize e2e        compute-sanitizer memcheck + racecheck, benchmark (b)
 #   bench/device_cuda.sh batched greedy      benchmark (c), greedy text CPU vs GPU on SmolLM2
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -35,11 +36,23 @@ stage_build() {
 
 stage_test() {
     python3 -c "import sparq_llama, json; print(json.dumps(sparq_llama.devices()))"
-    python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -15
+    python3 -m pytest -q -p no:cacheprovider --maxfail=30 tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -15
 }
 
 stage_op() {
     python3 bench/cuda_op.py --runs 50 --out "$OUT/cuda_op.json"
+}
+
+stage_profile() {
+    for s in 4096 32768 131072; do
+        ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq $s --batch 1 --runs 2 \
+            > "$OUT/ncu_$s.csv" 2>&1
+        echo "S = $s:"; python3 bench/ncu_summary.py "$OUT/ncu_$s.csv"
+    done
+    python3 bench/cuda_profile.py --seq 32768 --batch 1 --runs 1 --heads 32 8 > /dev/null 2>&1
+    ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 65536 --batch 1 --runs 2 --heads 32 8 \
+        > "$OUT/ncu_l3_65536.csv" 2>&1
+    echo "Llama-3 heads, S = 65536:"; python3 bench/ncu_summary.py "$OUT/ncu_l3_65536.csv"
 }
 
 stage_sanitize() {

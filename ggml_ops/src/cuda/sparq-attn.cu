@@ -29,11 +29,12 @@ namespace {
 constexpr int      A_THREADS   = 256;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
 constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
-constexpr int      A_UNROLL    = 4;                      // K^T rows in flight per thread
+template <int NG> __host__ __device__ constexpr int a_unroll() { return NG <= 2 ? 8 : 4; }  // K^T rows in flight per thread
 constexpr int      B_THREADS   = 256;
-constexpr int64_t  B_CHUNK     = 4096;
-constexpr int      N_WARPS_B   = B_THREADS / WARP_SIZE;
-constexpr int      SAMPLE      = 1024;                   // cells sampled for the candidate threshold
+constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
+constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
+constexpr int      SAMPLE      = 4096;                   // cells sampled for the candidate threshold
+constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
 constexpr int      MAX_NG      = 8;                      // query heads per pass over K^T in kernel A
 constexpr int      V_HEADS     = 4;                      // query heads per pass over V in kernel B
 constexpr int      RED_FLOATS  = 8192;                   // kernel B's shared buffer for the V reduction
@@ -144,10 +145,12 @@ __device__ __forceinline__ const int32_t * pos_row(const sparq_args & a, const r
 __device__ __forceinline__ bool visible(const uint16_t * m, int64_t j) { return !m || m[j] != F16_NEG_INF; }
 __device__ __forceinline__ int64_t position(const int32_t * p, int64_t j) { return p ? p[j] : j; }
 
+// The softcap's tanh in double: ggml-cuda builds with fast math, whose tanhf is the hardware approximation
+// (relative error ~5e-4, far above the f32 reference tolerance).
 __device__ __forceinline__ float logit_exact(const sparq_args & a, float dot) {
     float l = a.p.scale * dot;
     if (a.p.softcap > 0.0f) {
-        l = a.p.softcap * tanhf(l / a.p.softcap);
+        l = a.p.softcap * (float) tanh((double) l / (double) a.p.softcap);
     }
     return l;
 }
@@ -360,6 +363,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     __shared__ int64_t info[N_RI];
     __shared__ int red[32];
     const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
+    __shared__ float rst[2*MAX_G];
     float * rstat = s.rstat + w*2*G;
     for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
         const float * cm = s.cmax + (w*G + g)*nA;
@@ -372,8 +376,8 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         for (int64_t ch = 0; ch < nA; ++ch) {
             total += cm[ch] == -INFINITY ? 0.0 : cs[ch] * exp((double) cm[ch] - mx);
         }
-        rstat[g]     = mx;
-        rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
+        rst[g]       = rstat[g]     = mx;
+        rst[G + g]   = rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
     }
     if (threadIdx.x == 0) {
         int64_t n_vis = 0, p_min = INT64_MAX, p_max = INT64_MIN;
@@ -401,16 +405,40 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         const row_coords c = coords_of(a, r);
         const uint16_t * m = mask_row(a, c);
         const int32_t * pr = pos_row(a, c);
+        // 8 samples per thread in flight: the masks and positions, then the logits of the candidates
         int cnt = 0;
-        for (int64_t i = threadIdx.x; i < n_samp; i += blockDim.x) {
-            const int64_t j = i * stride;
-            const int64_t pj = position(pr, j);
-            const bool cand = visible(m, j) && !(pj > w_lo || pj < s_hi);
-            skey[i] = cand ? score_key(group_score(lrow, n_kv, G, rstat, j)) : 0u;
-            cnt += cand;
+        for (int64_t i0 = threadIdx.x; i0 < n_samp; i0 += 8*blockDim.x) {
+            bool cand[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int64_t i = i0 + u*blockDim.x, j = i * stride;
+                cand[u] = i < n_samp && visible(m, j);
+                const int64_t pj = cand[u] ? position(pr, j) : 0;
+                cand[u] = cand[u] && !(pj > w_lo || pj < s_hi);
+            }
+            float c[8] = {};
+            for (int64_t g = 0; g < G; ++g) {
+                float lv[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    lv[u] = cand[u] ? lrow[g*n_kv + (i0 + u*blockDim.x) * stride] : -INFINITY;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    c[u] += __expf(lv[u] - rst[g]) * rst[G + g];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int64_t i = i0 + u*blockDim.x;
+                if (i < n_samp) {
+                    skey[i] = cand[u] ? score_key(c[u]) : 0u;
+                    cnt += cand[u];
+                }
+            }
         }
         const int n_valid = block_reduce(cnt, op_add(), 0, red);
-        const int64_t rank = (4 * (int64_t) a.n_top + 16) / stride;
+        const int64_t rank = (4 * (int64_t) a.n_top + 16) / stride;  // ~4 n_top cells pass (cap: 4 k2 + 4096)
         if (rank < n_valid) {
             const uint64_t thr = block_select(n_samp, (uint32_t) rank + 1, 24,
                                               [&](int64_t i) { return (uint64_t) skey[i]; }, hist, &sst);
@@ -478,6 +506,7 @@ __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a,
                 // A_UNROLL rows in flight
                 const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
                 const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
+                constexpr int A_UNROLL = a_unroll<NG>();
                 for (int i = 0; i < k1; i += A_UNROLL) {
                     float x[A_UNROLL][A_CELLS];
 #pragma unroll
@@ -699,15 +728,45 @@ __device__ void select_all_cells(const sparq_args & a, const sparq_scratch & s, 
     __syncthreads();
 }
 
+// Candidate-list capacity per row: the sample threshold passes ~4 n_top cells; at least B_CHUNK so that a sweep
+// block's own list fits.
+__host__ __device__ inline int64_t candidate_cap(int64_t k2) { return 4*k2 + 4096; }
+
+// Kernel B's shared memory (dynamic part), in bytes from the start: a region used first for candidate keys
+// (the sweep's local list, then the row's whole list) and then for the V reduction, followed by I2, the
+// weights, the group's query rows and alpha.
+struct smem_b_layout {
+    size_t keys, red_v, i2, weights, qsh, alpha, total;
+};
+__host__ __device__ inline smem_b_layout smem_b_plan(int64_t cap, int64_t k2, int64_t G, int64_t d) {
+    smem_b_layout l;
+    const size_t region = cap*sizeof(uint64_t) > RED_FLOATS*sizeof(float) ? cap*sizeof(uint64_t) : RED_FLOATS*sizeof(float);
+    l.keys    = 0;
+    l.red_v   = 0;
+    l.i2      = region;
+    l.weights = l.i2 + ((k2*sizeof(int32_t) + 15) & ~size_t(15));
+    l.qsh     = l.weights + ((G*k2*sizeof(float) + 15) & ~size_t(15));
+    l.alpha   = l.qsh + G*d*sizeof(float);
+    l.total   = l.alpha + ((G*sizeof(float) + 15) & ~size_t(15));
+    return l;
+}
+
 // The row's last kernel-B block: final selection, I2 in cell order, then exact attention of every head.
 template <typename T, int VPT>
 __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
-                           float * red_v, float * qsh, float * alpha) {
+                           unsigned char * smem, const float * rst) {
     __shared__ uint32_t hist[256];
     __shared__ select_state sst;
     __shared__ int red[32];
     __shared__ float vmean[MAX_HEAD_DIM];
     const int64_t G = a.group, d = a.d, d_v = a.d_v, k2 = a.p.k2, n_kv = a.n_kv;
+    const smem_b_layout L = smem_b_plan(a.cap, k2, G, d);
+    uint64_t * keys  = (uint64_t *) (smem + L.keys);
+    float    * red_v = (float *)    (smem + L.red_v);
+    int32_t  * i2    = (int32_t *)  (smem + L.i2);
+    float    * wts   = (float *)    (smem + L.weights);
+    float    * qsh   = (float *)    (smem + L.qsh);
+    float    * alpha = (float *)    (smem + L.alpha);
     const int64_t * ri = s.rinfo + w*N_RI;
     const int64_t kind = ri[RI_KIND];
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
@@ -720,6 +779,10 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         }
         return;
     }
+    // the group's query rows, early: their loads overlap the selection
+    for (int64_t idx = tid; idx < G*d; idx += blockDim.x) {
+        qsh[idx] = q_row(a, c.h*G + idx / d, c)[idx % d];
+    }
     uint32_t * bm = s.bitmap + w*a.n_words;
     if (kind == ROW_SPARSE) {
         const volatile uint32_t * ctr = s.counters + w*N_CTR;
@@ -728,12 +791,17 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
                           (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
         if (fast && a.n_top > 0) {
             const uint64_t * cl = s.cand + w*a.cap;
+#pragma unroll 4
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                keys[i] = __ldcg(cl + i);
+            }
+            __syncthreads();
             const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
             const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
-                                              [&](int64_t i) { return cl[i]; }, hist, &sst);
+                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
             for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                if (cl[i] >= thr) {
-                    mark_cell(bm, (int64_t) (cmask - (cl[i] & cmask)));
+                if (keys[i] >= thr) {
+                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
                 }
             }
         } else if (!fast) {
@@ -742,11 +810,11 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         __syncthreads();
     }
 
-    // I2 in cell order from the bitmap
-    int32_t * i2 = s.i2 + w*k2;
+    // I2 in cell order from the bitmap: each thread counts a run of words, a block scan places them
     const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
     const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
     int cnt = 0;
+#pragma unroll 8
     for (int64_t wd = wd0; wd < wd1; ++wd) {
         cnt += __popc(__ldcg(bm + wd));
     }
@@ -761,18 +829,17 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         }
     }
     n_sel = min((int64_t) n_sel, k2);
-
-    // alpha_g and the mean value (sparse rows with the mean on)
-    const bool mix = kind == ROW_SPARSE && a.p.mean_on;
-    const row_coords cc = c;
     __syncthreads();
+
+    // alpha_g (one warp per head) and the mean value, for sparse rows with the mean on
+    const bool mix = kind == ROW_SPARSE && a.p.mean_on;
     if (mix) {
-        const float * lrow  = s.logits + w*G*n_kv;
-        const float * rstat = s.rstat + w*2*G;
+        const float * lrow = s.logits + w*G*n_kv;
         for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
             float sum = 0.0f;
+#pragma unroll 4
             for (int i = lane; i < n_sel; i += WARP_SIZE) {
-                sum += __expf(lrow[g*n_kv + i2[i]] - rstat[g]) * rstat[G + g];
+                sum += __expf(lrow[g*n_kv + i2[i]] - rst[g]) * rst[G + g];
             }
             sum = warp_reduce(sum, op_add());
             if (lane == 0) {
@@ -780,34 +847,29 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
             }
         }
         if (a.vsum) {
-            const float * vs = (const float *) (a.vsum + cc.h*a.vs_nb1 + cc.t*a.vs_nb2 + cc.st*a.vs_nb3);
+            const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
             const float inv = vs[d_v] > 0.0f ? 1.0f / vs[d_v] : 0.0f;
             for (int64_t i = tid; i < d_v; i += blockDim.x) {
                 vmean[i] = vs[i] * inv;
             }
         } else {
             // no running sums given: the mean over every visible cell (reads all of V)
-            const uint16_t * m = mask_row(a, cc);
+            const uint16_t * m = mask_row(a, c);
             const float inv = 1.0f / (float) ri[RI_N_VIS];
             for (int64_t i = tid; i < d_v; i += blockDim.x) {
                 float sum = 0.0f;
                 for (int64_t j = 0; j < n_kv; ++j) {
                     if (visible(m, j)) {
-                        sum += to_f32(((const T *) (a.v + j*a.v_nb1 + cc.h*a.v_nb2 + cc.st*a.v_nb3))[i]);
+                        sum += to_f32(((const T *) (a.v + j*a.v_nb1 + c.h*a.v_nb2 + c.st*a.v_nb3))[i]);
                     }
                 }
                 vmean[i] = sum * inv;
             }
         }
     }
-    for (int64_t idx = tid; idx < G*d; idx += blockDim.x) {
-        qsh[idx] = q_row(a, cc.h*G + idx / d, cc)[idx % d];
-    }
-    __syncthreads();
 
     // exact logits over I2: a group of tpr threads per cell, 8 components per thread and vector, 4 cells in
     // flight per group
-    float * wts = s.weights + w*G*k2;
     {
         const int nvec = (int) ((d + 7) / 8);
         int tpr = 1;
@@ -815,7 +877,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
             tpr <<= 1;
         }
         const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
-        const char * kb = a.k + cc.h*a.k_nb2 + cc.st*a.k_nb3;
+        const char * kb = a.k + c.h*a.k_nb2 + c.st*a.k_nb3;
         for (int ib = 0; ib < n_sel; ib += 4*slots) {
             float x[4][VPT][8];
 #pragma unroll
@@ -906,7 +968,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         }
         const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
         const int hv = (int) max((int64_t) 1, min((int64_t) V_HEADS, RED_FLOATS / (slots*d_v)));
-        const char * vb = a.v + cc.h*a.v_nb2 + cc.st*a.v_nb3;
+        const char * vb = a.v + c.h*a.v_nb2 + c.st*a.v_nb3;
         for (int64_t gb0 = 0; gb0 < G; gb0 += hv) {
             float acc[V_HEADS][VPT][8];
 #pragma unroll
@@ -991,67 +1053,95 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
 
 template <typename T, int VPT>
 __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ float smb[];  // [RED_FLOATS] V reduction | [G][d] query rows | [G] alpha
+    extern __shared__ __align__(16) unsigned char smb[];  // smem_b_layout
+    __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
     __shared__ int is_last;
+    __shared__ uint32_t n_local, at_global;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, n_kv = a.n_kv;
     const int64_t * ri = s.rinfo + w*N_RI;
     const int64_t kind = ri[RI_KIND], w_lo = ri[RI_W_LO], s_hi = ri[RI_S_HI];
     const uint32_t thr = (uint32_t) ri[RI_THR];
-    const float * rstat = s.rstat + w*2*G;
     const float * lrow  = s.logits + w*G*n_kv;
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
     uint32_t * bm  = s.bitmap + w*a.n_words;
-    uint64_t * cl  = s.cand + w*a.cap;
     uint32_t * ctr = s.counters + w*N_CTR;
+    uint64_t * local = (uint64_t *) smb;  // this block's candidates (B_CHUNK <= cap)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const bool find_cand = kind == ROW_SPARSE && a.n_top > 0;
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+    for (int64_t i = threadIdx.x; i < 2*G; i += blockDim.x) {
+        rst[i] = s.rstat[w*2*G + i];
+    }
+    if (threadIdx.x == 0) {
+        n_local = 0;
+    }
+    __syncthreads();
 
-    // sweep: a warp per 32 cells (one bitmap word, owned by that warp: no atomics, no clearing)
+    // sweep: each warp a strip of 32 * B_CELLS cells, lane + 32u; word u of the strip is owned by the warp
+    // (no atomics, no clearing). Masks and positions first, then the logits of the candidates: two rounds
+    // of loads per thread.
+    const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
+    bool vis[B_CELLS], mark[B_CELLS], cand[B_CELLS];
     int n_w = 0, n_s = 0;
-    const int64_t jb0 = chunk*B_CHUNK, jb1 = min(n_kv, jb0 + B_CHUNK);
-    for (int64_t base = jb0 + warp*WARP_SIZE; base < jb1; base += N_WARPS_B*WARP_SIZE) {
-        const int64_t j = base + lane;
-        const bool vis = j < jb1 && visible(m, j);
-        const int64_t pj = vis ? position(pr, j) : 0;
-        const bool in_w = kind == ROW_SPARSE && vis && pj > w_lo;
-        const bool in_s = kind == ROW_SPARSE && vis && pj < s_hi;
-        const bool mark = kind == ROW_DENSE ? vis : (in_w || in_s);
-        bool cand = find_cand && vis && !mark;
-        uint32_t key32 = 0;
-        if (cand) {
-            key32 = score_key(group_score(lrow, n_kv, G, rstat, j));
-            cand = key32 >= thr;
-        }
-        const uint32_t word = __ballot_sync(0xFFFFFFFF, mark);
-        const uint32_t bw   = __ballot_sync(0xFFFFFFFF, in_w);
-        const uint32_t bs   = __ballot_sync(0xFFFFFFFF, in_s);
-        const uint32_t bc   = __ballot_sync(0xFFFFFFFF, cand);
-        if (lane == 0) {
-            bm[base / WARP_SIZE] = word;
-            n_w += __popc(bw);
-            n_s += __popc(bs);
-        }
-        if (bc) {
-            uint32_t at = 0;
-            if (lane == 0) {
-                at = atomicAdd(&ctr[CTR_N_CAND], (uint32_t) __popc(bc));
+#pragma unroll
+    for (int u = 0; u < B_CELLS; ++u) {
+        const int64_t j = strip + u*WARP_SIZE + lane;
+        vis[u] = j < n_kv && visible(m, j);
+        const int64_t pj = vis[u] ? position(pr, j) : 0;
+        const bool in_w = kind == ROW_SPARSE && vis[u] && pj > w_lo;
+        const bool in_s = kind == ROW_SPARSE && vis[u] && pj < s_hi;
+        n_w += in_w;
+        n_s += in_s;
+        mark[u] = kind == ROW_DENSE ? vis[u] : (in_w || in_s);
+        cand[u] = find_cand && vis[u] && !mark[u];
+    }
+    float score[B_CELLS] = {};
+    if (find_cand) {
+        for (int64_t g = 0; g < G; ++g) {
+            float lv[B_CELLS];
+#pragma unroll
+            for (int u = 0; u < B_CELLS; ++u) {
+                lv[u] = cand[u] ? lrow[g*n_kv + strip + u*WARP_SIZE + lane] : -INFINITY;
             }
-            at = __shfl_sync(0xFFFFFFFF, at, 0) + __popc(bc & ((1u << lane) - 1));
-            if (cand && at < a.cap) {
-                cl[at] = ((uint64_t) key32 << a.cell_bits) | (cmask - (uint64_t) j);
+#pragma unroll
+            for (int u = 0; u < B_CELLS; ++u) {
+                score[u] += __expf(lv[u] - rst[g]) * rst[G + g];
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < B_CELLS; ++u) {
+        const int64_t j = strip + u*WARP_SIZE + lane;
+        const uint32_t word = __ballot_sync(0xFFFFFFFF, mark[u]);
+        if (lane == 0 && strip + u*WARP_SIZE < n_kv) {
+            bm[(strip + u*WARP_SIZE) / WARP_SIZE] = word;
+        }
+        if (cand[u]) {
+            const uint32_t key32 = score_key(score[u]);
+            if (key32 >= thr) {
+                local[atomicAdd(&n_local, 1u)] = ((uint64_t) key32 << a.cell_bits) | (cmask - (uint64_t) j);
             }
         }
     }
     n_w = block_reduce(n_w, op_add(), 0, red);
     n_s = block_reduce(n_s, op_add(), 0, red);
-    if (threadIdx.x == 0 && kind == ROW_SPARSE) {
-        atomicAdd(&ctr[CTR_N_W], (uint32_t) n_w);
-        atomicAdd(&ctr[CTR_N_S], (uint32_t) n_s);
+    if (threadIdx.x == 0) {
+        at_global = n_local > 0 ? atomicAdd(&ctr[CTR_N_CAND], n_local) : 0;
+        if (kind == ROW_SPARSE) {
+            atomicAdd(&ctr[CTR_N_W], (uint32_t) n_w);
+            atomicAdd(&ctr[CTR_N_S], (uint32_t) n_s);
+        }
+    }
+    __syncthreads();
+    uint64_t * cl = s.cand + w*a.cap;
+    for (uint32_t i = threadIdx.x; i < n_local; i += blockDim.x) {
+        if (at_global + i < a.cap) {
+            cl[at_global + i] = local[i];
+        }
     }
 
     __threadfence();
@@ -1064,7 +1154,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
         return;
     }
     __threadfence();
-    finish_row<T, VPT>(a, s, w, c, smb, smb + RED_FLOATS, smb + RED_FLOATS + G*a.d);
+    finish_row<T, VPT>(a, s, w, c, smb, rst);
 }
 
 // ---- host ------------------------------------------------------------------------------------------
@@ -1157,7 +1247,6 @@ scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
 }  // namespace
 
 bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
-    GGML_UNUSED(device);
     const ggml_tensor * q = op->src[0], * k = op->src[1], * kt = op->src[2], * v = op->src[3];
     const ggml_tensor * mask = op->src[4], * vsum = op->src[5], * pos = op->src[6];
     const bool kv_type_ok = k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
@@ -1171,7 +1260,14 @@ bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
             return false;
         }
     }
-    return ggml_is_contiguous(op) && q->ne[0] <= MAX_HEAD_DIM && v->ne[0] <= MAX_HEAD_DIM;
+    const int64_t d = q->ne[0], G = q->ne[2] / k->ne[2];
+    if (!ggml_is_contiguous(op) || d > MAX_HEAD_DIM || v->ne[0] > MAX_HEAD_DIM || G > MAX_G) {
+        return false;
+    }
+    // kernel B keeps I2, the weights, the query rows and the candidate keys in shared memory
+    const ggml_sparq_op_params p = ggml_sparq_get_op_params(op);
+    const size_t smem_b = smem_b_plan(candidate_cap(p.k2), p.k2, G, d).total + 8*1024;  // + static
+    return smem_b <= ggml_cuda_info().devices[device].smpbo;
 }
 
 void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -1213,7 +1309,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.n_chunks_a = (int32_t) ((a.n_kv + A_CHUNK - 1) / A_CHUNK);
     a.n_chunks_b = (int32_t) ((a.n_kv + B_CHUNK - 1) / B_CHUNK);
     a.n_words    = (a.n_kv + 31) / 32;
-    a.cap        = 8 * (int64_t) a.p.k2 + 4096;
+    a.cap        = candidate_cap(a.p.k2);
     a.vec_kt     = kt && aligned16(kt->data) && strides16(kt);
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
@@ -1245,7 +1341,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.weights  = (float *)    (base + plan.weights);
 
     const size_t smem_a = sizeof(float) * (2*a.d + ng*std::max<int64_t>(a.p.k1, a.d));
-    const size_t smem_b = sizeof(float) * (RED_FLOATS + G*a.d + G);
+    const size_t smem_b = smem_b_plan(a.cap, a.p.k2, G, a.d).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
