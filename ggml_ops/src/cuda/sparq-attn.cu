@@ -35,7 +35,6 @@ constexpr int      B_CELLS     = 8;                      // cells per thread in 
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
 constexpr int      SAMPLE      = 4096;                   // cells sampled for the candidate threshold
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
-constexpr int      MAX_NG      = 8;                      // query heads per pass over K^T in kernel A
 constexpr int      V_HEADS     = 4;                      // query heads per pass over V in kernel B
 constexpr int      RED_FLOATS  = 8192;                   // kernel B's shared buffer for the V reduction
 constexpr int      MAX_HEAD_DIM = 1024;
@@ -70,6 +69,8 @@ struct sparq_args {
 };
 
 struct sparq_scratch {
+    float    * qs;       // [W][G][k1] scaled query components at I1 (kernel Q)
+    int32_t  * i1;       // [W][k1]
     float    * logits;   // [W][G][n_kv] approximate (or exact) logits, -inf for hidden cells
     float    * cmax;     // [W][G][n_chunks_a]
     float    * csum;     // [W][G][n_chunks_a]
@@ -197,12 +198,19 @@ struct select_state {
     int      done;
 };
 
+constexpr int HIST_WORDS = 256 * (B_THREADS / WARP_SIZE + 1);  // per-warp histograms + their sum
+
 // Radix select over keys key_of(0..n) (0 = not an item; items have distinct keys): returns T such that
 // exactly `need` items have key >= T (need <= number of items). Digits of 8 bits from bit top_shift down;
-// stops early once a digit's bin holds exactly the remaining need.
+// stops early once a digit's bin holds exactly the remaining need. Keys share their leading digits (scores
+// of one row lie within a few binades), so counting goes through per-warp histograms with the lanes of a
+// warp that hit the same bin merged first (__match_any_sync): no pile-up of atomics on one address.
+// hist: HIST_WORDS shared words; blockDim.x <= B_THREADS.
 template <typename KeyFn>
 __device__ uint64_t block_select(int64_t n, uint32_t need, int top_shift, KeyFn key_of, uint32_t * hist,
                                  select_state * sst) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, n_warps = blockDim.x / WARP_SIZE;
+    uint32_t * total = hist + 256*n_warps;
     if (threadIdx.x == 0) {
         sst->prefix = 0;
         sst->need   = need;
@@ -210,26 +218,35 @@ __device__ uint64_t block_select(int64_t n, uint32_t need, int top_shift, KeyFn 
     }
     uint64_t pmask = 0;
     for (int shift = top_shift; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+        for (int b = threadIdx.x; b < 256*n_warps; b += blockDim.x) {
             hist[b] = 0;
         }
         __syncthreads();
         const uint64_t prefix = sst->prefix;
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
             const uint64_t key = key_of(i);
-            if (key != 0 && (key & pmask) == prefix) {
-                atomicAdd(&hist[(key >> shift) & 0xFF], 1u);
+            const uint32_t bin = key != 0 && (key & pmask) == prefix ? (uint32_t) (key >> shift) & 0xFF : 256u;
+            const uint32_t peers = __match_any_sync(__activemask(), bin);
+            if (bin < 256 && lane == __ffs(peers) - 1) {
+                atomicAdd(&hist[warp*256 + bin], (uint32_t) __popc(peers));
             }
+        }
+        __syncthreads();
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+            uint32_t sum = 0;
+            for (int w = 0; w < n_warps; ++w) {
+                sum += hist[w*256 + b];
+            }
+            total[b] = sum;
         }
         __syncthreads();
         if (threadIdx.x < WARP_SIZE) {
             // lane l owns bins 255 - 8l ... 248 - 8l (descending); prefix sums over lanes find the bin where the
             // count from the top reaches `need`
-            const int lane = threadIdx.x;
             uint32_t c[8], tot = 0;
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                c[e] = hist[255 - 8*lane - e];
+                c[e] = total[255 - 8*lane - e];
                 tot += c[e];
             }
             uint32_t incl = tot;
@@ -278,16 +295,25 @@ __device__ __forceinline__ uint32_t score_key(float c) { return __float_as_uint(
 
 // ---- kernel A: scores ------------------------------------------------------------------------------
 
-// I1 (ascending) of the row: the k1 largest components of sum_g |q_g|, ties to the lower component.
-__device__ void compute_i1(const sparq_args & a, const row_coords & c, float * absum, int * rank, int * i1) {
+// Kernel Q, one block per row: I1 (ascending; the k1 largest components of sum_g |q_g|, ties to the lower
+// component) and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch for kernel A.
+__global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks
+    __shared__ int i1[MAX_HEAD_DIM];
+    __shared__ float fac[MAX_G];
+    const int64_t w = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    float * absum = smq;
+    int   * rank  = (int *) (smq + d);
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-        float s = 0.0f;
+        float sum = 0.0f;  // in head order, as the CPU
         for (int64_t g = 0; g < G; ++g) {
-            s += fabsf(q_row(a, c.h*G + g, c)[i]);
+            sum += fabsf(q_row(a, c.h*G + g, c)[i]);
         }
-        absum[i] = s;
+        absum[i] = sum;
     }
     __syncthreads();
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
@@ -310,41 +336,44 @@ __device__ void compute_i1(const sparq_args & a, const row_coords & c, float * a
         }
     }
     __syncthreads();
+    // factor_g = scale / sqrt(rho_g), rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU); a warp per head
+    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+        const float * qg = q_row(a, c.h*G + g, c);
+        double all = 0.0, sel = 0.0;
+        for (int64_t i = lane; i < d; i += WARP_SIZE) {
+            all += fabs((double) qg[i]);
+        }
+        for (int i = lane; i < k1; i += WARP_SIZE) {
+            sel += fabs((double) qg[i1[i]]);
+        }
+        all = warp_reduce(all, op_add());
+        sel = warp_reduce(sel, op_add());
+        if (lane == 0) {
+            const double rho = all > 0.0 ? sel / all : 1.0;
+            fac[g] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
+        }
+    }
+    __syncthreads();
+    for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
+        const int64_t g = idx / k1, i = idx % k1;
+        s.qs[(w*G + g)*k1 + i] = q_row(a, c.h*G + g, c)[i1[i]] * fac[g];
+    }
+    for (int i = threadIdx.x; i < k1; i += blockDim.x) {
+        s.i1[w*k1 + i] = i1[i];
+    }
 }
 
 // Heads g0 .. g0+NG of the row into shared memory: scaled components at I1 (SparQ) or whole rows (exact).
 template <int POL, int NG>
-__device__ void load_query_pass(const sparq_args & a, const row_coords & c, int64_t g0, const int * i1,
-                                float * fac, float * qs) {
+__device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
+                                int64_t g0, float * qs) {
     const int64_t G = a.group, d = a.d;
     const int k1 = a.p.k1;
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     __syncthreads();  // qs of the previous pass is no longer read
     if (POL == SC_KT || POL == SC_GATHER) {
-        // factor_g = scale / sqrt(rho_g), rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU)
-        for (int gg = warp; gg < NG; gg += blockDim.x / WARP_SIZE) {
-            if (g0 + gg >= G) {
-                continue;
-            }
-            const float * qg = q_row(a, c.h*G + g0 + gg, c);
-            double all = 0.0, sel = 0.0;
-            for (int64_t i = lane; i < d; i += WARP_SIZE) {
-                all += fabs((double) qg[i]);
-            }
-            for (int i = lane; i < k1; i += WARP_SIZE) {
-                sel += fabs((double) qg[i1[i]]);
-            }
-            all = warp_reduce(all, op_add());
-            sel = warp_reduce(sel, op_add());
-            if (lane == 0) {
-                const double rho = all > 0.0 ? sel / all : 1.0;
-                fac[gg] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
-            }
-        }
-        __syncthreads();
         for (int idx = threadIdx.x; idx < NG*k1; idx += blockDim.x) {
             const int gg = idx / k1, i = idx % k1;
-            qs[idx] = g0 + gg < G ? q_row(a, c.h*G + g0 + gg, c)[i1[i]] * fac[gg] : 0.0f;
+            qs[idx] = g0 + gg < G ? s.qs[(w*G + g0 + gg)*k1 + i] : 0.0f;
         }
     } else if (POL == SC_EXACT) {
         for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
@@ -358,7 +387,7 @@ __device__ void load_query_pass(const sparq_args & a, const row_coords & c, int6
 // The row's last kernel-A block: merge the chunk statistics, classify the row, set the candidate threshold.
 __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r) {
     __shared__ uint32_t skey[2*SAMPLE];
-    __shared__ uint32_t hist[256];
+    __shared__ uint32_t hist[HIST_WORDS];
     __shared__ select_state sst;
     __shared__ int64_t info[N_RI];
     __shared__ int red[32];
@@ -455,22 +484,19 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
 
 template <typename T, int POL, int NG>
 __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ float sm[];
-    __shared__ float fac[MAX_NG];
+    extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float redf[32];
     __shared__ int   redi[32];
     __shared__ int   is_last;
+    __shared__ int   i1_buf[MAX_HEAD_DIM];
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
     const int k1 = a.p.k1;
-    float * absum = sm;                       // [d]
-    int   * rank  = (int *) (sm + d);         // [d]
-    float * qs    = sm + 2*d;                 // [NG][k1] scaled components, or [NG][d] query rows
-    __shared__ int i1_buf[MAX_HEAD_DIM];
-
     if (POL == SC_KT || POL == SC_GATHER) {
-        compute_i1(a, c, absum, rank, i1_buf);
+        for (int i = threadIdx.x; i < k1; i += blockDim.x) {
+            i1_buf[i] = s.i1[w*k1 + i];
+        }
     }
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
@@ -492,7 +518,7 @@ __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a,
 
     if (POL != SC_NONE) {
         for (int64_t g0 = 0; g0 < G; g0 += NG) {
-            load_query_pass<POL, NG>(a, c, g0, i1_buf, fac, qs);
+            load_query_pass<POL, NG>(a, s, w, c, g0, qs);
             float acc[NG][A_CELLS];
 #pragma unroll
             for (int g = 0; g < NG; ++g) {
@@ -755,7 +781,7 @@ __host__ __device__ inline smem_b_layout smem_b_plan(int64_t cap, int64_t k2, in
 template <typename T, int VPT>
 __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
                            unsigned char * smem, const float * rst) {
-    __shared__ uint32_t hist[256];
+    __shared__ uint32_t hist[HIST_WORDS];
     __shared__ select_state sst;
     __shared__ int red[32];
     __shared__ float vmean[MAX_HEAD_DIM];
@@ -1222,13 +1248,15 @@ bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
-    size_t logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, i2, weights, total;
+    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, i2, weights, total;
 };
 scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     const int64_t G = a.group;
     scratch_plan p;
     size_t o = 0;
     auto take = [&](size_t bytes) { const size_t at = o; o += (bytes + 255) & ~size_t(255); return at; };
+    p.qs       = take(sizeof(float) * W*G*a.p.k1);
+    p.i1       = take(sizeof(int32_t) * W*a.p.k1);
     p.logits   = take(scores ? sizeof(float) * W*G*a.n_kv : 0);
     p.cmax     = take(sizeof(float) * W*G*a.n_chunks_a);
     p.csum     = take(sizeof(float) * W*G*a.n_chunks_a);
@@ -1328,6 +1356,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     ggml_cuda_pool_alloc<char> buf(ctx.pool(), plan.total);
     char * base = buf.get();
     sparq_scratch s;
+    s.qs       = (float *)    (base + plan.qs);
+    s.i1       = (int32_t *)  (base + plan.i1);
     s.logits   = (float *)    (base + plan.logits);
     s.cmax     = (float *)    (base + plan.cmax);
     s.csum     = (float *)    (base + plan.csum);
@@ -1340,13 +1370,17 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.i2       = (int32_t *)  (base + plan.i2);
     s.weights  = (float *)    (base + plan.weights);
 
-    const size_t smem_a = sizeof(float) * (2*a.d + ng*std::max<int64_t>(a.p.k1, a.d));
+    const size_t smem_q = sizeof(float) * 2*a.d;
+    const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
     const size_t smem_b = smem_b_plan(a.cap, a.p.k2, G, a.d).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         CUDA_CHECK(cudaMemsetAsync(s.counters, 0, sizeof(uint32_t) * nw*N_CTR, stream));
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
+        if (pol == SC_KT || pol == SC_GATHER) {
+            sparq_query<<<(unsigned) nw, A_THREADS, smem_q, stream>>>(a, s, r0);
+        }
         switch (k->type) {
             case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
             case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
