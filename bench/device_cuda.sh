@@ -55,6 +55,14 @@ stage_profile() {
     echo "Llama-3 heads, S = 65536:"; python3 bench/ncu_summary.py "$OUT/ncu_l3_65536.csv"
 }
 
+stage_timing() {
+    # tail phase timings printed by the kernels (cycles at the SM clock)
+    for s in 4096 32768 131072; do
+        echo "Llama-2 heads, S = $s:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq $s --batch 1 --runs 1 2>/dev/null | sort | uniq -c
+    done
+    echo "Llama-3 heads, S = 65536:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq 65536 --batch 1 --runs 1 --heads 32 8 2>/dev/null | sort | uniq -c
+}
+
 stage_sanitize() {
     local t="tests/test_op_sparq_attn_cuda.py"
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \

@@ -42,6 +42,13 @@ constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
 constexpr int      N_CTR       = 8;                      // per-row counters (see ctr_*)
 
+// Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's last block prints
+// clock64() deltas between marks; for kernel tuning only.
+#define SPARQ_TIMING_MARK(i) do { if (a.timing && threadIdx.x == 0) { t_marks[i] = clock64(); } } while (0)
+#define SPARQ_TIMING_PRINT(what, w, n) do { if (a.timing && threadIdx.x == 0 && (w) == 0) { \
+        printf("%s:", what); for (int i_ = 1; i_ < (n); ++i_) printf(" %lld", t_marks[i_] - t_marks[i_ - 1]); \
+        printf(" cycles\n"); } } while (0)
+
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
 enum counter { CTR_DONE_A = 0, CTR_DONE_B = 1, CTR_N_W = 2, CTR_N_S = 3, CTR_N_CAND = 4 };
@@ -66,6 +73,7 @@ struct sparq_args {
     int32_t n_chunks_a, n_chunks_b;
     int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
     bool vec_kt, vec_kv, vec_logits;
+    bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
 };
 
 struct sparq_scratch {
@@ -385,7 +393,9 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
 }
 
 // The row's last kernel-A block: merge the chunk statistics, classify the row, set the candidate threshold.
-__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r) {
+__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
+    long long t_marks[5];
+    t_marks[0] = t_start;
     __shared__ uint32_t skey[2*SAMPLE];
     __shared__ uint32_t hist[HIST_WORDS];
     __shared__ select_state sst;
@@ -393,37 +403,50 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     __shared__ int red[32];
     const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
     __shared__ float rst[2*MAX_G];
+    __shared__ int64_t redl[32];
     float * rstat = s.rstat + w*2*G;
-    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    SPARQ_TIMING_MARK(1);
+    // merge the chunks' softmax statistics: a warp per head, lanes across chunks (one round of loads)
+    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
         const float * cm = s.cmax + (w*G + g)*nA;
         const float * cs = s.csum + (w*G + g)*nA;
         float mx = -INFINITY;
-        for (int64_t ch = 0; ch < nA; ++ch) {
+        for (int64_t ch = lane; ch < nA; ch += WARP_SIZE) {
             mx = fmaxf(mx, cm[ch]);
         }
+        mx = warp_reduce(mx, op_max());
         double total = 0.0;
-        for (int64_t ch = 0; ch < nA; ++ch) {
+        for (int64_t ch = lane; ch < nA; ch += WARP_SIZE) {
             total += cm[ch] == -INFINITY ? 0.0 : cs[ch] * exp((double) cm[ch] - mx);
         }
-        rst[g]       = rstat[g]     = mx;
-        rst[G + g]   = rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
-    }
-    if (threadIdx.x == 0) {
-        int64_t n_vis = 0, p_min = INT64_MAX, p_max = INT64_MIN;
-        for (int64_t ch = 0; ch < nA; ++ch) {
-            const int32_t * cv = s.cvis + (w*nA + ch)*3;
-            if (cv[0] > 0) {
-                n_vis += cv[0];
-                p_min = min(p_min, (int64_t) cv[1]);
-                p_max = max(p_max, (int64_t) cv[2]);
-            }
+        total = warp_reduce(total, op_add());
+        if (lane == 0) {
+            rst[g]     = rstat[g]     = mx;
+            rst[G + g] = rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
         }
+    }
+    // visible cells and their position range over the chunks
+    int64_t n_vis = 0, p_min = INT64_MAX, p_max = INT64_MIN;
+    for (int64_t ch = threadIdx.x; ch < nA; ch += blockDim.x) {
+        const int32_t * cv = s.cvis + (w*nA + ch)*3;
+        if (cv[0] > 0) {
+            n_vis += cv[0];
+            p_min = min(p_min, (int64_t) cv[1]);
+            p_max = max(p_max, (int64_t) cv[2]);
+        }
+    }
+    n_vis = block_reduce(n_vis, op_add(), (int64_t) 0, redl);
+    p_min = block_reduce(p_min, op_min(), (int64_t) INT64_MAX, redl);
+    p_max = block_reduce(p_max, op_max(), (int64_t) INT64_MIN, redl);
+    if (threadIdx.x == 0) {
         info[RI_KIND]  = n_vis == 0 ? ROW_EMPTY : n_vis <= a.p.k2 ? ROW_DENSE : ROW_SPARSE;
         info[RI_N_VIS] = n_vis;
         info[RI_W_LO]  = p_max - a.window;   // window: position > w_lo
         info[RI_S_HI]  = p_min + a.sinks;    // sinks:  position < s_hi
         info[RI_THR]   = 1;                  // every candidate
     }
+    SPARQ_TIMING_MARK(2);
     __syncthreads();  // rstat (global, this block) and info
     if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
         // threshold: the sample's value at the rank that leaves ~4 * n_top cells above it
@@ -467,6 +490,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
             }
         }
         const int n_valid = block_reduce(cnt, op_add(), 0, red);
+        SPARQ_TIMING_MARK(3);
         const int64_t rank = (4 * (int64_t) a.n_top + 16) / stride;  // ~4 n_top cells pass (cap: 4 k2 + 4096)
         if (rank < n_valid) {
             const uint64_t thr = block_select(n_samp, (uint32_t) rank + 1, 24,
@@ -480,10 +504,13 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     for (int i = threadIdx.x; i < N_RI; i += blockDim.x) {
         s.rinfo[w*N_RI + i] = info[i];
     }
+    SPARQ_TIMING_MARK(4);
+    SPARQ_TIMING_PRINT("A: block, merge, sample, select", w, 5);
 }
 
 template <typename T, int POL, int NG>
 __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    const long long t_start = clock64();
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float redf[32];
     __shared__ int   redi[32];
@@ -657,7 +684,7 @@ __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a,
         return;
     }
     __threadfence();
-    prepare_row(a, s, w, r0 + w);
+    prepare_row(a, s, w, r0 + w, t_start);
 }
 
 // ---- kernel B: select and attend --------------------------------------------------------------------
@@ -780,7 +807,10 @@ __host__ __device__ inline smem_b_layout smem_b_plan(int64_t cap, int64_t k2, in
 // The row's last kernel-B block: final selection, I2 in cell order, then exact attention of every head.
 template <typename T, int VPT>
 __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
-                           unsigned char * smem, const float * rst) {
+                           unsigned char * smem, const float * rst, long long t_start) {
+    long long t_marks[8];
+    t_marks[0] = t_start;
+    SPARQ_TIMING_MARK(1);
     __shared__ uint32_t hist[HIST_WORDS];
     __shared__ select_state sst;
     __shared__ int red[32];
@@ -836,18 +866,34 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         __syncthreads();
     }
 
-    // I2 in cell order from the bitmap: each thread counts a run of words, a block scan places them
+    SPARQ_TIMING_MARK(2);
+
+    // I2 in cell order from the bitmap: each thread counts a run of words (loaded at once), a block scan
+    // places them
+    constexpr int WORDS_IN_REGS = 16;
     const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
     const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
+    uint32_t wv[WORDS_IN_REGS];
     int cnt = 0;
-#pragma unroll 8
-    for (int64_t wd = wd0; wd < wd1; ++wd) {
-        cnt += __popc(__ldcg(bm + wd));
+    if (wpt <= WORDS_IN_REGS) {
+#pragma unroll
+        for (int u = 0; u < WORDS_IN_REGS; ++u) {
+            wv[u] = wd0 + u < wd1 ? __ldcg(bm + wd0 + u) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < WORDS_IN_REGS; ++u) {
+            cnt += __popc(wv[u]);
+        }
+    } else {
+        for (int64_t wd = wd0; wd < wd1; ++wd) {
+            cnt += __popc(__ldcg(bm + wd));
+        }
     }
     int n_sel = 0;
     int at = block_exclusive_scan(cnt, &n_sel, red);
     for (int64_t wd = wd0; wd < wd1; ++wd) {
-        for (uint32_t bits = __ldcg(bm + wd); bits; bits &= bits - 1) {
+        const uint32_t word = wpt <= WORDS_IN_REGS ? wv[(int) min(wd - wd0, (int64_t) WORDS_IN_REGS - 1)] : __ldcg(bm + wd);
+        for (uint32_t bits = word; bits; bits &= bits - 1) {
             if (at < k2) {
                 i2[at] = (int32_t) (wd*32 + __ffs(bits) - 1);
             }
@@ -856,6 +902,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
     }
     n_sel = min((int64_t) n_sel, k2);
     __syncthreads();
+    SPARQ_TIMING_MARK(3);
 
     // alpha_g (one warp per head) and the mean value, for sparse rows with the mean on
     const bool mix = kind == ROW_SPARSE && a.p.mean_on;
@@ -894,6 +941,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         }
     }
 
+    SPARQ_TIMING_MARK(4);
     // exact logits over I2: a group of tpr threads per cell, 8 components per thread and vector, 4 cells in
     // flight per group
     {
@@ -947,6 +995,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         }
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(5);
 
     // softmax per head (one warp per head), Sparse-V threshold
     for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
@@ -984,6 +1033,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
         }
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(6);
 
     // V: a group of tpr threads per cell accumulates up to V_HEADS heads; groups reduced through shared memory
     {
@@ -1075,10 +1125,13 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
             __syncthreads();
         }
     }
+    SPARQ_TIMING_MARK(7);
+    SPARQ_TIMING_PRINT("B: block, select, I2, alpha, logits, softmax, V", w, 8);
 }
 
 template <typename T, int VPT>
 __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    const long long t_start = clock64();
     extern __shared__ __align__(16) unsigned char smb[];  // smem_b_layout
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
@@ -1180,7 +1233,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
         return;
     }
     __threadfence();
-    finish_row<T, VPT>(a, s, w, c, smb, rst);
+    finish_row<T, VPT>(a, s, w, c, smb, rst, t_start);
 }
 
 // ---- host ------------------------------------------------------------------------------------------
@@ -1341,6 +1394,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.vec_kt     = kt && aligned16(kt->data) && strides16(kt);
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
+    a.timing     = getenv("SPARQ_CUDA_TIMING") != nullptr;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
