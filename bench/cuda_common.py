@@ -23,10 +23,10 @@ def gpu() -> dict[str, Any]:
 
 
 def provenance() -> dict[str, Any]:
-    """Machine, GPU, commit (git, or $SPARQ_COMMIT where the tree was copied without .git), command, build."""
+    """Machine, GPU, commit, command, build. $SPARQ_COMMIT, where set, names the commit: a lent machine's copy of
+    the tree may carry a stale .git (seen: it reported the session's starting commit)."""
     commit = git_commit()
-    if commit.get("commit") in (None, "", "unknown"):
-        commit = {"commit": os.environ.get("SPARQ_COMMIT", "unknown"), "dirty": None,
-                  "note": "tree copied without .git; commit given by $SPARQ_COMMIT"}
+    if os.environ.get("SPARQ_COMMIT"):
+        commit = {"commit": os.environ["SPARQ_COMMIT"], "dirty": None, "note": "given by $SPARQ_COMMIT"}
     return {"machine": machine(), "gpu": gpu(), "git": commit, "command": " ".join([sys.executable, *sys.argv]),
             "build": build_info()}
