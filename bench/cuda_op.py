@@ -62,7 +62,7 @@ def main() -> int:
         for s in (int(x) for x in args.seqs.split(",")):
             # one process per configuration: a failure (a CUDA error aborts the process) is recorded, not fatal
             proc = subprocess.run([sys.executable, __file__, "--one", str(s), str(b), "--runs", str(args.runs),
-                                   "--k1", str(args.k1), "--k2", str(args.k2)], capture_output=True, text=True)
+                                   "--k1", str(args.k1), "--k2", str(args.k2)], capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 rows.append(dict(S=s, B=b, error=proc.stderr[-2000:]))
                 print(f"{s:>7} {b:>3} failed: {proc.stderr.strip().splitlines()[-1:]}", flush=True)

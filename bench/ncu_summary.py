@@ -10,7 +10,8 @@ SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
 
 
 def main(path: str) -> int:
-    rows = [r for r in csv.reader(open(path)) if len(r) > 10]
+    with open(path, newline="") as f:
+        rows = [r for r in csv.reader(f) if len(r) > 10]
     if not rows:
         print(f"{path}: no ncu rows")
         return 1

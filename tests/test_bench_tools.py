@@ -1,0 +1,63 @@
+"""The CUDA benchmark drivers' host-side parts, on the CPU: the random-weight model writer makes GGUFs that
+llama.cpp loads and runs (dense and SparQ), batched-bench's table is parsed, and the op microbenchmark takes
+several sequences."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, run
+from sparq_llama import ops
+
+sys.path.insert(0, str(REPO / "bench"))
+import cuda_e2e  # noqa: E402
+import random_gguf  # noqa: E402
+
+
+def test_random_model_loads_and_decodes_dense_and_sparq(tmp_path):
+    model = random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path / "tiny.gguf")
+    res = run(["llama-bench", "-m", str(model), "-p", "0", "-n", "4", "-d", "300", "-r", "1", "-t", "2",
+               "-fa", "1", "-sparq", "0,1", "-k1", "16", "-k2", "32", "-sparq-min-kv", "0", "-o", "json"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout)
+    assert sorted(r["sparq"] for r in rows) == [False, True]
+    assert all(r["n_gen"] == 4 and r["n_depth"] == 300 and r["avg_ts"] > 0 for r in rows)
+    assert all(r["model_type"].startswith("llama") for r in rows)
+
+
+def test_random_model_has_the_shape_and_a_real_tokenizer(tmp_path):
+    import gguf
+
+    shape = random_gguf.SHAPES["tiny"]
+    reader = gguf.GGUFReader(random_gguf.write_model(shape, tmp_path / "tiny.gguf"))
+    fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+    assert fields["llama.block_count"] == shape.n_layer and fields["llama.attention.head_count_kv"] == shape.n_head_kv
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 32000  # the Llama-2 vocabulary
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+    assert q.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert list(q.shape) == [shape.n_embd, shape.n_head_kv * shape.n_embd // shape.n_head]
+
+
+def test_batched_bench_table_is_parsed():
+    text = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|  8192 |     32 |    1 |   8224 |    1.234 |  6638.57 |    0.181 |   177.20 |    1.415 |  5812.01 |
+|  8192 |     32 |    8 |  65792 |   12.001 |  5460.88 |    0.605 |   423.50 |   12.606 |  5219.10 |
+"""
+    rows = cuda_e2e.parse_batched(text)
+    assert [(r["B"], r["s_tg"]) for r in rows] == [(1, 177.2), (8, 423.5)]
+    with pytest.raises(RuntimeError, match="no table"):
+        cuda_e2e.parse_batched("nothing here")
+
+
+def test_op_bench_takes_several_sequences():
+    sparq_us, flash_us = ops.bench_attn(d=64, n_head=4, n_head_kv=2, n_kv=600, k1=16, k2=64, n_runs=2,
+                                        n_threads=2, n_seq=3)
+    assert sparq_us.shape == flash_us.shape == (2,)
+    assert np.all(sparq_us > 0) and np.all(flash_us > 0)
+    with pytest.raises(ValueError, match="backend must be"):
+        ops.bench_attn(d=64, n_head=4, n_head_kv=2, n_kv=600, k1=16, k2=64, backend="gpu")
