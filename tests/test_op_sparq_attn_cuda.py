@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import sparq_llama
 from sparq_llama import ops, reference
-
 from test_op_sparq_attn import CASES, assert_close, make_case, make_mask, run_both
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
