@@ -2,6 +2,7 @@
 # Issue 6 on a lent GPU machine without a package registry, in stages (each one call of the device tool):
 #   bench/device_cuda.sh build test op       build (incremental in build/cuda), CUDA op tests, benchmark (a)
 #   bench/device_cuda.sh build profile       per-kernel times (ncu) at a few lengths
+#   bench/device_cuda.sh build offload       partial offload and graph splits, dense vs SparQ
 #   bench/device_cuda.sh sanitize e2e        compute-sanitizer memcheck + racecheck, benchmark (b)
 #   bench/device_cuda.sh batched greedy      benchmark (c), greedy text CPU vs GPU on SmolLM2
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -61,6 +62,29 @@ stage_timing() {
         echo "Llama-2 heads, S = $s:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq $s --batch 1 --runs 1 2>/dev/null | sort | uniq -c
     done
     echo "Llama-3 heads, S = 65536:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq 65536 --batch 1 --runs 1 --heads 32 8 2>/dev/null | sort | uniq -c
+}
+
+stage_offload() {
+    # partial offload (-ngl below the layer count) and where the graph splits, dense vs SparQ, on a small
+    # random-weight model of the Llama-2 layout (4 layers)
+    local m=/tmp/models/small.gguf
+    python3 - <<'PY'
+import sys; sys.path.insert(0, "bench")
+import random_gguf as r
+r.write_model(r.Shape("small", "ggml-vocab-llama-spm.gguf", 512, 4, 8, 8, 1024, 10000.0), __import__("pathlib").Path("/tmp/models/small.gguf"))
+PY
+    for ngl in 0 2 99; do
+        "$BUILD/bin/llama-bench" -m $m -ngl $ngl -fa 1 -p 0 -n 8 -d 2048 -r 1 -sparq 0,1 -k1 16 -k2 64 -sparq-min-kv 0 -o json \
+            > "$OUT/offload_bench_ngl$ngl.json" 2> "$OUT/offload_bench_ngl$ngl.log" \
+            && python3 -c "import json,sys; [print('ngl $ngl', 'sparq' if r['sparq'] else 'dense', round(r['avg_ts'],1), 't/s') for r in json.load(open(sys.argv[1]))]" "$OUT/offload_bench_ngl$ngl.json" \
+            || { echo "llama-bench -ngl $ngl failed"; tail -5 "$OUT/offload_bench_ngl$ngl.log"; }
+        for mode in dense sparq; do
+            local extra=(); [ $mode = sparq ] && extra=(--sparq --k1 16 --k2 64 --sparq-min-kv 0)
+            "$BUILD/bin/llama-completion" -m $m -ngl $ngl -fa on -c 8192 -n 16 --temp 0 -no-cnv -v -f README.md "${extra[@]}" \
+                > "$OUT/offload_${mode}_ngl$ngl.txt" 2> "$OUT/offload_${mode}_ngl$ngl.log" || echo "completion $mode -ngl $ngl failed"
+            echo "ngl $ngl $mode: $(grep -o 'graph splits = [0-9]*' "$OUT/offload_${mode}_ngl$ngl.log" | head -1), $(grep -c 'sparq' "$OUT/offload_${mode}_ngl$ngl.log") sparq log lines"
+        done
+    done
 }
 
 stage_sanitize() {
