@@ -72,14 +72,19 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
                 return -1;
             }
         }
-        const int32_t min_n_kv = sparq_min_n_kv(params);
+        char dense_below[96];
+        if (params.min_n_kv < 0) {
+            snprintf(dense_below, sizeof(dense_below), "%d (CPU) / %d (GPU) (measured defaults)",
+                     SPARQ_DEFAULT_MIN_N_KV, SPARQ_DEFAULT_MIN_N_KV_GPU);
+        } else {
+            snprintf(dense_below, sizeof(dense_below), "%d", params.min_n_kv);
+        }
         LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
-                       "dense below n_kv = %d%s\n", __func__,
+                       "dense below n_kv = %s\n", __func__,
                 params.k1, params.k1 == 0 ? " (head_dim/4)" : "", params.k2,
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
-                params.default_layout ? "default (no K^T)" : "K^T", min_n_kv,
-                params.min_n_kv < 0 ? " (measured default)" : "");
+                params.default_layout ? "default (no K^T)" : "K^T", dense_below);
     }
 
     cparams.sparq = params;

@@ -195,6 +195,13 @@ sparq_graph_input * sparq_input(llm_graph_result * res, int64_t n_tokens, uint32
     return static_cast<sparq_graph_input *>(res->add_input(std::make_unique<sparq_graph_input>(n_tokens, n_seq_max)));
 }
 
+// Whether a (view of a) cache tensor lives in host memory: the CPU's measured default applies there, the GPU's
+// elsewhere (sparq_min_n_kv).
+bool sparq_on_host(const ggml_tensor * t) {
+    const ggml_tensor * src = t->view_src ? t->view_src : t;
+    return src->buffer == nullptr || ggml_backend_buffer_is_host(src->buffer);
+}
+
 void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
     if (!L->logged) {
         L->logged = true;
@@ -270,7 +277,8 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         return nullptr;
     }
     const int64_t n_kv     = mctx_cur->get_n_kv();
-    if (n_kv < sparq_min_n_kv(sp)) {
+    ggml_tensor * k = mctx_cur->get_k(ctx0, il);
+    if (n_kv < sparq_min_n_kv(sp, sparq_on_host(k))) {
         return nullptr;
     }
     if (kq_b || sinks || v_mla) {
@@ -280,7 +288,6 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
 
     // 2. views in the shapes ggml_sparq_attn takes (as build_attn_mha prepares them for flash attention)
     const auto & sinfo = mctx_cur->get_sinfo();
-    ggml_tensor * k  = mctx_cur->get_k(ctx0, il);
     ggml_tensor * v  = mctx_cur->get_v(ctx0, il);
     ggml_tensor * kt = L->kt ? kv->sparq_get_kt(ctx0, il, n_kv, sinfo) : nullptr;
     const int64_t ns = k->ne[3];
