@@ -55,6 +55,13 @@ def test_flags_reach_the_context_and_generation_runs(smollm2_path):
     assert "Paris" in res.stdout
 
 
+def test_default_dense_threshold_is_per_backend(smollm2_path):
+    # the measured defaults: 512 cells where the KV is in host memory, 49152 on a GPU (README, CUDA section)
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-v", "--sparq"], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "dense below n_kv = 512 (CPU) / 49152 (GPU) (measured defaults)" in res.stdout + res.stderr
+
+
 def test_llama_bench_sweep_columns(smollm2_path):
     base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "4", "-r", "1", "-t", "2",
             "-sparq", "0,1", "-k1", "8", "-k2", "64"]
