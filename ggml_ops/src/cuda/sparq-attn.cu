@@ -291,13 +291,27 @@ __device__ uint64_t block_select(int64_t n, uint32_t need, int top_shift, KeyFn 
 
 __device__ __forceinline__ int top_shift_for(int bits) { return ((bits - 1) / 8) * 8; }
 
-// Group score of cell j: sum over the group's heads of the approximate probability.
-__device__ __forceinline__ float group_score(const float * lrow, int64_t n_kv, int64_t G, const float * rstat, int64_t j) {
-    float c = 0.0f;
-    for (int64_t g = 0; g < G; ++g) {
-        c += __expf(lrow[g*n_kv + j] - rstat[g]) * rstat[G + g];
+// Group scores of N cells j[u]: the sum over the group's heads of the approximate probability
+// exp(l - M_g) / Z_g (rstat = [M_g..., 1/Z_g...]); 0 where cand[u] is false. The logit loads of the N cells
+// are issued together. The one formula for the sample, the sweep and the fallback, so their keys agree.
+template <int N>
+__device__ __forceinline__ void group_scores(const float * lrow, int64_t n_kv, int64_t G, const float * rstat,
+                                             const int64_t (&j)[N], const bool (&cand)[N], float (&c)[N]) {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+        c[u] = 0.0f;
     }
-    return c;
+    for (int64_t g = 0; g < G; ++g) {
+        float lv[N];
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            lv[u] = cand[u] ? lrow[g*n_kv + j[u]] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            c[u] += __expf(lv[u] - rstat[g]) * rstat[G + g];
+        }
+    }
 }
 __device__ __forceinline__ uint32_t score_key(float c) { return __float_as_uint(c) + 1u; }  // c >= 0: order kept
 
@@ -461,25 +475,17 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         int cnt = 0;
         for (int64_t i0 = threadIdx.x; i0 < n_samp; i0 += 8*blockDim.x) {
             bool cand[8];
+            int64_t j[8];
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
-                const int64_t i = i0 + u*blockDim.x, j = i * stride;
-                cand[u] = i < n_samp && visible(m, j);
-                const int64_t pj = cand[u] ? position(pr, j) : 0;
+                const int64_t i = i0 + u*blockDim.x;
+                j[u] = i * stride;
+                cand[u] = i < n_samp && visible(m, j[u]);
+                const int64_t pj = cand[u] ? position(pr, j[u]) : 0;
                 cand[u] = cand[u] && !(pj > w_lo || pj < s_hi);
             }
-            float c[8] = {};
-            for (int64_t g = 0; g < G; ++g) {
-                float lv[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    lv[u] = cand[u] ? lrow[g*n_kv + (i0 + u*blockDim.x) * stride] : -INFINITY;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    c[u] += __expf(lv[u] - rst[g]) * rst[G + g];
-                }
-            }
+            float c[8];
+            group_scores(lrow, n_kv, G, rst, j, cand, c);
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
                 const int64_t i = i0 + u*blockDim.x;
@@ -689,6 +695,42 @@ __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a,
 
 // ---- kernel B: select and attend --------------------------------------------------------------------
 
+// Threads per selected row in the gathers: enough 8-element vectors to cover n values, a power of two up to
+// a warp (so the dot-product reduction stays inside one warp).
+__device__ __forceinline__ int threads_per_row(int64_t n) {
+    const int nvec = (int) ((n + 7) / 8);
+    int tpr = 1;
+    while (tpr < nvec && tpr < WARP_SIZE) {
+        tpr <<= 1;
+    }
+    return tpr;
+}
+
+// Rows i2[ib + uu*slots + slot] (uu < 4) of a cache tensor (row stride nb1, n values of type T): this thread's
+// vectors lr + vi*tpr of each, zero past n and past n_sel. Four rows in flight per thread group.
+template <typename T, int VPT>
+__device__ __forceinline__ void gather_rows4(const char * base, size_t nb1, const int32_t * i2, int n_sel, int ib,
+                                             int slots, int slot, int lr, int tpr, int64_t n, bool vec,
+                                             float (&x)[4][VPT][8]) {
+#pragma unroll
+    for (int uu = 0; uu < 4; ++uu) {
+        const int i = ib + uu*slots + slot;
+        const T * row = (const T *) (base + (int64_t) (i < n_sel ? i2[i] : 0)*nb1);
+#pragma unroll
+        for (int vi = 0; vi < VPT; ++vi) {
+            const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
+            if (i < n_sel && e0 < n) {
+                load8_row(row, e0, n, vec, x[uu][vi]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    x[uu][vi][e] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
 // Exclusive prefix sum over the block (fixed order); *total gets the sum. red: 32 shared ints.
 __device__ int block_exclusive_scan(int v, int * total, int * red) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, n_warps = blockDim.x / WARP_SIZE;
@@ -768,7 +810,11 @@ __device__ void select_all_cells(const sparq_args & a, const sparq_scratch & s, 
             if (!visible(m, j) || marked(bm, j)) {
                 return 0;
             }
-            return ((uint64_t) score_key(group_score(lrow, n_kv, G, rstat, j)) << a.cell_bits) | (cmask - (uint64_t) j);
+            const int64_t cell[1] = { j };
+            const bool cand[1] = { true };
+            float score[1];
+            group_scores(lrow, n_kv, G, rstat, cell, cand, score);
+            return ((uint64_t) score_key(score[0]) << a.cell_bits) | (cmask - (uint64_t) j);
         };
         const uint64_t thr = block_select(n_kv, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits), key_cand, hist, sst);
         for (int64_t j = threadIdx.x; j < n_kv; j += blockDim.x) {
@@ -945,32 +991,12 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
     // exact logits over I2: a group of tpr threads per cell, 8 components per thread and vector, 4 cells in
     // flight per group
     {
-        const int nvec = (int) ((d + 7) / 8);
-        int tpr = 1;
-        while (tpr < nvec && tpr < WARP_SIZE) {
-            tpr <<= 1;
-        }
+        const int tpr = threads_per_row(d);
         const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
         const char * kb = a.k + c.h*a.k_nb2 + c.st*a.k_nb3;
         for (int ib = 0; ib < n_sel; ib += 4*slots) {
             float x[4][VPT][8];
-#pragma unroll
-            for (int uu = 0; uu < 4; ++uu) {
-                const int i = ib + uu*slots + slot;
-                const T * krow = (const T *) (kb + (int64_t) (i < n_sel ? i2[i] : 0)*a.k_nb1);
-#pragma unroll
-                for (int vi = 0; vi < VPT; ++vi) {
-                    const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
-                    if (i < n_sel && e0 < d) {
-                        load8_row(krow, e0, d, a.vec_kv, x[uu][vi]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            x[uu][vi][e] = 0.0f;
-                        }
-                    }
-                }
-            }
+            gather_rows4<T, VPT>(kb, a.k_nb1, i2, n_sel, ib, slots, slot, lr, tpr, d, a.vec_kv, x);
 #pragma unroll
             for (int uu = 0; uu < 4; ++uu) {
                 const int i = ib + uu*slots + slot;
@@ -1037,11 +1063,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
 
     // V: a group of tpr threads per cell accumulates up to V_HEADS heads; groups reduced through shared memory
     {
-        const int nvec = (int) ((d_v + 7) / 8);
-        int tpr = 1;
-        while (tpr < nvec && tpr < WARP_SIZE) {
-            tpr <<= 1;
-        }
+        const int tpr = threads_per_row(d_v);
         const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
         const int hv = (int) max((int64_t) 1, min((int64_t) V_HEADS, RED_FLOATS / (slots*d_v)));
         const char * vb = a.v + c.h*a.v_nb2 + c.st*a.v_nb3;
@@ -1059,23 +1081,7 @@ __device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_
             }
             for (int ib = 0; ib < n_sel; ib += 4*slots) {
                 float x[4][VPT][8];
-#pragma unroll
-                for (int uu = 0; uu < 4; ++uu) {
-                    const int i = ib + uu*slots + slot;
-                    const T * vrow = (const T *) (vb + (int64_t) (i < n_sel ? i2[i] : 0)*a.v_nb1);
-#pragma unroll
-                    for (int vi = 0; vi < VPT; ++vi) {
-                        const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
-                        if (i < n_sel && e0 < d_v) {
-                            load8_row(vrow, e0, d_v, a.vec_kv, x[uu][vi]);
-                        } else {
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) {
-                                x[uu][vi][e] = 0.0f;
-                            }
-                        }
-                    }
-                }
+                gather_rows4<T, VPT>(vb, a.v_nb1, i2, n_sel, ib, slots, slot, lr, tpr, d_v, a.vec_kv, x);
 #pragma unroll
                 for (int uu = 0; uu < 4; ++uu) {
                     const int i = ib + uu*slots + slot;
@@ -1165,10 +1171,11 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
     // of loads per thread.
     const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
     bool vis[B_CELLS], mark[B_CELLS], cand[B_CELLS];
+    int64_t cells[B_CELLS];
     int n_w = 0, n_s = 0;
 #pragma unroll
     for (int u = 0; u < B_CELLS; ++u) {
-        const int64_t j = strip + u*WARP_SIZE + lane;
+        const int64_t j = cells[u] = strip + u*WARP_SIZE + lane;
         vis[u] = j < n_kv && visible(m, j);
         const int64_t pj = vis[u] ? position(pr, j) : 0;
         const bool in_w = kind == ROW_SPARSE && vis[u] && pj > w_lo;
@@ -1180,17 +1187,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
     }
     float score[B_CELLS] = {};
     if (find_cand) {
-        for (int64_t g = 0; g < G; ++g) {
-            float lv[B_CELLS];
-#pragma unroll
-            for (int u = 0; u < B_CELLS; ++u) {
-                lv[u] = cand[u] ? lrow[g*n_kv + strip + u*WARP_SIZE + lane] : -INFINITY;
-            }
-#pragma unroll
-            for (int u = 0; u < B_CELLS; ++u) {
-                score[u] += __expf(lv[u] - rst[g]) * rst[G + g];
-            }
-        }
+        group_scores(lrow, n_kv, G, rst, cells, cand, score);
     }
 #pragma unroll
     for (int u = 0; u < B_CELLS; ++u) {
