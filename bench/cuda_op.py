@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 from sparq_llama import ops
-from sparq_llama.reference import transfer_ratio
+from sparq_llama.sparq import transfer_elements, transfer_ratio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_common import provenance  # noqa: E402
@@ -25,10 +25,10 @@ from cuda_common import provenance  # noqa: E402
 HEADS = dict(d=128, n_head=32, n_head_kv=32)
 
 
-def bytes_moved(s: int, b: int, d: int, n_head_kv: int, k1: int, k2: int, sparq: bool) -> float:
-    """f16 bytes per step on the paper's model: dense 2Sd + 2d, SparQ Sr + 2kd + 4d elements per KV head."""
-    per_head = s * k1 + 2 * k2 * d + 4 * d if sparq else 2 * s * d + 2 * d
-    return 2.0 * per_head * n_head_kv * b
+def bytes_moved(s: int, b: int, k1: int, k2: int, sparq: bool) -> float:
+    """f16 bytes per step of B sequences on the transfer model (mean on: MHA heads)."""
+    dense, sparse = transfer_elements(s, HEADS["d"], k1, k2, mean=True)
+    return 2.0 * (sparse if sparq else dense) * HEADS["n_head_kv"] * b
 
 
 def measure(s: int, b: int, k1: int, k2: int, runs: int) -> dict:
@@ -36,8 +36,8 @@ def measure(s: int, b: int, k1: int, k2: int, runs: int) -> dict:
                                         mean="auto")
     ts, tf = float(np.median(sparq_us)), float(np.median(flash_us))
     return dict(S=s, B=b, sparq_us=ts, flash_us=tf, speedup=tf / ts, theory=transfer_ratio(s, HEADS["d"], k1, k2),
-                sparq_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], k1, k2, True) / ts / 1e3,
-                flash_gbps=bytes_moved(s, b, HEADS["d"], HEADS["n_head_kv"], k1, k2, False) / tf / 1e3,
+                sparq_gbps=bytes_moved(s, b, k1, k2, True) / ts / 1e3,
+                flash_gbps=bytes_moved(s, b, k1, k2, False) / tf / 1e3,
                 raw_sparq_us=[float(x) for x in sparq_us], raw_flash_us=[float(x) for x in flash_us])
 
 

@@ -93,14 +93,20 @@ def _random_cases(n: int, seed: int = 0):
 CASES = list(_random_cases(520))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['seed']}")
-def test_random_case_matches_reference(case):
+def case_inputs(case: dict):
+    """(q, k, v, mask, op keyword arguments) of a random case, deterministic in its seed."""
     rng = np.random.default_rng(1000 + case["seed"])
     q, k, v = make_case(rng, n_head_kv=case["n_head_kv"], group=case["group"], n_q=case["n_q"],
                         n_kv=case["n_kv"], d=case["d"], d_v=case["d_v"], ns=case["ns"])
     mask = make_mask(rng, case["mask"], case["n_q"], case["n_kv"])
     kw = {key: case[key] for key in ("k1", "k2", "window", "sinks", "mean", "policy", "softcap",
                                      "sparse_v_thresh", "scale", "layout")}
+    return q, k, v, mask, kw
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['seed']}")
+def test_random_case_matches_reference(case):
+    q, k, v, mask, kw = case_inputs(case)
     got, want = run_both(q, k, v, mask, case["kv_dtype"], n_threads=2, **kw)
     assert_close(got, want, case["kv_dtype"], case)
 

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import sparq_llama
 from sparq_llama import ops, reference
-from test_op_sparq_attn import CASES, assert_close, make_case, make_mask, run_both
+from test_op_sparq_attn import (
+    CASES,
+    assert_close,
+    case_inputs,
+    make_case,
+    make_mask,
+    run_both,
+)
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
                                 reason="no CUDA device in this build (the GPU run is bench/device_cuda.sh)")
@@ -27,12 +34,7 @@ def both_backends(q, k, v, mask, kv_dtype, **kw):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['seed']}")
 def test_random_case_matches_reference_and_cpu(case):
-    rng = np.random.default_rng(1000 + case["seed"])
-    q, k, v = make_case(rng, n_head_kv=case["n_head_kv"], group=case["group"], n_q=case["n_q"],
-                        n_kv=case["n_kv"], d=case["d"], d_v=case["d_v"], ns=case["ns"])
-    mask = make_mask(rng, case["mask"], case["n_q"], case["n_kv"])
-    kw = {key: case[key] for key in ("k1", "k2", "window", "sinks", "mean", "policy", "softcap",
-                                     "sparse_v_thresh", "scale", "layout")}
+    q, k, v, mask, kw = case_inputs(case)
     got, cpu, want = both_backends(q, k, v, mask, case["kv_dtype"], **kw)
     assert_close(got, want, case["kv_dtype"], case)
     assert_close(got, cpu, case["kv_dtype"], case)

@@ -331,8 +331,8 @@ def read(ctx: Any) -> SparqConfig:
 # Transfer model
 
 
-def transfer_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> float:
-    """Dense / SparQ elements moved per KV head and decode step (DESIGN.md's model).
+def transfer_elements(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> tuple[int, int]:
+    """(dense, SparQ) elements moved per KV head and decode step (DESIGN.md's model).
 
     dense = 2*S*d + 2*d (read K and V, write the new k and v);
     sparq = S*r + 2*k*d + 4*d (r rows of K^T, k rows of K and V, write k and v, read/write v_bar),
@@ -345,5 +345,11 @@ def transfer_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True
         raise ValueError(f"mean must be True or False (mean-value reallocation on or off), got {mean!r}")
     dense = 2 * s * d + 2 * d
     sparq = s * r + 2 * kk * d + (4 * d if mean else 2 * d)
+    return dense, sparq
+
+
+def transfer_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> float:
+    """Dense / SparQ elements moved per KV head and decode step (`transfer_elements`)."""
+    dense, sparq = transfer_elements(n_kv, head_dim, k1, k2, mean)
     return dense / sparq
 
