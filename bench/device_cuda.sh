@@ -87,6 +87,87 @@ PY
     done
 }
 
+make_small_model() {  # random-weight Llama-2 layout, 4 layers (bench/random_gguf.py)
+    [ -f /tmp/models/small.gguf ] && return
+    python3 - <<'PYEOF'
+import sys; sys.path.insert(0, "bench")
+import random_gguf as r
+r.write_model(r.Shape("small", "ggml-vocab-llama-spm.gguf", 512, 4, 8, 8, 1024, 10000.0), __import__("pathlib").Path("/tmp/models/small.gguf"))
+PYEOF
+}
+
+stage_completion() {
+    # llama-completion vs llama-bench decode cost with SparQ on the GPU (session 4 saw 10x llama-bench's):
+    # eval time per token at two context sizes, with and without CUDA graphs, and the scheduler's splits
+    make_small_model
+    local m=/tmp/models/small.gguf
+    head -c 12000 README.md > /tmp/prompt.txt
+    for mode in dense sparq; do
+        local extra=(); [ $mode = sparq ] && extra=(--sparq --k1 16 --k2 64 --sparq-min-kv 0)
+        for c in 8192 4608; do
+            "$BUILD/bin/llama-completion" -m $m -ngl 99 -fa on -c $c -n 64 --temp 0 -no-cnv -f /tmp/prompt.txt "${extra[@]}" \
+                > /dev/null 2> "$OUT/compl_${mode}_c$c.log" || echo "completion $mode -c $c failed"
+            echo "$mode -c $c: $(grep -o 'eval time = .*' "$OUT/compl_${mode}_c$c.log" | tail -1)"
+        done
+        GGML_CUDA_DISABLE_GRAPHS=1 "$BUILD/bin/llama-completion" -m $m -ngl 99 -fa on -c 8192 -n 64 --temp 0 -no-cnv \
+            -f /tmp/prompt.txt "${extra[@]}" > /dev/null 2> /tmp/nographs.log
+        echo "$mode -c 8192 no CUDA graphs: $(grep -o 'eval time = .*' /tmp/nographs.log | tail -1)"
+        GGML_SCHED_DEBUG=2 "$BUILD/bin/llama-completion" -m $m -ngl 99 -fa on -c 8192 -n 3 --temp 0 -no-cnv -v \
+            -f /tmp/prompt.txt "${extra[@]}" 2>&1 > /dev/null | head -c 8000000 > "$OUT/sched_${mode}.log"
+        echo "$mode: $(grep -c 'SPLIT' "$OUT/sched_${mode}.log") split lines, $(grep -o 'graph splits = [0-9]*' "$OUT/sched_${mode}.log" | sort | uniq -c | tr '\n' ' ')"
+    done
+    "$BUILD/bin/llama-bench" -m $m -ngl 99 -fa 1 -p 0 -n 64 -d 4352 -r 2 -sparq 0,1 -k1 16 -k2 64 -sparq-min-kv 0 2>/dev/null | grep tg
+}
+
+stage_firststep() {
+    # per-step decode times from the -v log's "n_past" stamps: where the first SparQ step's extra cost goes,
+    # with lazy (the default) and eager module loading
+    make_small_model
+    head -c 12000 README.md > /tmp/prompt.txt
+    for loading in LAZY EAGER; do
+        for mode in dense sparq; do
+            local extra=(); [ $mode = sparq ] && extra=(--sparq --k1 16 --k2 64 --sparq-min-kv 0)
+            CUDA_MODULE_LOADING=$loading "$BUILD/bin/llama-completion" -m /tmp/models/small.gguf -ngl 99 -fa on -c 8192 \
+                -n 6 --temp 0 -no-cnv -v -f /tmp/prompt.txt "${extra[@]}" 2>&1 > /dev/null \
+                | grep -E "n_past = |load time|common_init_: warming|llama_context: constructing" > /tmp/steps.log
+            echo "$loading $mode: $(python3 - /tmp/steps.log <<'PYEOF'
+import re, sys
+stamps = []
+for line in open(sys.argv[1]):
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)\.(\d+)", line)
+    t = int(m[1])*60 + int(m[2]) + int(m[3])/1e3 + int(m[4])/1e6 if m else None  # min.s.ms.us
+    if "n_past" in line and t is not None:
+        stamps.append(t)
+    elif "load time" in line:
+        print(line.strip().split("I ")[-1], end="; ")
+print("steps (ms):", " ".join(f"{(b - a)*1000:.1f}" for a, b in zip(stamps, stamps[1:])))
+PYEOF
+)"
+        done
+    done
+}
+
+stage_ncu() {
+    # ncu sections of one decode step's kernels (S = 32k, Llama-2 heads) and local-memory use in the SASS
+    python3 bench/cuda_profile.py --seq 32768 --batch 1 --runs 1 > /dev/null 2>&1
+    ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section LaunchStats --section SchedulerStats -k regex:sparq --launch-skip 3 --launch-count 3 \
+        python3 bench/cuda_profile.py --seq 32768 --batch 1 --runs 2 > "$OUT/ncu_sections.txt" 2>&1
+    grep -E "sparq_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Local Memory|Theoretical Occ|Block Limit" \
+        "$OUT/ncu_sections.txt" | head -80
+    cuobjdump -sass "$BUILD/bin/libggml-cuda.so" 2>/dev/null | python3 -c "
+import re, sys
+name = None; counts = {}
+for line in sys.stdin:
+    m = re.search(r'Function : (\S+)', line)
+    if m: name = m[1]; counts[name] = [0, 0, 0]; continue
+    if name and 'sparq' in name:
+        counts[name][0] += ' LDL' in line; counts[name][1] += ' STL' in line; counts[name][2] += 1
+for n, (l, s, t) in counts.items():
+    if 'sparq' in n: print(f'{n[:90]}: {t} instr, LDL {l}, STL {s}')
+" | head -60
+}
+
 stage_sanitize() {
     local t="tests/test_op_sparq_attn_cuda.py"
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \

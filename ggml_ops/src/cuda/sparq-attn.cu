@@ -1236,11 +1236,12 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
 // ---- host ------------------------------------------------------------------------------------------
 
 // Opt a kernel into more than the default 48 KiB of shared memory (static + dynamic) when a launch needs it;
-// once per kernel and size.
+// once per kernel, device and size (the attribute is per device: with -sm layer each GPU needs its own).
 template <auto kernel>
 void ensure_smem(size_t bytes) {
-    static size_t configured = 0;  // one per kernel instance
-    if (bytes <= configured) {
+    static size_t configured[GGML_CUDA_MAX_DEVICES] = {};  // one array per kernel instance
+    const int device = ggml_cuda_get_device();
+    if (bytes <= configured[device]) {
         return;
     }
     cudaFuncAttributes attr;
@@ -1248,7 +1249,7 @@ void ensure_smem(size_t bytes) {
     if (attr.sharedSizeBytes + bytes > 48*1024) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) bytes));
     }
-    configured = bytes;
+    configured[device] = bytes;
 }
 
 template <typename T, int POL, int NG>
