@@ -148,24 +148,16 @@ PYEOF
 }
 
 stage_ncu() {
-    # ncu sections of one decode step's kernels (S = 32k, Llama-2 heads) and local-memory use in the SASS
-    python3 bench/cuda_profile.py --seq 32768 --batch 1 --runs 1 > /dev/null 2>&1
+    # ncu sections of one decode step's kernels (S = 32k, Llama-2 heads)
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        --section LaunchStats --section SchedulerStats -k regex:sparq --launch-skip 3 --launch-count 3 \
-        python3 bench/cuda_profile.py --seq 32768 --batch 1 --runs 2 > "$OUT/ncu_sections.txt" 2>&1
-    grep -E "sparq_|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Local Memory|Theoretical Occ|Block Limit" \
-        "$OUT/ncu_sections.txt" | head -80
-    cuobjdump -sass "$BUILD/bin/libggml-cuda.so" 2>/dev/null | python3 -c "
-import re, sys
-name = None; counts = {}
-for line in sys.stdin:
-    m = re.search(r'Function : (\S+)', line)
-    if m: name = m[1]; counts[name] = [0, 0, 0]; continue
-    if name and 'sparq' in name:
-        counts[name][0] += ' LDL' in line; counts[name][1] += ' STL' in line; counts[name][2] += 1
-for n, (l, s, t) in counts.items():
-    if 'sparq' in n: print(f'{n[:90]}: {t} instr, LDL {l}, STL {s}')
-" | head -60
+        --section LaunchStats --section SchedulerStats -k regex:sparq --launch-skip 8 --launch-count 8 \
+        python3 bench/cuda_profile.py --seq 32768 --batch 1 --runs 3 > "$OUT/ncu_sections.txt" 2>&1
+    grep -E "^  [a-z].*sparq_|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
+        "$OUT/ncu_sections.txt" | sed 's/(<unnamed>::sparq_args.*)x/ x/' | head -60
+}
+
+stage_opcheck() {  # benchmark (a) at B = 1 for three lengths: a quick look at a kernel variant
+    python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,131072 --batches 1 --out "$OUT/op_check.json" 2>&1 | grep -v "^wrote"
 }
 
 stage_sanitize() {

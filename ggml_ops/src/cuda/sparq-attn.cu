@@ -2,13 +2,14 @@
 // kernel (ggml_ops/src/cpu/sparq-attn-cpu.cpp) is the reference for every detail (tie rules included).
 //
 // A row is (KV head h, query row t, stream s), as on the CPU; the query heads of h's group share the row's
-// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, two
-// kernels, both split along the sequence so that every SM streams even when there are only 8 KV heads:
-//   A. scores (grid: chunks of A_CHUNK cells x rows). Each block recomputes the row's I1 and scaled query
-//      components (a few hundred flops), writes the approximate logits of its chunk and the chunk's softmax
-//      max/sum and visible-cell statistics. The row's last block merges the chunk statistics (softmax
-//      normaliser, visible count, position range) and sets a candidate threshold from a strided sample of
-//      the group score, so that about 4x the needed cells pass it.
+// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, four
+// kernels, the two that stream split along the sequence so that every SM works even with 8 KV heads:
+//   Q. query (one block per row): I1 and the scaled query components at I1.
+//   A. scores (grid: chunks of A_CHUNK cells x rows). Each block writes the approximate logits of its chunk
+//      and the chunk's softmax max/sum and visible-cell statistics.
+//   P. prepare (one block per row): merges the chunk statistics (softmax normaliser, visible count,
+//      position range) and sets a candidate threshold from a strided sample of the group score, so that
+//      about 4x the needed cells pass it.
 //   B. select + attend (grid: chunks of B_CHUNK cells x rows). Each block marks the row's forced cells
 //      (window and sinks, or every visible cell of a dense row) in a bitmap whose words it owns, and appends
 //      the cells whose group score passes the threshold to the row's candidate list. The row's last block
@@ -29,7 +30,13 @@ namespace {
 constexpr int      A_THREADS   = 256;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
 constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
-template <int NG> __host__ __device__ constexpr int a_unroll() { return NG <= 2 ? 8 : 4; }  // K^T rows in flight per thread
+// Kernel A: K^T rows in flight per thread (16 bytes of each for f16/bf16) and blocks per SM (the register
+// budget: 64K / (256 * blocks) per thread). More resident blocks hide the latency of each block's short
+// serial phases (mask and position loads, the reductions); one to two heads per pass fit the budget of 3.
+template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
+    return (NG <= 2 ? 8 : 4) / (sizeof(T) == 4 ? 2 : 1);
+}
+template <int NG> constexpr int a_min_blocks() { return NG <= 2 ? 3 : 2; }
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
@@ -51,7 +58,7 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
-enum counter { CTR_DONE_A = 0, CTR_DONE_B = 1, CTR_N_W = 2, CTR_N_S = 3, CTR_N_CAND = 4 };
+enum counter { CTR_DONE_B = 0, CTR_N_W = 1, CTR_N_S = 2, CTR_N_CAND = 3 };
 enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, N_RI = 8 };
 
 struct sparq_args {
@@ -121,6 +128,27 @@ __device__ __forceinline__ void load8(const float * p, float (&x)[8]) {
     const float4 a = ((const float4 *) p)[0], b = ((const float4 *) p)[1];
     x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 }
+// 8 consecutive values kept as loaded (16 bytes of f16/bf16, 32 of f32) and converted where they are used:
+// kernel A keeps many rows in flight and so wants the loaded form, the smallest one.
+template <typename T> struct raw8 { uint4 u; };
+template <> struct raw8<float> { float4 a, b; };
+__device__ __forceinline__ void load_raw8(const half * p, raw8<half> & r) { r.u = *(const uint4 *) p; }
+__device__ __forceinline__ void load_raw8(const nv_bfloat16 * p, raw8<nv_bfloat16> & r) { r.u = *(const uint4 *) p; }
+__device__ __forceinline__ void load_raw8(const float * p, raw8<float> & r) {
+    r.a = ((const float4 *) p)[0]; r.b = ((const float4 *) p)[1];
+}
+__device__ __forceinline__ float raw8_at(const raw8<half> & r, int i) {
+    const half2 h = ((const half2 *) &r.u)[i / 2];
+    return i % 2 ? __high2float(h) : __low2float(h);
+}
+__device__ __forceinline__ float raw8_at(const raw8<nv_bfloat16> & r, int i) {
+    const uint32_t w = ((const uint32_t *) &r.u)[i / 2];
+    return __uint_as_float(i % 2 ? w & 0xFFFF0000u : w << 16);
+}
+__device__ __forceinline__ float raw8_at(const raw8<float> & r, int i) {
+    return i < 4 ? ((const float *) &r.a)[i] : ((const float *) &r.b)[i - 4];
+}
+
 // Elements [e0, e0 + 8) of a row of n values, vector load when allowed, zero past the end.
 template <typename T>
 __device__ __forceinline__ void load8_row(const T * row, int64_t e0, int64_t n, bool vec, float (&x)[8]) {
@@ -406,7 +434,7 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
     __syncthreads();
 }
 
-// The row's last kernel-A block: merge the chunk statistics, classify the row, set the candidate threshold.
+// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
 __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
     long long t_marks[5];
     t_marks[0] = t_start;
@@ -511,16 +539,14 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         s.rinfo[w*N_RI + i] = info[i];
     }
     SPARQ_TIMING_MARK(4);
-    SPARQ_TIMING_PRINT("A: block, merge, sample, select", w, 5);
+    SPARQ_TIMING_PRINT("P: start, merge, sample, select", w, 5);
 }
 
 template <typename T, int POL, int NG>
-__global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    const long long t_start = clock64();
+__global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float redf[32];
     __shared__ int   redi[32];
-    __shared__ int   is_last;
     __shared__ int   i1_buf[MAX_HEAD_DIM];
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -565,31 +591,39 @@ __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a,
                 // A_UNROLL rows in flight
                 const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
                 const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
-                constexpr int A_UNROLL = a_unroll<NG>();
+                constexpr int A_UNROLL = a_unroll<T, NG>();
                 for (int i = 0; i < k1; i += A_UNROLL) {
-                    float x[A_UNROLL][A_CELLS];
+                    raw8<T> x[A_UNROLL];
+                    if (vec) {
 #pragma unroll
-                    for (int uu = 0; uu < A_UNROLL; ++uu) {
-                        const T * row = (const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1);
-                        if (vec) {
-                            load8(row + j0, x[uu]);
-                        } else {
-#pragma unroll
-                            for (int u = 0; u < A_CELLS; ++u) {
-                                x[uu][u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
-                            }
+                        for (int uu = 0; uu < A_UNROLL; ++uu) {
+                            load_raw8((const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu]);
                         }
                     }
 #pragma unroll
                     for (int uu = 0; uu < A_UNROLL; ++uu) {
-                        if (i + uu < k1) {
+                        if (i + uu >= k1) {
+                            continue;
+                        }
+                        float xf[A_CELLS];
+                        if (vec) {
 #pragma unroll
-                            for (int g = 0; g < NG; ++g) {
-                                const float qv = qs[g*k1 + i + uu];
+                            for (int u = 0; u < A_CELLS; ++u) {
+                                xf[u] = raw8_at(x[uu], u);
+                            }
+                        } else {
+                            const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
 #pragma unroll
-                                for (int u = 0; u < A_CELLS; ++u) {
-                                    acc[g][u] += qv * x[uu][u];
-                                }
+                            for (int u = 0; u < A_CELLS; ++u) {
+                                xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                            }
+                        }
+#pragma unroll
+                        for (int g = 0; g < NG; ++g) {
+                            const float qv = qs[g*k1 + i + uu];
+#pragma unroll
+                            for (int u = 0; u < A_CELLS; ++u) {
+                                acc[g][u] += qv * xf[u];
                             }
                         }
                     }
@@ -679,18 +713,14 @@ __global__ void __launch_bounds__(A_THREADS, 2) sparq_scores(const sparq_args a,
         cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
     }
 
-    // the row's last block to finish prepares the selection
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(&s.counters[w*N_CTR + CTR_DONE_A], 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!is_last) {
-        return;
-    }
-    __threadfence();
-    prepare_row(a, s, w, r0 + w, t_start);
+}
+
+// Kernel P, one block per row: merges kernel A's chunk statistics and sets the row's candidate threshold. A
+// kernel of its own (not kernel A's last block) so that kernel A carries none of its shared memory and runs
+// more blocks per SM.
+__global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    const long long t_start = clock64();
+    prepare_row(a, s, blockIdx.x, r0 + blockIdx.x, t_start);
 }
 
 // ---- kernel B: select and attend --------------------------------------------------------------------
@@ -1278,6 +1308,7 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, dim3 grid_
         case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
+    sparq_prepare<<<grid_a.y, A_THREADS, 0, stream>>>(a, s, r0);
     switch (vpt) {
         case 1:
             ensure_smem<sparq_select_attend<T, 1>>(smem_b);
