@@ -2,20 +2,24 @@
 // kernel (ggml_ops/src/cpu/sparq-attn-cpu.cpp) is the reference for every detail (tie rules included).
 //
 // A row is (KV head h, query row t, stream s), as on the CPU; the query heads of h's group share the row's
-// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, four
-// kernels, the two that stream split along the sequence so that every SM works even with 8 KV heads:
+// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, seven
+// short kernels. Each kernel's grid is either one block per row (the serial steps) or is split along the
+// sequence, over I2 or over output slices, so that every SM works even with 8 KV heads:
 //   Q. query (one block per row): I1 and the scaled query components at I1.
-//   A. scores (grid: chunks of A_CHUNK cells x rows). Each block writes the approximate logits of its chunk
-//      and the chunk's softmax max/sum and visible-cell statistics.
+//   A. scores (grid: chunks of A_CHUNK cells x rows): the approximate logits of each chunk and the chunk's
+//      softmax max/sum and visible-cell statistics.
 //   P. prepare (one block per row): merges the chunk statistics (softmax normaliser, visible count,
 //      position range) and sets a candidate threshold from a strided sample of the group score, so that
 //      about 4x the needed cells pass it.
-//   B. select + attend (grid: chunks of B_CHUNK cells x rows). Each block marks the row's forced cells
-//      (window and sinks, or every visible cell of a dense row) in a bitmap whose words it owns, and appends
-//      the cells whose group score passes the threshold to the row's candidate list. The row's last block
-//      picks the exact top of the candidates (radix select on (score, cell) keys, equal scores going to the
-//      lower cell), reads I2 in cell order out of the bitmap and runs exact attention for every head.
-// When the sample misleads (too few or too many candidates) or positions are not distinct, the last block
+//   B. sweep (grid: chunks of B_CHUNK cells x rows): marks the row's forced cells (window and sinks, or every
+//      visible cell of a dense row) in a bitmap whose words it owns, and appends the cells whose group score
+//      passes the threshold to the row's candidate list.
+//   S. select (one block per row): the exact top of the candidates (radix select on (score, cell) keys,
+//      equal scores going to the lower cell), I2 in cell order out of the bitmap, alpha_g.
+//   L. logits (grid: blocks of I2 x rows): exact logits of every head of the group over I2.
+//   V. values (grid: output slices x heads, rows): softmax, Sparse-V cut, weighted sum of V, mean mix.
+// One block per row would run the last three as a serial chain of memory round trips (~45 us per step).
+// When the sample misleads (too few or too many candidates) or positions are not distinct, kernel S
 // falls back to exact selections over all cells: slower, same result. Launch sizes depend on shapes only
 // (CUDA graphs stay on); no host round trip.
 #include "sparq-attn.cuh"
@@ -42,8 +46,6 @@ constexpr int      B_CELLS     = 8;                      // cells per thread in 
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
 constexpr int      SAMPLE      = 4096;                   // cells sampled for the candidate threshold
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
-constexpr int      V_HEADS     = 4;                      // query heads per pass over V in kernel B
-constexpr int      RED_FLOATS  = 8192;                   // kernel B's shared buffer for the V reduction
 constexpr int      MAX_HEAD_DIM = 1024;
 constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
@@ -58,8 +60,8 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
-enum counter { CTR_DONE_B = 0, CTR_N_W = 1, CTR_N_S = 2, CTR_N_CAND = 3 };
-enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, N_RI = 8 };
+enum counter { CTR_N_W = 0, CTR_N_S = 1, CTR_N_CAND = 2 };
+enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, RI_N_SEL = 5, N_RI = 8 };
 
 struct sparq_args {
     const char * q; const char * k; const char * kt; const char * v;
@@ -95,8 +97,9 @@ struct sparq_scratch {
     uint32_t * counters; // [W][N_CTR], zeroed before kernel A
     uint32_t * bitmap;   // [W][n_words]: I2
     uint64_t * cand;     // [W][cap]
-    int32_t  * i2;       // [W][k2]
-    float    * weights;  // [W][G][k2]
+    int32_t  * i2;       // [W][k2]: I2 in cell order (kernel S)
+    float    * alpha;    // [W][G]: approximate probability mass of I2 (kernel S)
+    float    * weights;  // [W][G][k2]: exact logits over I2 (kernel L)
 };
 
 // ---- loads -----------------------------------------------------------------------------------------
@@ -727,7 +730,7 @@ __global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, c
 
 // Threads per selected row in the gathers: enough 8-element vectors to cover n values, a power of two up to
 // a warp (so the dot-product reduction stays inside one warp).
-__device__ __forceinline__ int threads_per_row(int64_t n) {
+__host__ __device__ __forceinline__ int threads_per_row(int64_t n) {
     const int nvec = (int) ((n + 7) / 8);
     int tpr = 1;
     while (tpr < nvec && tpr < WARP_SIZE) {
@@ -861,317 +864,25 @@ __device__ void select_all_cells(const sparq_args & a, const sparq_scratch & s, 
 // block's own list fits.
 __host__ __device__ inline int64_t candidate_cap(int64_t k2) { return 4*k2 + 4096; }
 
-// Kernel B's shared memory (dynamic part), in bytes from the start: a region used first for candidate keys
-// (the sweep's local list, then the row's whole list) and then for the V reduction, followed by I2, the
-// weights, the group's query rows and alpha.
-struct smem_b_layout {
-    size_t keys, red_v, i2, weights, qsh, alpha, total;
+// Kernel S's shared memory (dynamic part), in bytes from the start: the candidate keys, then I2.
+struct smem_s_layout {
+    size_t keys, i2, total;
 };
-__host__ __device__ inline smem_b_layout smem_b_plan(int64_t cap, int64_t k2, int64_t G, int64_t d) {
-    smem_b_layout l;
-    const size_t region = cap*sizeof(uint64_t) > RED_FLOATS*sizeof(float) ? cap*sizeof(uint64_t) : RED_FLOATS*sizeof(float);
-    l.keys    = 0;
-    l.red_v   = 0;
-    l.i2      = region;
-    l.weights = l.i2 + ((k2*sizeof(int32_t) + 15) & ~size_t(15));
-    l.qsh     = l.weights + ((G*k2*sizeof(float) + 15) & ~size_t(15));
-    l.alpha   = l.qsh + G*d*sizeof(float);
-    l.total   = l.alpha + ((G*sizeof(float) + 15) & ~size_t(15));
+__host__ __device__ inline smem_s_layout smem_s_plan(int64_t cap, int64_t k2) {
+    smem_s_layout l;
+    l.keys  = 0;
+    l.i2    = cap*sizeof(uint64_t);
+    l.total = l.i2 + k2*sizeof(int32_t);
     return l;
 }
 
-// The row's last kernel-B block: final selection, I2 in cell order, then exact attention of every head.
-template <typename T, int VPT>
-__device__ void finish_row(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
-                           unsigned char * smem, const float * rst, long long t_start) {
-    long long t_marks[8];
-    t_marks[0] = t_start;
-    SPARQ_TIMING_MARK(1);
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ int red[32];
-    __shared__ float vmean[MAX_HEAD_DIM];
-    const int64_t G = a.group, d = a.d, d_v = a.d_v, k2 = a.p.k2, n_kv = a.n_kv;
-    const smem_b_layout L = smem_b_plan(a.cap, k2, G, d);
-    uint64_t * keys  = (uint64_t *) (smem + L.keys);
-    float    * red_v = (float *)    (smem + L.red_v);
-    int32_t  * i2    = (int32_t *)  (smem + L.i2);
-    float    * wts   = (float *)    (smem + L.weights);
-    float    * qsh   = (float *)    (smem + L.qsh);
-    float    * alpha = (float *)    (smem + L.alpha);
-    const int64_t * ri = s.rinfo + w*N_RI;
-    const int64_t kind = ri[RI_KIND];
-    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    auto out_row = [&](int64_t g) {
-        return (float *) (a.dst + (c.h*G + g)*a.o_nb1 + c.t*a.o_nb2 + c.st*a.o_nb3);
-    };
-    if (kind == ROW_EMPTY) {
-        for (int64_t idx = tid; idx < G*d_v; idx += blockDim.x) {
-            out_row(idx / d_v)[idx % d_v] = 0.0f;
-        }
-        return;
-    }
-    // the group's query rows, early: their loads overlap the selection
-    for (int64_t idx = tid; idx < G*d; idx += blockDim.x) {
-        qsh[idx] = q_row(a, c.h*G + idx / d, c)[idx % d];
-    }
-    uint32_t * bm = s.bitmap + w*a.n_words;
-    if (kind == ROW_SPARSE) {
-        const volatile uint32_t * ctr = s.counters + w*N_CTR;
-        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND];
-        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
-                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
-        if (fast && a.n_top > 0) {
-            const uint64_t * cl = s.cand + w*a.cap;
-#pragma unroll 4
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                keys[i] = __ldcg(cl + i);
-            }
-            __syncthreads();
-            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
-                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                if (keys[i] >= thr) {
-                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
-                }
-            }
-        } else if (!fast) {
-            select_all_cells(a, s, w, c, hist, &sst);
-        }
-        __syncthreads();
-    }
-
-    SPARQ_TIMING_MARK(2);
-
-    // I2 in cell order from the bitmap: each thread counts a run of words (loaded at once), a block scan
-    // places them
-    constexpr int WORDS_IN_REGS = 16;
-    const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
-    const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
-    uint32_t wv[WORDS_IN_REGS];
-    int cnt = 0;
-    if (wpt <= WORDS_IN_REGS) {
-#pragma unroll
-        for (int u = 0; u < WORDS_IN_REGS; ++u) {
-            wv[u] = wd0 + u < wd1 ? __ldcg(bm + wd0 + u) : 0u;
-        }
-#pragma unroll
-        for (int u = 0; u < WORDS_IN_REGS; ++u) {
-            cnt += __popc(wv[u]);
-        }
-    } else {
-        for (int64_t wd = wd0; wd < wd1; ++wd) {
-            cnt += __popc(__ldcg(bm + wd));
-        }
-    }
-    int n_sel = 0;
-    int at = block_exclusive_scan(cnt, &n_sel, red);
-    for (int64_t wd = wd0; wd < wd1; ++wd) {
-        const uint32_t word = wpt <= WORDS_IN_REGS ? wv[(int) min(wd - wd0, (int64_t) WORDS_IN_REGS - 1)] : __ldcg(bm + wd);
-        for (uint32_t bits = word; bits; bits &= bits - 1) {
-            if (at < k2) {
-                i2[at] = (int32_t) (wd*32 + __ffs(bits) - 1);
-            }
-            ++at;
-        }
-    }
-    n_sel = min((int64_t) n_sel, k2);
-    __syncthreads();
-    SPARQ_TIMING_MARK(3);
-
-    // alpha_g (one warp per head) and the mean value, for sparse rows with the mean on
-    const bool mix = kind == ROW_SPARSE && a.p.mean_on;
-    if (mix) {
-        const float * lrow = s.logits + w*G*n_kv;
-        for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
-            float sum = 0.0f;
-#pragma unroll 4
-            for (int i = lane; i < n_sel; i += WARP_SIZE) {
-                sum += __expf(lrow[g*n_kv + i2[i]] - rst[g]) * rst[G + g];
-            }
-            sum = warp_reduce(sum, op_add());
-            if (lane == 0) {
-                alpha[g] = sum;
-            }
-        }
-        if (a.vsum) {
-            const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
-            const float inv = vs[d_v] > 0.0f ? 1.0f / vs[d_v] : 0.0f;
-            for (int64_t i = tid; i < d_v; i += blockDim.x) {
-                vmean[i] = vs[i] * inv;
-            }
-        } else {
-            // no running sums given: the mean over every visible cell (reads all of V)
-            const uint16_t * m = mask_row(a, c);
-            const float inv = 1.0f / (float) ri[RI_N_VIS];
-            for (int64_t i = tid; i < d_v; i += blockDim.x) {
-                float sum = 0.0f;
-                for (int64_t j = 0; j < n_kv; ++j) {
-                    if (visible(m, j)) {
-                        sum += to_f32(((const T *) (a.v + j*a.v_nb1 + c.h*a.v_nb2 + c.st*a.v_nb3))[i]);
-                    }
-                }
-                vmean[i] = sum * inv;
-            }
-        }
-    }
-
-    SPARQ_TIMING_MARK(4);
-    // exact logits over I2: a group of tpr threads per cell, 8 components per thread and vector, 4 cells in
-    // flight per group
-    {
-        const int tpr = threads_per_row(d);
-        const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
-        const char * kb = a.k + c.h*a.k_nb2 + c.st*a.k_nb3;
-        for (int ib = 0; ib < n_sel; ib += 4*slots) {
-            float x[4][VPT][8];
-            gather_rows4<T, VPT>(kb, a.k_nb1, i2, n_sel, ib, slots, slot, lr, tpr, d, a.vec_kv, x);
-#pragma unroll
-            for (int uu = 0; uu < 4; ++uu) {
-                const int i = ib + uu*slots + slot;
-                for (int64_t g = 0; g < G; ++g) {
-                    float dot = 0.0f;
-#pragma unroll
-                    for (int vi = 0; vi < VPT; ++vi) {
-                        const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            dot += e0 + e < d ? qsh[g*d + e0 + e] * x[uu][vi][e] : 0.0f;
-                        }
-                    }
-                    for (int off = tpr/2; off > 0; off >>= 1) {
-                        dot += __shfl_xor_sync(0xFFFFFFFF, dot, off);
-                    }
-                    if (lr == 0 && i < n_sel) {
-                        wts[g*k2 + i] = logit_exact(a, dot);
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
-    SPARQ_TIMING_MARK(5);
-
-    // softmax per head (one warp per head), Sparse-V threshold
-    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
-        float * wg = wts + g*k2;
-        float mx = -INFINITY;
-        for (int i = lane; i < n_sel; i += WARP_SIZE) {
-            mx = fmaxf(mx, wg[i]);
-        }
-        mx = warp_reduce(mx, op_max());
-        float sum = 0.0f;
-        for (int i = lane; i < n_sel; i += WARP_SIZE) {
-            const float e = __expf(wg[i] - mx);
-            wg[i] = e;
-            sum += e;
-        }
-        sum = warp_reduce(sum, op_add());
-        const float inv = 1.0f / sum;
-        float wmax = 0.0f;
-        for (int i = lane; i < n_sel; i += WARP_SIZE) {
-            wg[i] *= inv;
-            wmax = fmaxf(wmax, wg[i]);
-        }
-        if (a.p.sparse_v_thresh > 0.0f) {
-            // drop weights below the threshold (the largest always stays) and renormalise
-            const float keep = fminf(a.p.sparse_v_thresh, warp_reduce(wmax, op_max()));
-            float kept = 0.0f;
-            for (int i = lane; i < n_sel; i += WARP_SIZE) {
-                wg[i] = wg[i] >= keep ? wg[i] : 0.0f;
-                kept += wg[i];
-            }
-            kept = warp_reduce(kept, op_add());
-            for (int i = lane; i < n_sel; i += WARP_SIZE) {
-                wg[i] /= kept;
-            }
-        }
-    }
-    __syncthreads();
-    SPARQ_TIMING_MARK(6);
-
-    // V: a group of tpr threads per cell accumulates up to V_HEADS heads; groups reduced through shared memory
-    {
-        const int tpr = threads_per_row(d_v);
-        const int slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
-        const int hv = (int) max((int64_t) 1, min((int64_t) V_HEADS, RED_FLOATS / (slots*d_v)));
-        const char * vb = a.v + c.h*a.v_nb2 + c.st*a.v_nb3;
-        for (int64_t gb0 = 0; gb0 < G; gb0 += hv) {
-            float acc[V_HEADS][VPT][8];
-#pragma unroll
-            for (int gg = 0; gg < V_HEADS; ++gg) {
-#pragma unroll
-                for (int vi = 0; vi < VPT; ++vi) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        acc[gg][vi][e] = 0.0f;
-                    }
-                }
-            }
-            for (int ib = 0; ib < n_sel; ib += 4*slots) {
-                float x[4][VPT][8];
-                gather_rows4<T, VPT>(vb, a.v_nb1, i2, n_sel, ib, slots, slot, lr, tpr, d_v, a.vec_kv, x);
-#pragma unroll
-                for (int uu = 0; uu < 4; ++uu) {
-                    const int i = ib + uu*slots + slot;
-                    if (i >= n_sel) {
-                        continue;
-                    }
-#pragma unroll
-                    for (int gg = 0; gg < V_HEADS; ++gg) {
-                        if (gg < hv && gb0 + gg < G) {
-                            const float p = wts[(gb0 + gg)*k2 + i];
-#pragma unroll
-                            for (int vi = 0; vi < VPT; ++vi) {
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) {
-                                    acc[gg][vi][e] += p * x[uu][vi][e];
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int gg = 0; gg < V_HEADS; ++gg) {
-#pragma unroll
-                for (int vi = 0; vi < VPT; ++vi) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const int64_t dim = (int64_t) (lr + vi*tpr)*8 + e;
-                        if (gg < hv && dim < d_v) {
-                            red_v[(slot*hv + gg)*d_v + dim] = acc[gg][vi][e];
-                        }
-                    }
-                }
-            }
-            __syncthreads();
-            for (int64_t idx = tid; idx < hv*d_v; idx += blockDim.x) {
-                const int64_t gg = idx / d_v, dim = idx % d_v, g = gb0 + gg;
-                if (g >= G) {
-                    continue;
-                }
-                float sum = 0.0f;
-                for (int p = 0; p < slots; ++p) {
-                    sum += red_v[(p*hv + gg)*d_v + dim];
-                }
-                out_row(g)[dim] = mix ? alpha[g]*sum + (1.0f - alpha[g])*vmean[dim] : sum;
-            }
-            __syncthreads();
-        }
-    }
-    SPARQ_TIMING_MARK(7);
-    SPARQ_TIMING_PRINT("B: block, select, I2, alpha, logits, softmax, V", w, 8);
-}
-
-template <typename T, int VPT>
-__global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    const long long t_start = clock64();
-    extern __shared__ __align__(16) unsigned char smb[];  // smem_b_layout
+// Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
+// lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing). Masks and positions
+// first, then the logits of the candidates: two rounds of loads per thread.
+__global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ __align__(16) uint64_t local[];  // this block's candidates (B_CHUNK <= cap)
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
-    __shared__ int is_last;
     __shared__ uint32_t n_local, at_global;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -1184,7 +895,6 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
     const int32_t  * pr = pos_row(a, c);
     uint32_t * bm  = s.bitmap + w*a.n_words;
     uint32_t * ctr = s.counters + w*N_CTR;
-    uint64_t * local = (uint64_t *) smb;  // this block's candidates (B_CHUNK <= cap)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const bool find_cand = kind == ROW_SPARSE && a.n_top > 0;
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
@@ -1196,9 +906,6 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
     }
     __syncthreads();
 
-    // sweep: each warp a strip of 32 * B_CELLS cells, lane + 32u; word u of the strip is owned by the warp
-    // (no atomics, no clearing). Masks and positions first, then the logits of the candidates: two rounds
-    // of loads per thread.
     const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
     bool vis[B_CELLS], mark[B_CELLS], cand[B_CELLS];
     int64_t cells[B_CELLS];
@@ -1249,18 +956,291 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_attend(const sparq_arg
             cl[at_global + i] = local[i];
         }
     }
+}
 
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(&ctr[CTR_DONE_B], 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!is_last) {
+// Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
+// cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
+__global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    long long t_marks[5];
+    t_marks[0] = clock64();
+    extern __shared__ __align__(16) unsigned char sms[];  // smem_s_layout
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int red[32];
+    const int64_t w = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, k2 = a.p.k2, n_kv = a.n_kv;
+    const smem_s_layout L = smem_s_plan(a.cap, k2);
+    uint64_t * keys = (uint64_t *) (sms + L.keys);
+    int32_t  * i2   = (int32_t *)  (sms + L.i2);
+    int64_t  * ri   = s.rinfo + w*N_RI;
+    const int64_t kind = ri[RI_KIND];
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    if (kind == ROW_EMPTY) {
+        if (tid == 0) {
+            ri[RI_N_SEL] = 0;
+        }
         return;
     }
-    __threadfence();
-    finish_row<T, VPT>(a, s, w, c, smb, rst, t_start);
+    for (int64_t i = tid; i < 2*G; i += blockDim.x) {
+        rst[i] = s.rstat[w*2*G + i];
+    }
+    uint32_t * bm = s.bitmap + w*a.n_words;
+    if (kind == ROW_SPARSE) {
+        const uint32_t * ctr = s.counters + w*N_CTR;
+        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND];
+        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
+                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
+        if (fast && a.n_top > 0) {
+            const uint64_t * cl = s.cand + w*a.cap;
+#pragma unroll 4
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                keys[i] = cl[i];
+            }
+            __syncthreads();
+            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
+                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                if (keys[i] >= thr) {
+                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
+                }
+            }
+        } else if (!fast) {
+            select_all_cells(a, s, w, c, hist, &sst);
+        }
+        __syncthreads();
+    }
+    SPARQ_TIMING_MARK(1);
+
+    // I2 in cell order from the bitmap: each thread counts a run of words (loaded at once), a block scan
+    // places them
+    constexpr int WORDS_IN_REGS = 16;
+    const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
+    const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
+    uint32_t wv[WORDS_IN_REGS];
+    int cnt = 0;
+    if (wpt <= WORDS_IN_REGS) {
+#pragma unroll
+        for (int u = 0; u < WORDS_IN_REGS; ++u) {
+            wv[u] = wd0 + u < wd1 ? __ldcg(bm + wd0 + u) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < WORDS_IN_REGS; ++u) {
+            cnt += __popc(wv[u]);
+        }
+    } else {
+        for (int64_t wd = wd0; wd < wd1; ++wd) {
+            cnt += __popc(__ldcg(bm + wd));
+        }
+    }
+    int n_sel = 0;
+    int at = block_exclusive_scan(cnt, &n_sel, red);
+    for (int64_t wd = wd0; wd < wd1; ++wd) {
+        const uint32_t word = wpt <= WORDS_IN_REGS ? wv[(int) min(wd - wd0, (int64_t) WORDS_IN_REGS - 1)] : __ldcg(bm + wd);
+        for (uint32_t bits = word; bits; bits &= bits - 1) {
+            if (at < k2) {
+                i2[at] = (int32_t) (wd*32 + __ffs(bits) - 1);
+            }
+            ++at;
+        }
+    }
+    n_sel = min((int64_t) n_sel, k2);
+    __syncthreads();
+    for (int i = tid; i < n_sel; i += blockDim.x) {
+        s.i2[w*k2 + i] = i2[i];
+    }
+    if (tid == 0) {
+        ri[RI_N_SEL] = n_sel;
+    }
+    SPARQ_TIMING_MARK(2);
+
+    // alpha_g = the approximate probability mass of I2 (one warp per head), for sparse rows with the mean on
+    if (kind == ROW_SPARSE && a.p.mean_on) {
+        const float * lrow = s.logits + w*G*n_kv;
+        for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+            float sum = 0.0f;
+#pragma unroll 4
+            for (int i = lane; i < n_sel; i += WARP_SIZE) {
+                sum += __expf(lrow[g*n_kv + i2[i]] - rst[g]) * rst[G + g];
+            }
+            sum = warp_reduce(sum, op_add());
+            if (lane == 0) {
+                s.alpha[w*G + g] = sum;
+            }
+        }
+    }
+    SPARQ_TIMING_MARK(3);
+    SPARQ_TIMING_PRINT("S: select, I2, alpha", w, 4);
+}
+
+// Kernel L (grid: blocks of selected cells x rows): exact logits of every head of the group over I2, a group
+// of tpr threads per cell (8 components per thread and vector), 4 cells in flight per group.
+constexpr int L_THREADS = 128;
+__host__ __device__ inline int l_cells_per_block(int64_t d) { return 4 * (L_THREADS / threads_per_row(d)); }
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(L_THREADS) sparq_logits(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    const int64_t w = blockIdx.y;
+    const int64_t n_sel = s.rinfo[w*N_RI + RI_N_SEL];
+    const int tpr = threads_per_row(a.d), slots = blockDim.x / tpr, slot = threadIdx.x / tpr, lr = threadIdx.x % tpr;
+    const int ib = blockIdx.x * 4*slots;
+    if (ib >= n_sel) {
+        return;
+    }
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, d = a.d, k2 = a.p.k2;
+    const int32_t * i2 = s.i2 + w*k2;
+    float x[4][VPT][8];
+    gather_rows4<T, VPT>(a.k + c.h*a.k_nb2 + c.st*a.k_nb3, a.k_nb1, i2, (int) n_sel, ib, slots, slot, lr, tpr, d,
+                         a.vec_kv, x);
+    for (int64_t g = 0; g < G; ++g) {
+        const float * qg = q_row(a, c.h*G + g, c);
+        float qv[VPT][8];
+#pragma unroll
+        for (int vi = 0; vi < VPT; ++vi) {
+            const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                qv[vi][e] = e0 + e < d ? qg[e0 + e] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int uu = 0; uu < 4; ++uu) {
+            const int i = ib + uu*slots + slot;
+            float dot = 0.0f;
+#pragma unroll
+            for (int vi = 0; vi < VPT; ++vi) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    dot += qv[vi][e] * x[uu][vi][e];
+                }
+            }
+            for (int off = tpr/2; off > 0; off >>= 1) {
+                dot += __shfl_xor_sync(0xFFFFFFFF, dot, off);
+            }
+            if (lr == 0 && i < n_sel) {
+                s.weights[(w*G + g)*k2 + i] = logit_exact(a, dot);
+            }
+        }
+    }
+}
+
+// Kernel V (grid: (slices of V_SLICE output components) x heads, rows): one head's softmax over I2 (recomputed
+// by each block of the row, in a fixed order), the Sparse-V threshold, and the weighted sum of the V rows'
+// slice: 8 components per thread, V_SLICE/8 threads per cell, the cell groups reduced through shared memory;
+// then the mean-value mix.
+constexpr int V_THREADS = 256;
+constexpr int V_SLICE   = 32;
+constexpr int V_TPC     = V_SLICE / 8;              // threads per cell
+constexpr int V_GROUPS  = V_THREADS / V_TPC;        // cells in flight per round
+
+template <typename T>
+__global__ void __launch_bounds__(V_THREADS) sparq_values(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    __shared__ float red[32];
+    __shared__ float part[V_GROUPS][V_SLICE];
+    const int64_t w = blockIdx.y, G = a.group, d_v = a.d_v, k2 = a.p.k2;
+    const int64_t n_slices = (d_v + V_SLICE - 1) / V_SLICE;
+    const int64_t slice = blockIdx.x % n_slices, g = blockIdx.x / n_slices;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t * ri = s.rinfo + w*N_RI;
+    const int64_t kind = ri[RI_KIND], n_sel = ri[RI_N_SEL];
+    float * out = (float *) (a.dst + (c.h*G + g)*a.o_nb1 + c.t*a.o_nb2 + c.st*a.o_nb3);
+    const int tid = threadIdx.x, grp = tid / V_TPC, lr = tid % V_TPC;
+    const int64_t dim0 = slice*V_SLICE;
+    if (kind == ROW_EMPTY) {
+        if (tid < V_SLICE && dim0 + tid < d_v) {
+            out[dim0 + tid] = 0.0f;
+        }
+        return;
+    }
+    // softmax statistics of head g over I2 and the Sparse-V cut: weight_i = exp(l_i - mx) * inv, kept when
+    // >= keep (the largest always stays), renormalised by 1/kept
+    const float * lg = s.weights + (w*G + g)*k2;
+    float mx = -INFINITY;
+    for (int64_t i = tid; i < n_sel; i += blockDim.x) {
+        mx = fmaxf(mx, lg[i]);
+    }
+    mx = block_reduce(mx, op_max(), -INFINITY, red);
+    float sum = 0.0f;
+    for (int64_t i = tid; i < n_sel; i += blockDim.x) {
+        sum += __expf(lg[i] - mx);
+    }
+    sum = block_reduce(sum, op_add(), 0.0f, red);
+    const float inv = 1.0f / sum;
+    float keep = 0.0f, renorm = 1.0f;
+    if (a.p.sparse_v_thresh > 0.0f) {
+        keep = fminf(a.p.sparse_v_thresh, inv);  // inv: the weight of the largest logit
+        float kept = 0.0f;
+        for (int64_t i = tid; i < n_sel; i += blockDim.x) {
+            const float p = __expf(lg[i] - mx) * inv;
+            kept += p >= keep ? p : 0.0f;
+        }
+        renorm = 1.0f / block_reduce(kept, op_add(), 0.0f, red);
+    }
+    // this thread's 8 components of the slice over cells grp, grp + V_GROUPS, ...; two cells in flight
+    const char * vb = a.v + c.h*a.v_nb2 + c.st*a.v_nb3;
+    const int64_t e0 = dim0 + lr*8;
+    float acc[8] = {};
+    for (int64_t i0 = grp; i0 < n_sel; i0 += 2*V_GROUPS) {
+        float x[2][8];
+        float p[2];
+#pragma unroll
+        for (int uu = 0; uu < 2; ++uu) {
+            const int64_t i = i0 + uu*V_GROUPS;
+            p[uu] = 0.0f;
+            if (i < n_sel) {
+                const float wi = __expf(lg[i] - mx) * inv;
+                p[uu] = wi >= keep ? wi * renorm : 0.0f;
+                load8_row((const T *) (vb + (int64_t) s.i2[w*k2 + i]*a.v_nb1), e0, d_v, a.vec_kv, x[uu]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    x[uu][e] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int uu = 0; uu < 2; ++uu) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[e] += p[uu] * x[uu][e];
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        part[grp][lr*8 + e] = acc[e];
+    }
+    __syncthreads();
+    if (tid < V_SLICE && dim0 + tid < d_v) {
+        float y = 0.0f;
+        for (int q = 0; q < V_GROUPS; ++q) {
+            y += part[q][tid];
+        }
+        if (kind == ROW_SPARSE && a.p.mean_on) {
+            // mean of V over the visible cells: from the running sums, or (none given) over all of V
+            const int64_t dim = dim0 + tid;
+            float vmean;
+            if (a.vsum) {
+                const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
+                vmean = vs[d_v] > 0.0f ? vs[dim] / vs[d_v] : 0.0f;
+            } else {
+                const uint16_t * m = mask_row(a, c);
+                float vsum = 0.0f;
+                for (int64_t j = 0; j < a.n_kv; ++j) {
+                    if (visible(m, j)) {
+                        vsum += to_f32(((const T *) (vb + j*a.v_nb1))[dim]);
+                    }
+                }
+                vmean = vsum / (float) ri[RI_N_VIS];
+            }
+            const float al = s.alpha[w*G + g];
+            y = al*y + (1.0f - al)*vmean;
+        }
+        out[dim0 + tid] = y;
+    }
 }
 
 // ---- host ------------------------------------------------------------------------------------------
@@ -1300,7 +1280,7 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
 }
 
 template <typename T>
-void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, dim3 grid_b, size_t smem_b, cudaStream_t stream,
+void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
                 const sparq_args & a, const sparq_scratch & s, int64_t r0) {
     switch (pol) {
         case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
@@ -1308,21 +1288,18 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, dim3 grid_
         case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
-    sparq_prepare<<<grid_a.y, A_THREADS, 0, stream>>>(a, s, r0);
+    sparq_prepare<<<(unsigned) nw, A_THREADS, 0, stream>>>(a, s, r0);
+    sparq_sweep<<<dim3((unsigned) a.n_chunks_b, (unsigned) nw), B_THREADS, sizeof(uint64_t)*B_CHUNK, stream>>>(a, s, r0);
+    ensure_smem<sparq_select>(smem_s);
+    sparq_select<<<(unsigned) nw, B_THREADS, smem_s, stream>>>(a, s, r0);
+    const dim3 grid_l((unsigned) ((a.p.k2 + l_cells_per_block(a.d) - 1) / l_cells_per_block(a.d)), (unsigned) nw);
     switch (vpt) {
-        case 1:
-            ensure_smem<sparq_select_attend<T, 1>>(smem_b);
-            sparq_select_attend<T, 1><<<grid_b, B_THREADS, smem_b, stream>>>(a, s, r0);
-            break;
-        case 2:
-            ensure_smem<sparq_select_attend<T, 2>>(smem_b);
-            sparq_select_attend<T, 2><<<grid_b, B_THREADS, smem_b, stream>>>(a, s, r0);
-            break;
-        default:
-            ensure_smem<sparq_select_attend<T, 4>>(smem_b);
-            sparq_select_attend<T, 4><<<grid_b, B_THREADS, smem_b, stream>>>(a, s, r0);
-            break;
+        case 1:  sparq_logits<T, 1><<<grid_l, L_THREADS, 0, stream>>>(a, s, r0); break;
+        case 2:  sparq_logits<T, 2><<<grid_l, L_THREADS, 0, stream>>>(a, s, r0); break;
+        default: sparq_logits<T, 4><<<grid_l, L_THREADS, 0, stream>>>(a, s, r0); break;
     }
+    const dim3 grid_v((unsigned) (((a.d_v + V_SLICE - 1) / V_SLICE) * a.group), (unsigned) nw);
+    sparq_values<T><<<grid_v, V_THREADS, 0, stream>>>(a, s, r0);
 }
 
 bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
@@ -1330,7 +1307,7 @@ bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
-    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, i2, weights, total;
+    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, i2, alpha, weights, total;
 };
 scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     const int64_t G = a.group;
@@ -1349,6 +1326,7 @@ scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     p.bitmap   = take(sizeof(uint32_t) * W*a.n_words);
     p.cand     = take(a.n_top > 0 ? sizeof(uint64_t) * W*a.cap : 0);
     p.i2       = take(sizeof(int32_t) * W*a.p.k2);
+    p.alpha    = take(sizeof(float) * W*G);
     p.weights  = take(sizeof(float) * W*G*a.p.k2);
     p.total    = o;
     return p;
@@ -1374,10 +1352,10 @@ bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
     if (!ggml_is_contiguous(op) || d > MAX_HEAD_DIM || v->ne[0] > MAX_HEAD_DIM || G > MAX_G) {
         return false;
     }
-    // kernel B keeps I2, the weights, the query rows and the candidate keys in shared memory
+    // kernel S keeps the candidate keys and I2 in shared memory
     const ggml_sparq_op_params p = ggml_sparq_get_op_params(op);
-    const size_t smem_b = smem_b_plan(candidate_cap(p.k2), p.k2, G, d).total + 8*1024;  // + static
-    return smem_b <= ggml_cuda_info().devices[device].smpbo;
+    const size_t smem_s = smem_s_plan(candidate_cap(p.k2), p.k2).total + 12*1024;  // + static
+    return smem_s <= ggml_cuda_info().devices[device].smpbo;
 }
 
 void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -1429,8 +1407,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
     const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
-    const int64_t vec_max = (std::max(a.d, a.d_v) + 7) / 8;
-    const int vpt = vec_max <= 32 ? 1 : vec_max <= 64 ? 2 : 4;
+    const int64_t n_vec = (a.d + 7) / 8;  // kernel L: vectors of 8 components per thread
+    const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
 
     const int64_t n_rows = a.n_head_kv * a.n_q * a.ns;
     const int64_t row_bytes = plan_scratch(a, scores, 1).total;
@@ -1451,23 +1429,24 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.bitmap   = (uint32_t *) (base + plan.bitmap);
     s.cand     = (uint64_t *) (base + plan.cand);
     s.i2       = (int32_t *)  (base + plan.i2);
+    s.alpha    = (float *)    (base + plan.alpha);
     s.weights  = (float *)    (base + plan.weights);
 
     const size_t smem_q = sizeof(float) * 2*a.d;
     const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
-    const size_t smem_b = smem_b_plan(a.cap, a.p.k2, G, a.d).total;
+    const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         CUDA_CHECK(cudaMemsetAsync(s.counters, 0, sizeof(uint32_t) * nw*N_CTR, stream));
-        const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
+        const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
         if (pol == SC_KT || pol == SC_GATHER) {
             sparq_query<<<(unsigned) nw, A_THREADS, smem_q, stream>>>(a, s, r0);
         }
         switch (k->type) {
-            case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
-            case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
-            default:             launch_all<nv_bfloat16>(pol, ng, vpt, grid_a, smem_a, grid_b, smem_b, stream, a, s, r0); break;
+            case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
+            case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
+            default:             launch_all<nv_bfloat16>(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
         }
         CUDA_CHECK(cudaGetLastError());
     }
