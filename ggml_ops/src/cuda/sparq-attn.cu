@@ -44,12 +44,19 @@ template <int NG> constexpr int a_min_blocks() { return NG <= 2 ? 3 : 2; }
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
-constexpr int      SAMPLE      = 4096;                   // cells sampled for the candidate threshold
+constexpr int      SAMPLE      = 1024;                   // cells sampled for the candidate threshold
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
 constexpr int      MAX_HEAD_DIM = 1024;
 constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
 constexpr int      N_CTR       = 8;                      // per-row counters (see ctr_*)
+
+// Programmatic dependent launch (Hopper): each kernel is launched while its predecessor still runs and waits
+// here before it reads or writes anything (pdl_wait); the kernels of one or a few blocks per row also let
+// their successor's blocks launch at once (pdl_release), which hides the launch latency between the seven
+// kernels. Kernel A releases only when it exits: its successor's blocks would take its SM slots.
+__device__ __forceinline__ void pdl_wait()    { ggml_cuda_pdl_sync(); }
+__device__ __forceinline__ void pdl_release() { ggml_cuda_pdl_lc(); }
 
 // Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's last block prints
 // clock64() deltas between marks; for kernel tuning only.
@@ -94,7 +101,7 @@ struct sparq_scratch {
     int32_t  * cvis;     // [W][n_chunks_a][3]: visible cells, smallest and largest position
     float    * rstat;    // [W][2G]: max logit M_g, 1/Z_g
     int64_t  * rinfo;    // [W][N_RI]
-    uint32_t * counters; // [W][N_CTR], zeroed before kernel A
+    uint32_t * counters; // [W][N_CTR], zeroed by kernel P
     uint32_t * bitmap;   // [W][n_words]: I2
     uint64_t * cand;     // [W][cap]
     int32_t  * i2;       // [W][k2]: I2 in cell order (kernel S)
@@ -354,6 +361,8 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];
+    pdl_wait();
+    pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
@@ -550,6 +559,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float redf[32];
     __shared__ int   redi[32];
+    pdl_wait();
     __shared__ int   i1_buf[MAX_HEAD_DIM];
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -723,6 +733,13 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
 // more blocks per SM.
 __global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, const sparq_scratch s, int64_t r0) {
     const long long t_start = clock64();
+    pdl_wait();
+    pdl_release();
+    // kernel B's counters of this row start at zero (here rather than a memset: a memset would break the
+    // chain of dependent launches)
+    for (int i = threadIdx.x; i < N_CTR; i += blockDim.x) {
+        s.counters[blockIdx.x*N_CTR + i] = 0;
+    }
     prepare_row(a, s, blockIdx.x, r0 + blockIdx.x, t_start);
 }
 
@@ -884,6 +901,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
     __shared__ uint32_t n_local, at_global;
+    pdl_wait();
+    pdl_release();
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, n_kv = a.n_kv;
@@ -968,6 +987,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     __shared__ select_state sst;
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
+    pdl_wait();
+    pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, k2 = a.p.k2, n_kv = a.n_kv;
@@ -1082,6 +1103,8 @@ __host__ __device__ inline int l_cells_per_block(int64_t d) { return 4 * (L_THRE
 
 template <typename T, int VPT>
 __global__ void __launch_bounds__(L_THREADS) sparq_logits(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    pdl_wait();
+    pdl_release();
     const int64_t w = blockIdx.y;
     const int64_t n_sel = s.rinfo[w*N_RI + RI_N_SEL];
     const int tpr = threads_per_row(a.d), slots = blockDim.x / tpr, slot = threadIdx.x / tpr, lr = threadIdx.x % tpr;
@@ -1140,6 +1163,7 @@ template <typename T>
 __global__ void __launch_bounds__(V_THREADS) sparq_values(const sparq_args a, const sparq_scratch s, int64_t r0) {
     __shared__ float red[32];
     __shared__ float part[V_GROUPS][V_SLICE];
+    pdl_wait();
     const int64_t w = blockIdx.y, G = a.group, d_v = a.d_v, k2 = a.p.k2;
     const int64_t n_slices = (d_v + V_SLICE - 1) / V_SLICE;
     const int64_t slice = blockIdx.x % n_slices, g = blockIdx.x / n_slices;
@@ -1265,7 +1289,7 @@ void ensure_smem(size_t bytes) {
 template <typename T, int POL, int NG>
 void launch_scores(dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
     ensure_smem<sparq_scores<T, POL, NG>>(smem);
-    sparq_scores<T, POL, NG><<<grid, A_THREADS, smem, stream>>>(a, s, r0);
+    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG>, ggml_cuda_kernel_launch_params(grid, A_THREADS, smem, stream), a, s, r0);
 }
 
 template <typename T, int POL>
@@ -1288,18 +1312,20 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
         case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
-    sparq_prepare<<<(unsigned) nw, A_THREADS, 0, stream>>>(a, s, r0);
-    sparq_sweep<<<dim3((unsigned) a.n_chunks_b, (unsigned) nw), B_THREADS, sizeof(uint64_t)*B_CHUNK, stream>>>(a, s, r0);
+    const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
+    ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
+    ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
+                            a, s, r0);
     ensure_smem<sparq_select>(smem_s);
-    sparq_select<<<(unsigned) nw, B_THREADS, smem_s, stream>>>(a, s, r0);
+    ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
     const dim3 grid_l((unsigned) ((a.p.k2 + l_cells_per_block(a.d) - 1) / l_cells_per_block(a.d)), (unsigned) nw);
     switch (vpt) {
-        case 1:  sparq_logits<T, 1><<<grid_l, L_THREADS, 0, stream>>>(a, s, r0); break;
-        case 2:  sparq_logits<T, 2><<<grid_l, L_THREADS, 0, stream>>>(a, s, r0); break;
-        default: sparq_logits<T, 4><<<grid_l, L_THREADS, 0, stream>>>(a, s, r0); break;
+        case 1:  ggml_cuda_kernel_launch(sparq_logits<T, 1>, ggml_cuda_kernel_launch_params(grid_l, L_THREADS, 0, stream), a, s, r0); break;
+        case 2:  ggml_cuda_kernel_launch(sparq_logits<T, 2>, ggml_cuda_kernel_launch_params(grid_l, L_THREADS, 0, stream), a, s, r0); break;
+        default: ggml_cuda_kernel_launch(sparq_logits<T, 4>, ggml_cuda_kernel_launch_params(grid_l, L_THREADS, 0, stream), a, s, r0); break;
     }
     const dim3 grid_v((unsigned) (((a.d_v + V_SLICE - 1) / V_SLICE) * a.group), (unsigned) nw);
-    sparq_values<T><<<grid_v, V_THREADS, 0, stream>>>(a, s, r0);
+    ggml_cuda_kernel_launch(sparq_values<T>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, 0, stream), a, s, r0);
 }
 
 bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
@@ -1438,10 +1464,10 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
-        CUDA_CHECK(cudaMemsetAsync(s.counters, 0, sizeof(uint32_t) * nw*N_CTR, stream));
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
         if (pol == SC_KT || pol == SC_GATHER) {
-            sparq_query<<<(unsigned) nw, A_THREADS, smem_q, stream>>>(a, s, r0);
+            ggml_cuda_kernel_launch(sparq_query, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream),
+                                    a, s, r0);
         }
         switch (k->type) {
             case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
