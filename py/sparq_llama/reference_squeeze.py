@@ -1,0 +1,250 @@
+"""Float64 numpy reference of centroid-sparse ("Squeezed") attention: the oracle for the ``ggml_centroid_attn``
+kernels and for the clustering and calibration that prepare a fixed prefix (DESIGN.md "Centroid-sparse").
+
+Offline, once per fixed prefix, per layer and KV head, over the *clustered* cells (the prefix without its
+last ``n_calib`` cells, which stay exact and whose queries calibrate the threshold):
+
+* :func:`kmeans_cosine`: spherical k-means on the L2-normalised keys. Initial centroids are the keys at
+  evenly spaced cells (``(i * P) // c``): no random generator, so every backend and every run starts alike.
+  An iteration assigns each key to the centroid of largest cosine similarity (ties: lower cluster) and moves
+  each centroid to the normalised mean of its members (an empty cluster keeps its centroid); it stops after
+  ``n_iter`` iterations or when no assignment changes. The result's centroids are the means of the members'
+  *unnormalised* keys (what the attention scores use) with the cluster sizes N_i (0: empty, never read).
+* :func:`calibrate_threshold`: one global threshold T such that, over the calibration queries of every
+  layer and KV head, the mean fraction of clustered keys kept equals the user's ``keep``.
+
+Online, per KV head h, query row t, G the query heads reading h and sigma the kq scale (:func:`centroid_attn`):
+
+1. z_g[i] = sigma * q_g . C_i for the clusters with N_i > 0, and the estimated attention weight of one key
+   of cluster i, S_g[i] = exp(z_g[i]) / sum_j N_j exp(z_g[j]).
+2. The group decides together (one selection per KV head, as the kernels gather K and V rows once per group):
+   s[i] = max_g S_g[i] (``group="max"``: a cluster is read when any head wants it; the default) or the mean
+   over g (``group="mean"``).
+3. Kept clusters: s[i] >= T, and always the best cluster (largest s, ties: lower index), so that no row loses
+   its whole prefix. T <= 0 keeps every cluster (then the op is dense attention).
+4. Selected cells: the row's visible cells that are not clustered (cluster -1: the question, generated
+   tokens, the prefix's exact tail) or whose cluster is kept.
+5. Exact attention over the selected cells: softmax(cap(sigma * q_g . k_j)) . v_j per head g.
+
+Two levels (optional): coarse centroids over the fine ones, each fine cluster linked to its parent. The
+coarse level runs steps 1-3 against ``threshold_coarse`` with the coarse sizes; fine clusters are scored only
+under kept parents, against the coarse normaliser Z = sum_c N_c exp(z_c) (the fine one would read every fine
+centroid, which is what the coarse level avoids), and kept when their group score >= T, the best scored fine
+cluster always. Here S_g[i] = exp(z_g[i]) / Z_g.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .reference import _check_mask
+
+__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "group_scores", "kept_fraction", "kmeans_cosine"]
+
+F64 = NDArray[np.float64]
+I64 = NDArray[np.int64]
+GROUP_RULES = ("max", "mean")
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """One KV head's clustering of P keys: centroids [c, d] (means of unnormalised member keys), sizes [c],
+    assignment [P] (cluster of each key) and the number of iterations run."""
+    centroids: F64
+    sizes: I64
+    assignment: I64
+    n_iter: int
+
+
+def _normalise(x: F64) -> F64:
+    norm = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.where(norm > 0.0, norm, 1.0)
+
+
+def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8) -> Clusters:
+    """Spherical k-means of keys [P, d] into n_clusters (1..P) clusters; deterministic (see the module doc)."""
+    x = np.asarray(keys, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"keys must be [P, d] with P, d >= 1, got shape {x.shape}")
+    p = x.shape[0]
+    if not isinstance(n_clusters, (int, np.integer)) or not 1 <= n_clusters <= p:
+        raise ValueError(f"n_clusters must be an integer in [1, P = {p}], got {n_clusters!r}")
+    if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
+        raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
+    xn = _normalise(x)
+    cn = xn[(np.arange(n_clusters) * p) // n_clusters].copy()
+    assignment = np.full(p, -1, dtype=np.int64)
+    done = 0
+    for done in range(1, n_iter + 1):
+        new = np.argmax(xn @ cn.T, axis=1).astype(np.int64)  # argmax: first (lowest) index on ties
+        changed = not np.array_equal(new, assignment)
+        assignment = new
+        sums = np.zeros_like(cn)
+        np.add.at(sums, assignment, xn)
+        nonempty = np.bincount(assignment, minlength=n_clusters) > 0
+        cn[nonempty] = _normalise(sums[nonempty])
+        if not changed:
+            break
+    sizes = np.bincount(assignment, minlength=n_clusters).astype(np.int64)
+    centroids = np.zeros((n_clusters, x.shape[1]))
+    np.add.at(centroids, assignment, x)
+    centroids[sizes > 0] /= sizes[sizes > 0, None]
+    return Clusters(centroids, sizes, assignment, done)
+
+
+def group_scores(q: ArrayLike, centroids: ArrayLike, sizes: ArrayLike, scale: float, group: str = "max",
+                 log_norm: F64 | None = None) -> F64:
+    """Group scores s [n] of one group's queries q [G, d] for the clusters (centroids [n, d], sizes [n]):
+    the max or mean over g of S_g[i] = exp(scale q_g . C_i) / Z_g, 0 for empty clusters. Z_g is
+    sum_j N_j exp(scale q_g . C_j) unless log_norm [G] (log Z_g) is given (the two-level lookup)."""
+    if group not in GROUP_RULES:
+        raise ValueError(f"group must be one of {GROUP_RULES}, got {group!r}")
+    q = np.asarray(q, dtype=np.float64)
+    c = np.asarray(centroids, dtype=np.float64)
+    n = np.asarray(sizes, dtype=np.float64)
+    z = scale * (q @ c.T)  # [G, n]
+    live = n > 0
+    if log_norm is None:
+        zl = np.where(live, z + np.log(np.where(live, n, 1.0)), -np.inf)
+        m = zl.max(axis=1, keepdims=True)
+        log_norm = (m + np.log(np.exp(zl - m).sum(axis=1, keepdims=True)))[:, 0]
+    s = np.where(live, np.exp(z - np.asarray(log_norm)[:, None]), 0.0)
+    return s.max(axis=0) if group == "max" else s.mean(axis=0)
+
+
+def _kept(s: F64, live: NDArray[np.bool_], threshold: float) -> NDArray[np.bool_]:
+    """Clusters with score >= threshold, plus the best live one (ties: lower index)."""
+    kept = live & (s >= threshold)
+    if live.any():
+        kept[int(np.argmax(np.where(live, s, -np.inf)))] = True
+    return kept
+
+
+def _kept_clusters(qg: F64, cent: F64, sizes: F64, scale: float, threshold: float, group: str,
+                   coarse: tuple[F64, F64, I64] | None, threshold_coarse: float) -> NDArray[np.bool_]:
+    """Kept fine clusters of one group's queries qg [G, d] (one or two levels)."""
+    if coarse is None:
+        return _kept(group_scores(qg, cent, sizes, scale, group), sizes > 0, threshold)
+    c_cent, c_sizes, parent = coarse
+    zc = scale * (qg @ c_cent.T)
+    live_c = c_sizes > 0
+    zl = np.where(live_c, zc + np.log(np.where(live_c, c_sizes, 1.0)), -np.inf)
+    m = zl.max(axis=1, keepdims=True)
+    log_z = (m + np.log(np.exp(zl - m).sum(axis=1, keepdims=True)))[:, 0]
+    kept_c = _kept(group_scores(qg, c_cent, c_sizes, scale, group, log_z), live_c, threshold_coarse)
+    scored = (sizes > 0) & kept_c[parent]
+    return _kept(group_scores(qg, cent, sizes, scale, group, log_z), scored, threshold)
+
+
+def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_cluster: I64) -> None:
+    for name, arr in (("q", q), ("k", k), ("v", v), ("centroids", centroids)):
+        if arr.ndim != 3:
+            raise ValueError(f"{name} must be 3-D, got shape {arr.shape}")
+    n_head, _, d = q.shape
+    n_head_kv, n_kv, _ = k.shape
+    if k.shape[2] != d or v.shape[:2] != (n_head_kv, n_kv) or n_head % n_head_kv != 0:
+        raise ValueError(f"inconsistent shapes: q {q.shape}, k {k.shape}, v {v.shape}")
+    if centroids.shape[0] != n_head_kv or centroids.shape[2] != d:
+        raise ValueError(f"centroids must be [n_head_kv, n_cent, d] = [{n_head_kv}, n_cent, {d}], got {centroids.shape}")
+    if sizes.shape != centroids.shape[:2] or (sizes < 0).any():
+        raise ValueError(f"sizes must be [n_head_kv, n_cent] = {centroids.shape[:2]} and >= 0, got {sizes.shape}")
+    if cell_cluster.shape != (n_head_kv, n_kv):
+        raise ValueError(f"cell_cluster must be [n_head_kv, n_kv] = [{n_head_kv}, {n_kv}], got {cell_cluster.shape}")
+    if ((cell_cluster < -1) | (cell_cluster >= centroids.shape[1])).any():
+        raise ValueError("cell_cluster entries must be -1 (not clustered) or a cluster index < n_cent")
+
+
+def centroid_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, centroids: ArrayLike, sizes: ArrayLike,
+                  cell_cluster: ArrayLike, threshold: float, mask: ArrayLike | None = None, *,
+                  scale: float | None = None, softcap: float = 0.0, group: str = "max",
+                  coarse: tuple[ArrayLike, ArrayLike, ArrayLike] | None = None, threshold_coarse: float = 0.0,
+                  return_selection: bool = False) -> F64 | tuple[F64, list[list[I64]]]:
+    """Centroid-sparse attention in float64 (the oracle; semantics in the module doc).
+
+    q [n_head, n_q, d]; k [n_head_kv, n_kv, d]; v [n_head_kv, n_kv, d_v]; centroids [n_head_kv, n_cent, d];
+    sizes [n_head_kv, n_cent]; cell_cluster [n_head_kv, n_kv] (-1: not clustered); mask [n_q, n_kv] boolean
+    (True = visible) or None. coarse = (centroids [n_head_kv, n_coarse, d], sizes [n_head_kv,
+    n_coarse], parent [n_head_kv, n_cent]) for the two-level lookup. Returns out [n_head, n_q, d_v] and, with
+    return_selection, the selected cells per KV head and row.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    cent = np.asarray(centroids, dtype=np.float64)
+    n_cl = np.asarray(sizes, dtype=np.float64)
+    cc = np.asarray(cell_cluster, dtype=np.int64)
+    _check_inputs(q, k, v, cent, n_cl, cc)
+    if group not in GROUP_RULES:
+        raise ValueError(f"group must be one of {GROUP_RULES}, got {group!r}")
+    if not math.isfinite(threshold) or not math.isfinite(threshold_coarse):
+        raise ValueError("thresholds must be finite")
+    n_head, n_q, d = q.shape
+    n_head_kv, n_kv, _ = k.shape
+    G = n_head // n_head_kv
+    sigma = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    vis = _check_mask(mask, n_q, n_kv)
+    out = np.zeros((n_head, n_q, v.shape[2]))
+    selection: list[list[I64]] = []
+    for h in range(n_head_kv):
+        lv = None
+        if coarse is not None:
+            c_cent, c_sizes, parent = (np.asarray(x) for x in coarse)
+            lv = (c_cent[h].astype(np.float64), c_sizes[h].astype(np.float64), parent[h].astype(np.int64))
+        rows = []
+        for t in range(n_q):
+            qg = q[h*G:(h + 1)*G, t]
+            kept = _kept_clusters(qg, cent[h], n_cl[h], sigma, threshold, group, lv, threshold_coarse)
+            in_kept = np.where(cc[h] >= 0, kept[np.maximum(cc[h], 0)], True)
+            cells = np.flatnonzero(vis[t] & in_kept).astype(np.int64)
+            rows.append(cells)
+            if cells.size == 0:
+                continue
+            logits = sigma * (qg @ k[h, cells].T)
+            if softcap > 0.0:
+                logits = softcap * np.tanh(logits / softcap)
+            w = np.exp(logits - logits.max(axis=1, keepdims=True))
+            out[h*G:(h + 1)*G, t] = (w / w.sum(axis=1, keepdims=True)) @ v[h, cells]
+        selection.append(rows)
+    return (out, selection) if return_selection else out
+
+
+def kept_fraction(scores: F64, sizes: ArrayLike, threshold: float) -> float:
+    """Fraction of clustered keys a row keeps: sum of N_i over kept clusters (score >= threshold, plus the
+    best one) / sum of N_i."""
+    n = np.asarray(sizes, dtype=np.float64)
+    kept = _kept(np.asarray(scores, dtype=np.float64), n > 0, threshold)
+    return float(n[kept].sum() / n.sum())
+
+
+def calibrate_threshold(rows: list[tuple[F64, ArrayLike]], keep: float) -> float:
+    """The global threshold T at which the mean kept fraction over the calibration rows reaches ``keep``.
+
+    rows: (group scores [n], sizes [n]) per calibration (layer, KV head, query row). Returns the largest T
+    whose mean kept fraction is >= keep (0.0 when keep == 1: everything kept)."""
+    if not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    if not rows:
+        raise ValueError("no calibration rows")
+    if keep == 1.0:
+        return 0.0
+    scores, weights, base = [], [], 0.0
+    for s, n in rows:
+        s = np.asarray(s, dtype=np.float64)
+        n = np.asarray(n, dtype=np.float64)
+        live = n > 0
+        best = int(np.argmax(np.where(live, s, -np.inf)))
+        frac = n / n.sum()
+        base += frac[best]  # the best cluster is always kept
+        others = live.copy()
+        others[best] = False
+        scores.append(s[others])
+        weights.append(frac[others])
+    s_all = np.concatenate(scores)
+    w_all = np.concatenate(weights)
+    order = np.argsort(-s_all, kind="stable")
+    cum = (base + np.cumsum(w_all[order])) / len(rows)
+    if base / len(rows) >= keep:
+        return float(np.nextafter(s_all.max(), np.inf)) if s_all.size else 0.0
+    at = int(np.searchsorted(cum, keep - 1e-12))
+    return float(s_all[order[min(at, s_all.size - 1)]])
