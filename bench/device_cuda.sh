@@ -160,6 +160,29 @@ stage_opcheck() {  # benchmark (a) at B = 1 for three lengths: a quick look at a
     python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,131072 --batches 1 --out "$OUT/op_check.json" 2>&1 | grep -v "^wrote"
 }
 
+stage_smlayer() {
+    # -sm layer over every GPU of the machine vs one GPU: the same greedy text with SparQ (k2 = 512 makes kernel
+    # S opt into more than 48 KB of shared memory, which is per device), and llama-bench's rates
+    nvidia-smi -L
+    make_small_model
+    local m=/tmp/models/small.gguf
+    head -c 12000 README.md > /tmp/prompt.txt
+    for mode in dense sparq; do
+        local extra=(); [ $mode = sparq ] && extra=(--sparq --k1 16 --k2 512 --sparq-min-kv 0)
+        for sm in none layer; do
+            "$BUILD/bin/llama-completion" -m $m -ngl 99 -sm $sm -fa on -c 8192 -n 48 --temp 0 -no-cnv -f /tmp/prompt.txt \
+                "${extra[@]}" > "$OUT/sm_${sm}_${mode}.txt" 2> "$OUT/sm_${sm}_${mode}.log" || echo "completion -sm $sm $mode failed"
+            echo "-sm $sm $mode: devices with model layers: $(grep -o 'CUDA[0-9] model buffer' "$OUT/sm_${sm}_${mode}.log" | sort -u | tr '\n' ' ')$(grep -o 'eval time = .*' "$OUT/sm_${sm}_${mode}.log" | tail -1)"
+        done
+        if cmp -s "$OUT/sm_none_${mode}.txt" "$OUT/sm_layer_${mode}.txt"; then echo "$mode: -sm layer text == one GPU"; else
+            echo "$mode: -sm layer text != one GPU"; fi
+    done
+    "$BUILD/bin/llama-bench" -m $m -ngl 99 -sm layer -fa 1 -p 0 -n 32 -d 4096 -r 2 -sparq 0,1 -k1 16 -k2 512 -sparq-min-kv 0 \
+        2>/dev/null | grep -E "tg|sparq"
+    CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py \
+        -k "(random_case and (33 or 77 or 250)) or long_sequences" 2>&1 | tail -2
+}
+
 stage_sanitize() {
     local t="tests/test_op_sparq_attn_cuda.py"
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \

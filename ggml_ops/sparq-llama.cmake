@@ -5,8 +5,8 @@ set(SPARQ_OPS_DIR "${CMAKE_CURRENT_LIST_DIR}")
 
 # ---- ggml: our ops (headers public to everything that links ggml) ------------------------------
 target_include_directories(ggml-base PUBLIC "${SPARQ_OPS_DIR}/include")
-target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c")
-target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp")
+target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c" "${SPARQ_OPS_DIR}/src/ggml-centroid.c")
+target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/centroid-attn-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
 if (GGML_CUDA)
     # the kernel includes ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our header
@@ -30,7 +30,8 @@ set(_info_defs
     SPARQ_LLAMA_VERSION="${SPARQ_LLAMA_VERSION}"
     SPARQ_LLAMA_CPP_COMMIT="${SPARQ_LLAMA_CPP_COMMIT}"
     SPARQ_LLAMA_CPP_PYTHON="${SPARQ_LLAMA_CPP_PYTHON}"
-    SPARQ_HAVE_OP_SPARQ_ATTN)
+    SPARQ_HAVE_OP_SPARQ_ATTN
+    SPARQ_HAVE_OP_CENTROID_ATTN)
 if (GGML_CUDA)
     list(APPEND _info_defs SPARQ_WITH_CUDA)
 endif()

@@ -50,6 +50,31 @@ struct sparq_eval_args {
 // 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).
 SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, char * err, size_t err_size);
 
+struct ggml_centroid_params;
+
+// One evaluation of ggml_centroid_attn over host arrays (sparq_llama.ops.centroid_attn). Arrays are
+// C-contiguous in ggml order: q, k, v and mask as for sparq_eval_args; cent [ns][n_head_kv][n_cent][d + 1] f32
+// (components, then the cluster size); cell [ns][n_head_kv][n_kv] i32 (-1: not clustered); coarse
+// [ns][n_head_kv][n_coarse][d + 1] f32 and parent [ns][n_head_kv][n_cent] i32, both or neither (two levels);
+// out [ns][n_q][n_head][d_v] f32. 0 on success; otherwise 1 with a message in err.
+struct centroid_eval_args {
+    const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
+    int          n_threads;
+    int          kv_type;
+    int64_t      d, d_v, n_q, n_head, n_head_kv, n_kv, ns, mask_ns, n_cent, n_coarse;
+    const float   * q;
+    const void    * k;
+    const void    * v;
+    const void    * mask;
+    const float   * cent;
+    const int32_t * cell;
+    const float   * coarse;
+    const int32_t * parent;
+    const struct ggml_centroid_params * params;
+    float         * out;
+};
+SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * args, char * err, size_t err_size);
+
 // Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
 // one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
 // interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.

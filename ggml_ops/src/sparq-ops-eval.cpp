@@ -1,9 +1,10 @@
-// sparq_llama_eval_sparq_attn: run ggml_sparq_attn once on a backend over host arrays. Used by
-// sparq_llama.ops (tests against the float64 reference, research); builds a one-node ggml graph.
+// sparq_llama_eval_sparq_attn / _centroid_attn: run one of our ops once on a backend over host arrays. Used
+// by sparq_llama.ops (tests against the float64 reference, research); each builds a one-node ggml graph.
 #include "sparq-llama.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
+#include "ggml-centroid.h"
 #include "ggml-sparq.h"
 #include "ggml.h"
 
@@ -104,6 +105,65 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     }
     if (vsum) {
         ggml_backend_tensor_set(vsum, a->vsum, 0, ggml_nbytes(vsum));
+    }
+    if (ggml_backend_graph_compute(backend.get(), gf) != GGML_STATUS_SUCCESS) {
+        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
+    }
+    ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
+    return 0;
+}
+
+int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * err, size_t err_size) {
+    if (!a || !a->q || !a->k || !a->v || !a->cent || !a->cell || !a->out || !a->params) {
+        return fail(err, err_size, "q, k, v, cent, cell, out and params are required");
+    }
+    if ((a->coarse == nullptr) != (a->parent == nullptr)) {
+        return fail(err, err_size, "coarse and parent go together (two levels) or are both NULL");
+    }
+    const auto kv_type = (ggml_type) a->kv_type;
+    if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16 && kv_type != GGML_TYPE_BF16) {
+        return fail(err, err_size, "kv_type must be f32, f16 or bf16");
+    }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+
+    ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
+    ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, a->d, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * mask = a->mask ? ggml_new_tensor_4d(c, GGML_TYPE_F16, a->n_kv, a->n_q, 1, a->mask_ns) : nullptr;
+    ggml_tensor * cent = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d + 1, a->n_cent, a->n_head_kv, a->ns);
+    ggml_tensor * cell = ggml_new_tensor_3d(c, GGML_TYPE_I32, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * coarse = a->coarse ? ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d + 1, a->n_coarse, a->n_head_kv, a->ns)
+                                     : nullptr;
+    ggml_tensor * parent = a->parent ? ggml_new_tensor_3d(c, GGML_TYPE_I32, a->n_cent, a->n_head_kv, a->ns) : nullptr;
+
+    if (const char * msg = ggml_centroid_attn_check(q, k, v, mask, cent, cell, coarse, parent, a->params)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    ggml_tensor * out = ggml_centroid_attn(c, q, k, v, mask, cent, cell, coarse, parent, *a->params);
+    if (!ggml_backend_supports_op(backend.get(), out)) {
+        return fail(err, err_size, "device '%s' does not support centroid_attn with these types",
+                    ggml_backend_dev_name(dev));
+    }
+    ggml_cgraph * gf = ggml_new_graph(c);
+    ggml_build_forward_expand(gf, out);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    }
+    const std::pair<ggml_tensor *, const void *> inputs[] = {
+        { q, a->q }, { k, a->k }, { v, a->v }, { mask, a->mask }, { cent, a->cent }, { cell, a->cell },
+        { coarse, a->coarse }, { parent, a->parent } };
+    for (const auto & [t, data] : inputs) {
+        if (t) {
+            ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
+        }
     }
     if (ggml_backend_graph_compute(backend.get(), gf) != GGML_STATUS_SUCCESS) {
         return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));

@@ -192,3 +192,110 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
     if fn(ctypes.byref(args), err, len(err)) != 0:
         raise ValueError(err.value.decode())
     return np.array(sparq_us[:]), np.array(flash_us[:])
+
+
+# ---- centroid-sparse attention ----------------------------------------------------------------------
+
+_GROUP = {"max": 0, "mean": 1}
+
+
+class GgmlCentroidParams(ctypes.Structure):
+    """struct ggml_centroid_params (ggml-centroid.h)."""
+
+    _fields_ = [("threshold", ctypes.c_float), ("threshold_coarse", ctypes.c_float), ("group", ctypes.c_int32),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+
+
+class CentroidEvalArgs(ctypes.Structure):
+    """struct centroid_eval_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns",
+                                       "n_cent", "n_coarse")] + \
+        [(n, ctypes.c_void_p) for n in ("q", "k", "v", "mask", "cent", "cell", "coarse", "parent")] + \
+        [("params", ctypes.POINTER(GgmlCentroidParams)), ("out", ctypes.c_void_p)]
+
+
+def _table(centroids: np.ndarray, sizes: np.ndarray, ns: int, n_head_kv: int, d: int, name: str) -> np.ndarray:
+    """[ns, n_head_kv, n, d + 1] f32: each centroid's components, then its cluster size."""
+    c = np.asarray(centroids, dtype=np.float64)
+    n = np.asarray(sizes, dtype=np.float64)
+    c, n = (c[None], n[None]) if c.ndim == 3 else (c, n)
+    if c.ndim != 4 or c.shape[:2] != (ns, n_head_kv) or c.shape[3] != d or n.shape != c.shape[:3]:
+        raise ValueError(f"{name} must be [n_head_kv={n_head_kv}, n, d={d}] with sizes [n_head_kv, n] (or with a "
+                         f"leading stream axis), got {c.shape} and {n.shape}")
+    return np.ascontiguousarray(np.concatenate([c, n[..., None]], axis=-1), dtype=np.float32)
+
+
+def _index_map(x: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    m = np.asarray(x)
+    m = m[None] if m.ndim == len(shape) - 1 else m
+    if m.shape != shape:
+        raise ValueError(f"{name} must be {shape[1:]} (or with a leading stream axis {shape}), got {np.shape(x)}")
+    return np.ascontiguousarray(m, dtype=np.int32)
+
+
+def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.ndarray, sizes: np.ndarray,
+                  cell_cluster: np.ndarray, threshold: float, mask: np.ndarray | None = None, *,
+                  scale: float | None = None, softcap: float = 0.0, group: Literal["max", "mean"] = "max",
+                  coarse: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, threshold_coarse: float = 0.0,
+                  kv_dtype: Literal["f16", "bf16", "f32"] = "f16", n_threads: int | None = None,
+                  backend: str = "cpu") -> np.ndarray:
+    """ggml_centroid_attn on our library; arguments as `reference_squeeze.centroid_attn`, plus kv_dtype,
+    n_threads and backend as for `sparq_attn`. Bad arguments raise ValueError with the op's own message."""
+    if kv_dtype not in _GGML_TYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(_GGML_TYPES)}, got {kv_dtype!r}")
+    if group not in _GROUP:
+        raise ValueError(f"group must be one of {sorted(_GROUP)}, got {group!r}")
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    single = q.ndim == 3
+    if single:
+        q, k, v = q[None], k[None], v[None]
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be [n_head, n_q, d] / [n_head_kv, n_kv, d] (or with a leading stream axis)")
+    ns, n_head, n_q, d = q.shape
+    _, n_head_kv, n_kv, _ = k.shape
+    d_v = v.shape[-1]
+    if k.shape[0] != ns or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} do not match (streams, heads, cells, head dim)")
+    cent = _table(centroids, sizes, ns, n_head_kv, d, "centroids")
+    cell = _index_map(cell_cluster, (ns, n_head_kv, n_kv), "cell_cluster")
+    # the kernels never select a cell of an out-of-range cluster: refuse such maps here, where they are seen
+    if ((cell < -1) | (cell >= cent.shape[2])).any() or (cent[..., -1] < 0).any():
+        raise ValueError("cell_cluster entries must be -1 (not clustered) or a cluster index < n_cent, sizes >= 0")
+    coarse_dev = parent = None
+    if coarse is not None:
+        c_cent, c_sizes, c_parent = coarse
+        coarse_dev = _table(c_cent, c_sizes, ns, n_head_kv, d, "coarse centroids")
+        parent = _index_map(c_parent, (ns, n_head_kv, cent.shape[2]), "parent")
+        if ((parent < 0) | (parent >= coarse_dev.shape[2])).any():
+            raise ValueError("parent entries must be coarse cluster indices < n_coarse")
+    mask_dev, mask_ns = None, 1
+    if mask is not None:
+        m = np.asarray(mask, dtype=bool)
+        m = m[None] if m.ndim == 2 else m
+        if m.ndim != 3 or m.shape[1:] != (n_q, n_kv):
+            raise ValueError(f"mask must be [n_q={n_q}, n_kv={n_kv}] (or [ns, n_q, n_kv]), got {np.shape(mask)}")
+        mask_ns = m.shape[0]
+        mask_dev = np.ascontiguousarray(np.where(m, 0.0, -np.inf).astype(np.float16))
+    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    k_dev, v_dev = _to_kv(k, kv_dtype), _to_kv(v, kv_dtype)
+    out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
+    params = GgmlCentroidParams(threshold=float(threshold), threshold_coarse=float(threshold_coarse),
+                                group=_GROUP[group], scale=0.0 if scale is None else float(scale),
+                                softcap=float(softcap))
+    ptr = lambda a: None if a is None else a.ctypes.data
+    args = CentroidEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
+                            kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head,
+                            n_head_kv=n_head_kv, n_kv=n_kv, ns=ns, mask_ns=mask_ns, n_cent=cent.shape[2],
+                            n_coarse=0 if coarse_dev is None else coarse_dev.shape[2], q=ptr(q32), k=ptr(k_dev),
+                            v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
+                            coarse=ptr(coarse_dev), parent=ptr(parent), params=ctypes.pointer(params), out=ptr(out))
+    fn = libllama().sparq_llama_eval_centroid_attn
+    fn.argtypes = [ctypes.POINTER(CentroidEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
+    return y[0] if single else y

@@ -12,6 +12,7 @@
 // Splitting phase A along the sequence keeps every thread busy with one KV head and one query.
 #include "sparq-attn-cpu.h"
 
+#include "attn-cpu-common.h"
 #include "ggml-sparq.h"
 
 #include "ggml-cpu.h"
@@ -42,7 +43,9 @@ constexpr int64_t k_select_sample = 1024;  // selection threshold from about thi
 
 enum row_kind : int32_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 
-size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
+using attn_cpu::load_f32;
+using attn_cpu::pad16;
+using attn_cpu::prefetch_bytes;
 
 struct sparq_shape {
     int64_t d, d_v, n_q, n_head, n_head_kv, ns, n_kv, group, chunk, chunk_shift, n_chunks, n_rows, wave;
@@ -111,17 +114,6 @@ sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, 
     return l;
 }
 
-void prefetch_bytes(const void * p, size_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-    for (size_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch((const char *) p + off);
-    }
-#else
-    GGML_UNUSED(p);
-    GGML_UNUSED(bytes);
-#endif
-}
-
 // Max of x[0..n): independent lanes so the compiler vectorises it without reassociating (ggml's
 // ggml_vec_max_f32 is a scalar loop).
 float max_f32(const float * x, int64_t n) {
@@ -142,16 +134,6 @@ float max_f32(const float * x, int64_t n) {
         mx = std::max(mx, acc[u]);
     }
     return mx;
-}
-
-// A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`.
-const float * load_f32(const void * src, ggml_type type, int64_t n, float * buf) {
-    switch (type) {
-        case GGML_TYPE_F32:  return static_cast<const float *>(src);
-        case GGML_TYPE_F16:  ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t *>(src), buf, n); return buf;
-        case GGML_TYPE_BF16: ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t *>(src), buf, n); return buf;
-        default: GGML_ABORT("ggml_sparq_attn: unsupported type %s", ggml_type_name(type));
-    }
 }
 
 struct sparq_ctx {
@@ -631,20 +613,6 @@ void phase_attend(const sparq_ctx & c, int64_t w, int64_t r, int64_t g, int ith)
     }
 }
 
-// Dynamic task distribution over ggml's threadpool counter (see ggml_compute_forward_sparq_attn).
-struct task_counter {
-    ggml_threadpool * tp;
-    int ith, nth;
-    int64_t base = 0;
-
-    template <typename F> void run(int64_t n, F && f) {
-        for (int64_t t = ith; t < n; t = ggml_threadpool_chunk_add(tp, 1) - base) {
-            f(t);
-        }
-        base += n;
-    }
-};
-
 }  // namespace
 
 size_t ggml_sparq_attn_cpu_work_size(const ggml_tensor * dst, int n_tasks) {
@@ -670,7 +638,7 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     // Tasks are handed out dynamically (memory stalls make equal-sized tasks unequal in time). One shared
     // counter serves every phase: a phase of n tasks advances it by exactly n, so each thread knows the
     // next phase's base without another barrier.
-    task_counter tasks{params->threadpool, ith, nth};
+    attn_cpu::task_counter tasks{params->threadpool, ith, nth};
     if (ith == 0) {
         ggml_threadpool_chunk_set(params->threadpool, nth);
     }

@@ -1,0 +1,79 @@
+// ggml_centroid_attn: centroid-sparse ("Squeezed") attention over a clustered fixed prefix as one ggml op
+// (semantics: shared/DESIGN.md "Centroid-sparse"; float64 reference: sparq_llama.reference_squeeze).
+//
+// Per KV head h, stream s, query row t, with G the query heads sharing h and sigma the kq scale:
+//   1. S_g[i] = exp(sigma q_g . C_i) / sum_j N_j exp(sigma q_g . C_j) over the clusters with N_j > 0.
+//   2. Group score s[i] = max_g S_g[i] (GGML_CENTROID_GROUP_MAX) or the mean over g; the group shares one
+//      selection, so each selected K and V row is read once for all its heads.
+//   3. Kept clusters: s[i] >= threshold, and always the best one (ties: lower index). threshold <= 0 keeps all.
+//   4. Exact attention (softcap) over the visible cells that are not clustered (cell cluster -1) or whose
+//      cluster is kept.
+// Two levels: coarse clusters over the fine ones (parent links) are scored first against the coarse
+// normaliser Z = sum_c N_c exp(sigma q . C_c) and kept by the same rule against threshold_coarse; only fine
+// clusters under kept parents are scored (against Z) and kept (>= threshold, the best scored one always).
+#pragma once
+
+#include "ggml.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum ggml_centroid_group {
+    GGML_CENTROID_GROUP_MAX  = 0,  // a cluster is read when any head of the group wants it
+    GGML_CENTROID_GROUP_MEAN = 1,  // ... when the heads want it on average
+};
+
+struct ggml_centroid_params {
+    float threshold;         // keep fine clusters whose group score >= threshold; <= 0: every cluster
+    float threshold_coarse;  // two levels: keep coarse clusters whose group score >= this; <= 0: every one
+    enum ggml_centroid_group group;
+    float scale;             // kq scale; 0: 1/sqrt(head_dim)
+    float softcap;           // logit softcap (gemma2-style); 0: none
+};
+
+// threshold 0 (dense), group max, scale 1/sqrt(d), no softcap.
+GGML_API struct ggml_centroid_params ggml_centroid_default_params(void);
+
+// Tensors (shapes as ggml_flash_attn_ext; ns = streams):
+//   q      [d,      n_q,    n_head,    ns] f32
+//   k      [d,      n_kv,   n_head_kv, ns] f32 | f16 | bf16
+//   v      [d_v,    n_kv,   n_head_kv, ns] same type as k
+//   mask   [n_kv,   n_q,    1,         ns or 1] f16 (0 visible, -inf hidden), or NULL (all visible)
+//   cent   [d + 1,  n_cent, n_head_kv, ns] f32: each fine centroid's d components, then its size N (0: empty)
+//   cell   [n_kv,   n_head_kv, ns,     1] i32: the fine cluster of each cell, -1 for cells not clustered
+//   coarse [d + 1,  n_coarse, n_head_kv, ns] f32 or NULL: coarse centroids and sizes (two levels)
+//   parent [n_cent, n_head_kv, ns,     1] i32 or NULL (with coarse): the coarse cluster of each fine one
+//   result [d_v, n_head, n_q, ns] f32
+// Returns NULL when the arguments are valid, otherwise a message saying what is wrong (thread-local
+// storage, valid until the next call on the same thread).
+GGML_API const char * ggml_centroid_attn_check(
+        const struct ggml_tensor * q, const struct ggml_tensor * k, const struct ggml_tensor * v,
+        const struct ggml_tensor * mask, const struct ggml_tensor * cent, const struct ggml_tensor * cell,
+        const struct ggml_tensor * coarse, const struct ggml_tensor * parent,
+        const struct ggml_centroid_params * params);
+
+// Builds the op; aborts with ggml_centroid_attn_check's message on invalid arguments.
+GGML_API struct ggml_tensor * ggml_centroid_attn(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * cent,
+        struct ggml_tensor  * cell,
+        struct ggml_tensor  * coarse,
+        struct ggml_tensor  * parent,
+        struct ggml_centroid_params params);
+
+// Resolved parameters stored in the op (scale made explicit), for backends.
+struct ggml_centroid_op_params {
+    float   threshold, threshold_coarse;
+    int32_t group;  // enum ggml_centroid_group
+    float   scale, softcap;
+};
+GGML_API struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct ggml_tensor * op);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,52 @@
+// Helpers shared by our CPU attention kernels (sparq-attn-cpu.cpp, centroid-attn-cpu.cpp).
+#pragma once
+
+#include "ggml-cpu.h"
+#include "ggml-cpu/ggml-cpu-impl.h"
+#include "ggml-impl.h"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace attn_cpu {
+
+inline size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
+
+// A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`.
+inline const float * load_f32(const void * src, ggml_type type, int64_t n, float * buf) {
+    switch (type) {
+        case GGML_TYPE_F32:  return static_cast<const float *>(src);
+        case GGML_TYPE_F16:  ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t *>(src), buf, n); return buf;
+        case GGML_TYPE_BF16: ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t *>(src), buf, n); return buf;
+        default: GGML_ABORT("unsupported K/V type %s", ggml_type_name(type));
+    }
+}
+
+inline void prefetch_bytes(const void * p, size_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch((const char *) p + off);
+    }
+#else
+    (void) p;
+    (void) bytes;
+#endif
+}
+
+// Dynamic task distribution over ggml's threadpool counter. One shared counter serves every phase of an op:
+// a phase of n tasks advances it by exactly n, so each thread knows the next phase's base without another
+// barrier. Thread 0 sets the counter to nth before the op's first barrier.
+struct task_counter {
+    ggml_threadpool * tp;
+    int ith, nth;
+    int64_t base = 0;
+
+    template <typename F> void run(int64_t n, F && f) {
+        for (int64_t t = ith; t < n; t = ggml_threadpool_chunk_add(tp, 1) - base) {
+            f(t);
+        }
+        base += n;
+    }
+};
+
+}  // namespace attn_cpu

@@ -1,0 +1,185 @@
+// ggml_centroid_attn: parameter validation and graph node construction (compiled into ggml-base).
+#include "ggml-centroid.h"
+
+#include "ggml-impl.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#if defined(_MSC_VER)
+#    define CENTROID_THREAD_LOCAL __declspec(thread)
+#else
+#    define CENTROID_THREAD_LOCAL _Thread_local
+#endif
+
+static CENTROID_THREAD_LOCAL char g_centroid_msg[512];
+
+static const char * centroid_fail(const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    int n = snprintf(g_centroid_msg, sizeof(g_centroid_msg), "ggml_centroid_attn: ");
+    vsnprintf(g_centroid_msg + n, sizeof(g_centroid_msg) - n, fmt, args);
+    va_end(args);
+    return g_centroid_msg;
+}
+
+struct ggml_centroid_params ggml_centroid_default_params(void) {
+    struct ggml_centroid_params p = {
+        /*.threshold        =*/ 0.0f,
+        /*.threshold_coarse =*/ 0.0f,
+        /*.group            =*/ GGML_CENTROID_GROUP_MAX,
+        /*.scale            =*/ 0.0f,
+        /*.softcap          =*/ 0.0f,
+    };
+    return p;
+}
+
+static bool centroid_kv_type_ok(enum ggml_type t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+// a table of per-(KV head, stream) rows: [width, n, n_head_kv, ns] f32 with contiguous rows
+static const char * centroid_check_table(const char * name, const struct ggml_tensor * t, int64_t width,
+                                         int64_t n_head_kv, int64_t ns) {
+    if (t->type != GGML_TYPE_F32 || t->ne[0] != width || t->ne[1] < 1 || t->ne[2] != n_head_kv || t->ne[3] != ns ||
+        t->nb[0] != sizeof(float)) {
+        return centroid_fail("%s must be f32 [d+1=%lld, n >= 1, n_head_kv=%lld, ns=%lld] with contiguous rows, got "
+                             "%s [%lld, %lld, %lld, %lld]", name, (long long) width, (long long) n_head_kv,
+                             (long long) ns, ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1],
+                             (long long) t->ne[2], (long long) t->ne[3]);
+    }
+    return NULL;
+}
+
+// an index map: [n, n_head_kv, ns, 1] i32 with contiguous rows
+static const char * centroid_check_map(const char * name, const struct ggml_tensor * t, int64_t n,
+                                       int64_t n_head_kv, int64_t ns) {
+    if (t->type != GGML_TYPE_I32 || t->ne[0] != n || t->ne[1] != n_head_kv || t->ne[2] != ns || t->ne[3] != 1 ||
+        t->nb[0] != sizeof(int32_t)) {
+        return centroid_fail("%s must be i32 [%lld, n_head_kv=%lld, ns=%lld, 1] with contiguous rows, got %s "
+                             "[%lld, %lld, %lld, %lld]", name, (long long) n, (long long) n_head_kv, (long long) ns,
+                             ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1],
+                             (long long) t->ne[2], (long long) t->ne[3]);
+    }
+    return NULL;
+}
+
+const char * ggml_centroid_attn_check(
+        const struct ggml_tensor * q, const struct ggml_tensor * k, const struct ggml_tensor * v,
+        const struct ggml_tensor * mask, const struct ggml_tensor * cent, const struct ggml_tensor * cell,
+        const struct ggml_tensor * coarse, const struct ggml_tensor * parent,
+        const struct ggml_centroid_params * p) {
+    if (!q || !k || !v || !cent || !cell || !p) {
+        return centroid_fail("q, k, v, cent, cell and params are required");
+    }
+    const int64_t d = q->ne[0], n_q = q->ne[1], n_head = q->ne[2], ns = q->ne[3];
+    const int64_t n_kv = k->ne[1], n_head_kv = k->ne[2];
+    if (q->type != GGML_TYPE_F32) {
+        return centroid_fail("q must be f32, got %s", ggml_type_name(q->type));
+    }
+    if (!centroid_kv_type_ok(k->type) || v->type != k->type) {
+        return centroid_fail("K/V type %s/%s not supported (f32, f16 or bf16, the same for both)",
+                             ggml_type_name(k->type), ggml_type_name(v->type));
+    }
+    if (k->ne[0] != d) {
+        return centroid_fail("head dim of q (%lld) and k (%lld) differ", (long long) d, (long long) k->ne[0]);
+    }
+    if (n_kv < 1 || n_head_kv < 1 || n_head % n_head_kv != 0) {
+        return centroid_fail("n_head (%lld) must be a multiple of n_head_kv (%lld)", (long long) n_head,
+                             (long long) n_head_kv);
+    }
+    if (k->ne[3] != ns || v->ne[1] != n_kv || v->ne[2] != n_head_kv || v->ne[3] != ns) {
+        return centroid_fail("k [%lld,%lld,%lld,%lld] and v [%lld,%lld,%lld,%lld] do not match q's streams/heads",
+                             (long long) k->ne[0], (long long) k->ne[1], (long long) k->ne[2], (long long) k->ne[3],
+                             (long long) v->ne[0], (long long) v->ne[1], (long long) v->ne[2], (long long) v->ne[3]);
+    }
+    if (k->nb[0] != ggml_type_size(k->type) || v->nb[0] != ggml_type_size(v->type) || q->nb[0] != sizeof(float)) {
+        return centroid_fail("rows of q, k and v must be contiguous");
+    }
+    if (mask) {
+        if (mask->type != GGML_TYPE_F16) {
+            return centroid_fail("mask must be f16 (0 / -inf), got %s", ggml_type_name(mask->type));
+        }
+        if (mask->ne[0] != n_kv || mask->ne[1] < n_q || mask->ne[2] != 1 || (mask->ne[3] != ns && mask->ne[3] != 1)) {
+            return centroid_fail("mask must be [n_kv=%lld, >=n_q=%lld, 1, ns or 1]", (long long) n_kv, (long long) n_q);
+        }
+    }
+    const char * err = centroid_check_table("cent", cent, d + 1, n_head_kv, ns);
+    if (!err) {
+        err = centroid_check_map("cell", cell, n_kv, n_head_kv, ns);
+    }
+    if (!err && (coarse == NULL) != (parent == NULL)) {
+        err = centroid_fail("coarse and parent go together (two levels) or are both NULL");
+    }
+    if (!err && coarse) {
+        err = centroid_check_table("coarse", coarse, d + 1, n_head_kv, ns);
+    }
+    if (!err && parent) {
+        err = centroid_check_map("parent", parent, cent->ne[1], n_head_kv, ns);
+    }
+    if (err) {
+        return err;
+    }
+    if (!isfinite(p->threshold) || !isfinite(p->threshold_coarse)) {
+        return centroid_fail("thresholds must be finite (threshold %g, threshold_coarse %g)", (double) p->threshold,
+                             (double) p->threshold_coarse);
+    }
+    if (p->group != GGML_CENTROID_GROUP_MAX && p->group != GGML_CENTROID_GROUP_MEAN) {
+        return centroid_fail("group must be max or mean");
+    }
+    if (!(p->scale >= 0.0f) || !isfinite(p->scale)) {
+        return centroid_fail("scale = %g must be finite and > 0 (0: 1/sqrt(head_dim))", (double) p->scale);
+    }
+    if (!(p->softcap >= 0.0f) || !isfinite(p->softcap)) {
+        return centroid_fail("softcap = %g must be >= 0", (double) p->softcap);
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_centroid_attn(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * cent,
+        struct ggml_tensor  * cell,
+        struct ggml_tensor  * coarse,
+        struct ggml_tensor  * parent,
+        struct ggml_centroid_params params) {
+    const char * err = ggml_centroid_attn_check(q, k, v, mask, cent, cell, coarse, parent, &params);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    struct ggml_centroid_op_params op = {
+        /*.threshold        =*/ params.threshold,
+        /*.threshold_coarse =*/ params.threshold_coarse,
+        /*.group            =*/ (int32_t) params.group,
+        /*.scale            =*/ params.scale > 0.0f ? params.scale : 1.0f / sqrtf((float) q->ne[0]),
+        /*.softcap          =*/ params.softcap,
+    };
+    const int64_t ne[4] = { v->ne[0], q->ne[2], q->ne[1], q->ne[3] };
+    struct ggml_tensor * result = ggml_new_tensor(ctx, GGML_TYPE_F32, 4, ne);
+
+    static_assert(sizeof(op) <= GGML_MAX_OP_PARAMS, "ggml_centroid_op_params too large");
+    ggml_set_op_params(result, &op, sizeof(op));
+    result->op     = GGML_OP_CENTROID_ATTN;
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = v;
+    result->src[3] = mask;
+    result->src[4] = cent;
+    result->src[5] = cell;
+    result->src[6] = coarse;
+    result->src[7] = parent;
+    return result;
+}
+
+struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct ggml_tensor * op) {
+    GGML_ASSERT(op->op == GGML_OP_CENTROID_ATTN);
+    struct ggml_centroid_op_params p;
+    memcpy(&p, op->op_params, sizeof(p));
+    return p;
+}
