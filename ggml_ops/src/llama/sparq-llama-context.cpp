@@ -72,10 +72,10 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
                 return -1;
             }
         }
-        char dense_below[96];
+        char dense_below[128];
         if (params.min_n_kv < 0) {
-            snprintf(dense_below, sizeof(dense_below), "%d (CPU) / %d (GPU) (measured defaults)",
-                     SPARQ_DEFAULT_MIN_N_KV, SPARQ_DEFAULT_MIN_N_KV_GPU);
+            snprintf(dense_below, sizeof(dense_below), "%d (CPU) / %d (GPU, MHA) / %d (GPU, GQA) (measured defaults)",
+                     SPARQ_DEFAULT_MIN_N_KV, SPARQ_DEFAULT_MIN_N_KV_GPU_MHA, SPARQ_DEFAULT_MIN_N_KV_GPU_GQA);
         } else {
             snprintf(dense_below, sizeof(dense_below), "%d", params.min_n_kv);
         }

@@ -278,7 +278,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     }
     const int64_t n_kv     = mctx_cur->get_n_kv();
     ggml_tensor * k = mctx_cur->get_k(ctx0, il);
-    if (n_kv < sparq_min_n_kv(sp, sparq_on_host(k))) {
+    if (n_kv < sparq_min_n_kv(sp, sparq_on_host(k), hparams.n_head(il) == hparams.n_head_kv(il))) {
         return nullptr;
     }
     if (kq_b || sinks || v_mla) {

@@ -48,16 +48,22 @@ struct sparq_kv_state {
 };
 
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
-// lives. CPU: measured on the 2-core x86 machine with SmolLM2 (bench/results/sparq_min_kv.json: dense and
-// SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from 512). GPU: measured on an H100 with the
-// Llama-2-7B shape (bench/results/cuda_e2e.json: 0.98x of dense at 32k, 1.23x at 64k; the Llama-3-8B
-// shape is still 0.90x at 64k), so the current CUDA kernel pays off only for long contexts.
-constexpr int32_t SPARQ_DEFAULT_MIN_N_KV     = 512;
-constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU = 49152;
+// lives and, on a GPU, on the layer's GQA group. CPU: measured on the 2-core x86 machine with SmolLM2
+// (bench/results/sparq_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from
+// 512). GPU: measured on an H100 (bench/results/cuda_e2e.json, kernel v5c): the Llama-2-7B shape (MHA) is at
+// 0.96x of dense at 16k and 1.18x at 32k; the Llama-3-8B shape (4 query heads per KV head) at 0.92x at 32k
+// and 1.06x at 64k. A GQA row reads its K and V rows once for several heads, so dense attention is cheaper
+// per head there and SparQ pays off later.
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV         = 512;
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_MHA = 24576;
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_GQA = 49152;
 
 // The settings' automatic values, resolved (one definition for the graph, the check and the log).
-inline int32_t sparq_min_n_kv(const llama_sparq_params & p, bool kv_on_host = true) {
-    return p.min_n_kv >= 0 ? p.min_n_kv : kv_on_host ? SPARQ_DEFAULT_MIN_N_KV : SPARQ_DEFAULT_MIN_N_KV_GPU;
+inline int32_t sparq_min_n_kv(const llama_sparq_params & p, bool kv_on_host = true, bool mha = true) {
+    if (p.min_n_kv >= 0) {
+        return p.min_n_kv;
+    }
+    return kv_on_host ? SPARQ_DEFAULT_MIN_N_KV : mha ? SPARQ_DEFAULT_MIN_N_KV_GPU_MHA : SPARQ_DEFAULT_MIN_N_KV_GPU_GQA;
 }
 inline int32_t sparq_window(const llama_sparq_params & p) {
     return p.window >= 0 ? p.window : p.k2 / 4;
