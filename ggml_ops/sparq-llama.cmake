@@ -6,7 +6,8 @@ set(SPARQ_OPS_DIR "${CMAKE_CURRENT_LIST_DIR}")
 # ---- ggml: our ops (headers public to everything that links ggml) ------------------------------
 target_include_directories(ggml-base PUBLIC "${SPARQ_OPS_DIR}/include")
 target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c" "${SPARQ_OPS_DIR}/src/ggml-centroid.c")
-target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/centroid-attn-cpu.cpp")
+target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/centroid-attn-cpu.cpp"
+                               "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
 if (GGML_CUDA)
     # the kernel includes ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our header
@@ -19,6 +20,7 @@ target_include_directories(llama PUBLIC "${SPARQ_OPS_DIR}/include")
 target_sources(llama PRIVATE
     "${SPARQ_OPS_DIR}/src/sparq-llama-info.cpp"
     "${SPARQ_OPS_DIR}/src/sparq-ops-eval.cpp"
+    "${SPARQ_OPS_DIR}/src/sparq-kmeans.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-context.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-kv.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-graph.cpp")

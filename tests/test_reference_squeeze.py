@@ -170,8 +170,8 @@ def test_kmeans_edge_cases() -> None:
     assert (one.assignment == 0).all() and one.sizes.tolist() == [10]
     every = kmeans_cosine(keys, 10)
     assert sorted(every.assignment.tolist()) == list(range(10))
-    dup = kmeans_cosine(np.ones((5, 3)), 3)  # identical keys: ties go to the lowest cluster, others stay empty
-    assert dup.sizes.tolist() == [5, 0, 0]
+    dup = kmeans_cosine(np.ones((5, 3)), 3)  # identical keys: ties go to the highest cluster, others stay empty
+    assert dup.sizes.tolist() == [0, 0, 5]
     for bad in (0, 11, 2.5):
         with pytest.raises(ValueError, match="n_clusters"):
             kmeans_cosine(keys, bad)

@@ -74,6 +74,33 @@ struct ggml_centroid_op_params {
 };
 GGML_API struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct ggml_tensor * op);
 
+// ggml_cluster_update: one k-means update over H independent problems of P rows each (the clustering of a fixed
+// prefix's keys, per layer and KV head, runs as a ggml graph on the backend that holds the KV: similarities by
+// ggml_mul_mat, assignments by ggml_argmax, then this op).
+//   x      [d, P, H] f32 (rows to cluster; contiguous rows)
+//   assign [P, H]    i32 (the cluster of each row; rows with an index outside [0, n_clusters) are skipped)
+//   GGML_CLUSTER_SPHERICAL: prev [d, n_clusters, H] f32 required; result [d, n_clusters, H]: each cluster's
+//       normalised sum of its members (spherical k-means), or its prev row when it has no member.
+//   GGML_CLUSTER_TABLE: prev NULL; result [d + 1, n_clusters, H]: each cluster's mean of its members followed
+//       by its size (the centroid table ggml_centroid_attn reads; zeros for an empty cluster).
+// Sums run over the rows in order (deterministic on every backend that keeps that order).
+enum ggml_cluster_mode {
+    GGML_CLUSTER_SPHERICAL = 0,
+    GGML_CLUSTER_TABLE     = 1,
+};
+
+GGML_API const char * ggml_cluster_update_check(
+        const struct ggml_tensor * x, const struct ggml_tensor * assign, const struct ggml_tensor * prev,
+        int64_t n_clusters, enum ggml_cluster_mode mode);
+
+GGML_API struct ggml_tensor * ggml_cluster_update(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * assign,
+        struct ggml_tensor  * prev,
+        int64_t               n_clusters,
+        enum ggml_cluster_mode mode);
+
 #ifdef __cplusplus
 }
 #endif

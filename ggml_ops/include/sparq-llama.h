@@ -75,6 +75,22 @@ struct centroid_eval_args {
 };
 SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * args, char * err, size_t err_size);
 
+// Spherical k-means of H problems of P rows as ggml graphs on a backend (sparq_llama.ops.kmeans_cosine; the
+// clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][d + 1] f32 out
+// (member means of the unnormalised rows, then the size); assignment [H][P] i32 out; *n_iter_run out.
+// 0 on success; otherwise 1 with a message in err.
+struct kmeans_eval_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int64_t      d, P, H, n_clusters;
+    int          n_iter;
+    const float * x;
+    float       * table;
+    int32_t     * assignment;
+    int         * n_iter_run;
+};
+SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
+
 // Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
 // one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
 // interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.

@@ -1,9 +1,11 @@
-// ggml_centroid_attn: parameter validation and graph node construction (compiled into ggml-base).
+// ggml_centroid_attn and ggml_cluster_update: parameter validation and graph node construction (compiled into
+// ggml-base).
 #include "ggml-centroid.h"
 
 #include "ggml-impl.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -182,4 +184,59 @@ struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct ggml_ten
     struct ggml_centroid_op_params p;
     memcpy(&p, op->op_params, sizeof(p));
     return p;
+}
+
+const char * ggml_cluster_update_check(
+        const struct ggml_tensor * x, const struct ggml_tensor * assign, const struct ggml_tensor * prev,
+        int64_t n_clusters, enum ggml_cluster_mode mode) {
+    if (!x || !assign) {
+        return centroid_fail("ggml_cluster_update: x and assign are required");
+    }
+    const int64_t d = x->ne[0], P = x->ne[1], H = x->ne[2];
+    if (x->type != GGML_TYPE_F32 || x->ne[3] != 1 || x->nb[0] != sizeof(float)) {
+        return centroid_fail("ggml_cluster_update: x must be f32 [d, P, H] with contiguous rows");
+    }
+    if (assign->type != GGML_TYPE_I32 || assign->ne[0] != P || assign->ne[1] != H || assign->ne[2] != 1 ||
+        assign->ne[3] != 1 || assign->nb[0] != sizeof(int32_t)) {
+        return centroid_fail("ggml_cluster_update: assign must be i32 [P=%lld, H=%lld]", (long long) P, (long long) H);
+    }
+    if (n_clusters < 1 || n_clusters > INT32_MAX) {
+        return centroid_fail("ggml_cluster_update: n_clusters = %lld must be >= 1", (long long) n_clusters);
+    }
+    if (mode == GGML_CLUSTER_SPHERICAL) {
+        if (!prev || prev->type != GGML_TYPE_F32 || prev->ne[0] != d || prev->ne[1] != n_clusters || prev->ne[2] != H ||
+            prev->ne[3] != 1 || prev->nb[0] != sizeof(float)) {
+            return centroid_fail("ggml_cluster_update: the spherical update needs prev f32 [d=%lld, n=%lld, H=%lld]",
+                                 (long long) d, (long long) n_clusters, (long long) H);
+        }
+    } else if (mode == GGML_CLUSTER_TABLE) {
+        if (prev) {
+            return centroid_fail("ggml_cluster_update: the table mode takes no prev");
+        }
+    } else {
+        return centroid_fail("ggml_cluster_update: mode must be spherical or table");
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_cluster_update(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * assign,
+        struct ggml_tensor  * prev,
+        int64_t               n_clusters,
+        enum ggml_cluster_mode mode) {
+    const char * err = ggml_cluster_update_check(x, assign, prev, n_clusters, mode);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    const int64_t width = mode == GGML_CLUSTER_TABLE ? x->ne[0] + 1 : x->ne[0];
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, width, n_clusters, x->ne[2]);
+    const int32_t op_params[1] = { (int32_t) mode };
+    ggml_set_op_params(result, op_params, sizeof(op_params));
+    result->op     = GGML_OP_CLUSTER_UPDATE;
+    result->src[0] = x;
+    result->src[1] = assign;
+    result->src[2] = prev;
+    return result;
 }

@@ -1,6 +1,7 @@
 // sparq_llama_eval_sparq_attn / _centroid_attn: run one of our ops once on a backend over host arrays. Used
 // by sparq_llama.ops (tests against the float64 reference, research); each builds a one-node ggml graph.
 #include "sparq-llama.h"
+#include "sparq-kmeans.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -169,6 +170,37 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
         return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
     }
     ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
+    return 0;
+}
+
+int sparq_llama_eval_kmeans(const struct kmeans_eval_args * a, char * err, size_t err_size) {
+    if (!a || !a->x || !a->table || !a->assignment || !a->n_iter_run) {
+        return fail(err, err_size, "x, table, assignment and n_iter_run are required");
+    }
+    if (a->d < 1 || a->P < 1 || a->H < 1) {
+        return fail(err, err_size, "d, P and H must be >= 1");
+    }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_tensor * x = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, a->d, a->P, a->H);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx.get(), backend.get()));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the rows on '%s'", ggml_backend_dev_name(dev));
+    }
+    ggml_backend_tensor_set(x, a->x, 0, ggml_nbytes(x));
+    sparq_kmeans_result res;
+    const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res);
+    if (!msg.empty()) {
+        return fail(err, err_size, "%s", msg.c_str());
+    }
+    memcpy(a->table, res.table.data(), res.table.size() * sizeof(float));
+    memcpy(a->assignment, res.assignment.data(), res.assignment.size() * sizeof(int32_t));
+    *a->n_iter_run = res.n_iter;
     return 0;
 }
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ._lib import devices, libllama
 from .reference import MEAN_MODES, POLICIES
+from .reference_squeeze import Clusters
 
 # ggml_type values (ggml.h)
 _GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
@@ -299,3 +300,47 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
         raise ValueError(err.value.decode())
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
+
+
+# ---- spherical k-means (the clustering of a fixed prefix) --------------------------------------------
+
+class KmeansEvalArgs(ctypes.Structure):
+    """struct kmeans_eval_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
+        [("n_iter", ctypes.c_int), ("x", ctypes.c_void_p), ("table", ctypes.c_void_p), ("assignment", ctypes.c_void_p),
+         ("n_iter_run", ctypes.POINTER(ctypes.c_int))]
+
+
+def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threads: int | None = None,
+                  backend: str = "cpu") -> Clusters | list[Clusters]:
+    """Spherical k-means as ggml graphs on a backend; semantics and result as `reference_squeeze.kmeans_cosine`.
+    keys [P, d] gives one Clusters, keys [H, P, d] a list of H (independent problems, clustered together: they
+    iterate until none changes, so n_iter is the largest any of them needed; an unchanged one keeps its result)."""
+    x = np.asarray(keys, dtype=np.float32)
+    single = x.ndim == 2
+    x = x[None] if single else x
+    if x.ndim != 3 or min(x.shape) < 1:
+        raise ValueError(f"keys must be [P, d] or [H, P, d], got shape {np.shape(keys)}")
+    H, P, d = x.shape
+    if not isinstance(n_clusters, (int, np.integer)) or not 1 <= n_clusters <= P:
+        raise ValueError(f"n_clusters must be an integer in [1, P = {P}], got {n_clusters!r}")
+    if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
+        raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
+    x = np.ascontiguousarray(x)
+    table = np.zeros((H, n_clusters, d + 1), dtype=np.float32)
+    assignment = np.zeros((H, P), dtype=np.int32)
+    n_run = ctypes.c_int(0)
+    args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
+                          n_clusters=int(n_clusters), n_iter=int(n_iter), x=x.ctypes.data, table=table.ctypes.data,
+                          assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run))
+    fn = libllama().sparq_llama_eval_kmeans
+    fn.argtypes = [ctypes.POINTER(KmeansEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
+                    assignment[h].astype(np.int64), n_run.value) for h in range(H)]
+    return out[0] if single else out

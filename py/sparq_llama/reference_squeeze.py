@@ -6,7 +6,8 @@ last ``n_calib`` cells, which stay exact and whose queries calibrate the thresho
 
 * :func:`kmeans_cosine`: spherical k-means on the L2-normalised keys. Initial centroids are the keys at
   evenly spaced cells (``(i * P) // c``): no random generator, so every backend and every run starts alike.
-  An iteration assigns each key to the centroid of largest cosine similarity (ties: lower cluster) and moves
+  An iteration assigns each key to the centroid of largest cosine similarity (ties: the higher cluster, as
+  ggml_argmax, which the graph version uses) and moves
   each centroid to the normalised mean of its members (an empty cluster keeps its centroid); it stops after
   ``n_iter`` iterations or when no assignment changes. The result's centroids are the means of the members'
   *unnormalised* keys (what the attention scores use) with the cluster sizes N_i (0: empty, never read).
@@ -79,7 +80,8 @@ def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8) -> Clusters
     assignment = np.full(p, -1, dtype=np.int64)
     done = 0
     for done in range(1, n_iter + 1):
-        new = np.argmax(xn @ cn.T, axis=1).astype(np.int64)  # argmax: first (lowest) index on ties
+        sim = xn @ cn.T
+        new = (n_clusters - 1 - np.argmax(sim[:, ::-1], axis=1)).astype(np.int64)  # ties: the highest index
         changed = not np.array_equal(new, assignment)
         assignment = new
         sums = np.zeros_like(cn)

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Clustering time of a fixed prefix for centroid-sparse attention: spherical k-means as ggml graphs
+(sparq_llama.ops.kmeans_cosine), one call per layer over its KV heads, for a model shape and prefix length.
+
+    python bench/squeeze_cluster.py --shape smollm2 --prefix 8192            # the issue's 2-core CPU target: <= 30 s
+    python bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda   # the H100 target: <= 5 s
+
+The keys are random (Gaussian): every problem runs the full --iters iterations (real keys, which cluster,
+may stop earlier), so the time is an upper bound for that count. The last --calib cells stay exact (unclustered).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from sparq_llama import ops
+from tqdm import tqdm
+
+from cuda_common import provenance
+
+SHAPES = {  # layers, KV heads, head dim
+    "smollm2": (30, 3, 64),
+    "llama2-7b": (32, 32, 128),
+    "llama3-8b": (32, 8, 128),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--prefix", type=int, default=8192)
+    ap.add_argument("--calib", type=int, default=100)
+    ap.add_argument("--centroids", type=float, default=0.05, help="clusters as a fraction of the clustered cells")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_cluster.json")
+    args = ap.parse_args()
+
+    n_layer, n_head_kv, d = SHAPES[args.shape]
+    P = args.prefix - args.calib
+    n = max(1, round(args.centroids * P))
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)
+    ops.kmeans_cosine(keys[:, :256], 8, n_iter=1, backend=args.backend, n_threads=args.threads)  # warm-up
+    per_layer, iters = [], []
+    for _ in tqdm(range(n_layer), desc=f"clustering {n_layer} layers"):
+        keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)  # each layer its own keys
+        t0 = time.perf_counter()
+        res = ops.kmeans_cosine(keys, n, n_iter=args.iters, backend=args.backend, n_threads=args.threads)
+        per_layer.append(time.perf_counter() - t0)
+        iters.append(res[0].n_iter)
+    total = float(np.sum(per_layer))
+    print(f"{args.shape}, prefix {args.prefix} ({P} clustered cells, {n} clusters per KV head, {n_head_kv} KV heads x "
+          f"{n_layer} layers, d = {d}), {args.iters} iterations on {args.backend}: {total:.2f} s "
+          f"({np.mean(per_layer) * 1e3:.0f} ms per layer)")
+    record = {**provenance(), "shape": args.shape, "prefix": args.prefix, "clustered_cells": P, "clusters": n,
+              "layers": n_layer, "kv_heads": n_head_kv, "head_dim": d, "iterations": args.iters,
+              "iterations_run": iters, "backend": args.backend, "threads": args.threads, "keys": "random Gaussian",
+              "total_s": total, "per_layer_s": per_layer}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,20 @@
+// Spherical k-means as ggml graphs on a backend (sparq-kmeans.cpp): used by the eval API (tests, research)
+// and by the preparation of a fixed prefix for centroid-sparse attention.
+#pragma once
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct sparq_kmeans_result {
+    std::vector<float>   table;       // [H][n][d + 1]: member means of the unnormalised rows, then the size
+    std::vector<int32_t> assignment;  // [H][P]
+    int                  n_iter = 0;  // iterations run (stops early when no assignment changes)
+};
+
+// x: [d, P, H] f32, contiguous, allocated on `backend`. Returns "" on success, else what went wrong.
+std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_clusters, int n_iter,
+                             sparq_kmeans_result & res);

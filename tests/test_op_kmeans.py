@@ -1,0 +1,67 @@
+"""Spherical k-means as ggml graphs (ggml_cluster_update + ggml_mul_mat + ggml_argmax; sparq_llama.ops.kmeans_cosine)
+against the float64 reference (sparq_llama.reference_squeeze.kmeans_cosine)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sparq_llama import ops
+from sparq_llama.reference_squeeze import kmeans_cosine
+from test_reference_squeeze import blobs
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_matches_reference_on_separated_blobs(n_threads: int) -> None:
+    rng = np.random.default_rng(11)
+    problems = []
+    for h in range(4):
+        keys, truth = blobs(rng, 8, 25 + 5 * h, 32, spread=0.1)
+        order = np.argsort(truth, kind="stable")
+        problems.append(keys[order][:200])
+    x = np.stack(problems)
+    got = ops.kmeans_cosine(x, 8, n_iter=10, n_threads=n_threads)
+    want = [kmeans_cosine(x[h].astype(np.float32).astype(np.float64), 8, n_iter=10) for h in range(4)]
+    for h in range(4):
+        assert got[h].assignment.tolist() == want[h].assignment.tolist()
+        assert got[h].sizes.tolist() == want[h].sizes.tolist()
+        # the problems of one call iterate together: until none changes (an unchanged one keeps its result)
+        assert got[h].n_iter == max(w.n_iter for w in want)
+        np.testing.assert_allclose(got[h].centroids, want[h].centroids, rtol=1e-5, atol=1e-5)
+
+
+def test_random_keys_converge_to_the_reference_fixed_point() -> None:
+    # overlapping clusters: float32 and float64 may part ways at near-ties, so check the properties instead:
+    # deterministic, a fixed point (every row sits with its most similar centroid direction), a proper table
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 500, 16)).astype(np.float32)
+    a = ops.kmeans_cosine(x, 25, n_iter=50)
+    b = ops.kmeans_cosine(x, 25, n_iter=50)
+    for h in range(3):
+        assert np.array_equal(a[h].assignment, b[h].assignment) and np.array_equal(a[h].centroids, b[h].centroids)
+        assert a[h].n_iter < 50
+        xn = x[h] / np.linalg.norm(x[h], axis=1, keepdims=True)
+        dirs = np.array([xn[a[h].assignment == c].sum(0) for c in range(25)])
+        dirs /= np.maximum(np.linalg.norm(dirs, axis=1, keepdims=True), 1e-30)
+        sim = np.where(a[h].sizes > 0, xn @ dirs.T, -np.inf)
+        best = sim.max(axis=1)
+        assert (sim[np.arange(500), a[h].assignment] >= best - 1e-5).all()
+        assert a[h].sizes.sum() == 500
+        for c in np.flatnonzero(a[h].sizes):
+            np.testing.assert_allclose(a[h].centroids[c], x[h][a[h].assignment == c].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_edge_cases_and_errors() -> None:
+    rng = np.random.default_rng(13)
+    keys = rng.standard_normal((10, 4))
+    one = ops.kmeans_cosine(keys, 1)
+    assert (one.assignment == 0).all() and one.sizes.tolist() == [10]
+    every = ops.kmeans_cosine(keys, 10)
+    assert sorted(every.assignment.tolist()) == list(range(10))
+    dup = ops.kmeans_cosine(np.ones((5, 3)), 3)  # ties go to the highest cluster, as in the reference
+    assert dup.sizes.tolist() == kmeans_cosine(np.ones((5, 3)), 3).sizes.tolist() == [0, 0, 5]
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="n_clusters"):
+            ops.kmeans_cosine(keys, bad)
+    with pytest.raises(ValueError, match="n_iter"):
+        ops.kmeans_cosine(keys, 2, n_iter=0)
+    with pytest.raises(ValueError, match="keys"):
+        ops.kmeans_cosine(keys[0], 1)
