@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from cuda_common import provenance
 from sparq_llama import ops
 from tqdm import tqdm
-
-from cuda_common import provenance
 
 SHAPES = {  # layers, KV heads, head dim
     "smollm2": (30, 3, 64),
