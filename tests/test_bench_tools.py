@@ -1,6 +1,6 @@
 """The CUDA benchmark drivers' host-side parts, on the CPU: the random-weight model writer makes GGUFs that
-llama.cpp loads and runs (dense and SparQ), batched-bench's table is parsed, and the op microbenchmark takes
-several sequences."""
+llama.cpp loads and runs (dense and SparQ), batched-bench's table is parsed, the SparQ op microbenchmark takes
+several sequences, and the centroid-sparse one reads the fraction of the prefix it is asked to."""
 from __future__ import annotations
 
 import json
@@ -61,3 +61,14 @@ def test_op_bench_takes_several_sequences():
     assert np.all(sparq_us > 0) and np.all(flash_us > 0)
     with pytest.raises(ValueError, match="backend must be"):
         ops.bench_attn(d=64, n_head=4, n_head_kv=2, n_kv=600, k1=16, k2=64, backend="gpu")
+
+
+def test_centroid_op_bench_reads_the_asked_fraction():
+    for keep in (0.1, 0.5):
+        c_us, f_us, kept = ops.bench_centroid(d=64, n_head=6, n_head_kv=2, n_kv=3000, n_prefix=2900, n_clusters=145,
+                                              keep=keep, n_runs=2)
+        assert c_us.shape == f_us.shape == (2,) and (c_us > 0).all() and (f_us > 0).all()
+        # per KV head the best cluster is always read on top of the global threshold's share
+        assert keep * 0.8 <= kept <= keep + 2 / 145 + 0.05
+    with pytest.raises(ValueError, match="n_prefix"):
+        ops.bench_centroid(d=64, n_head=6, n_head_kv=2, n_kv=100, n_prefix=200, n_clusters=10, keep=0.1)

@@ -91,6 +91,24 @@ struct kmeans_eval_args {
 };
 SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
 
+// Microbenchmark: ggml_centroid_attn vs ggml_flash_attn_ext (F32 precision) on the same random cache, one decode
+// query (n_q = 1, one stream, all cells visible). The first n_prefix cells are clustered into n_clusters
+// clusters of consecutive cells (random centroids); the threshold is set from the query's cluster scores so
+// that about `keep` of the clustered cells are read (*kept_out: the fraction actually read). n_runs
+// interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
+struct centroid_bench_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          kv_type;
+    int64_t      d, n_head, n_head_kv, n_kv, n_prefix, n_clusters;
+    float        keep;
+    int          n_runs;
+    double     * centroid_us; // [n_runs]
+    double     * flash_us;    // [n_runs]
+    double     * kept_out;
+};
+SPARQ_API int sparq_llama_bench_centroid(const struct centroid_bench_args * args, char * err, size_t err_size);
+
 // Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
 // one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
 // interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.

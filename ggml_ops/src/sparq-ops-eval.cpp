@@ -207,6 +207,7 @@ int sparq_llama_eval_kmeans(const struct kmeans_eval_args * a, char * err, size_
 // ---- microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext on the same tensors ----------------
 
 #include <algorithm>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -325,6 +326,153 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
         ggml_backend_synchronize(backend.get());
         int64_t t2 = ggml_time_us();
         a->sparq_us[run] = (double) (t1 - t0);
+        a->flash_us[run] = (double) (t2 - t1);
+    }
+    return 0;
+}
+
+int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err, size_t err_size) {
+    if (!a || !a->centroid_us || !a->flash_us || !a->kept_out || a->n_runs < 1) {
+        return fail(err, err_size, "centroid_us, flash_us, kept_out and n_runs >= 1 are required");
+    }
+    if (a->n_prefix < 1 || a->n_prefix > a->n_kv || a->n_clusters < 1 || a->n_clusters > a->n_prefix ||
+        !(a->keep > 0.0f && a->keep <= 1.0f)) {
+        return fail(err, err_size, "need 1 <= n_prefix <= n_kv, 1 <= n_clusters <= n_prefix and keep in (0, 1]");
+    }
+    const auto kv_type = (ggml_type) a->kv_type;
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), nullptr, true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    const int64_t d = a->d, n_kv = a->n_kv, H = a->n_head_kv, G = a->n_head / std::max<int64_t>(1, H), n = a->n_clusters;
+    ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, 1);
+    ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, H, 1);
+    ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, d, n_kv, H, 1);
+    ggml_tensor * mask = ggml_new_tensor_4d(c, GGML_TYPE_F16, n_kv, 1, 1, 1);
+    ggml_tensor * cent = ggml_new_tensor_4d(c, GGML_TYPE_F32, d + 1, n, H, 1);
+    ggml_tensor * cell = ggml_new_tensor_3d(c, GGML_TYPE_I32, n_kv, H, 1);
+    ggml_centroid_params params = ggml_centroid_default_params();
+    if (const char * msg = ggml_centroid_attn_check(q, k, v, mask, cent, cell, nullptr, nullptr, &params)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    }
+    std::mt19937 rng(1234);
+    const random_pool pool(rng);
+    fill_queries(q, rng);
+    fill_random(k, pool, rng);
+    fill_random(v, pool, rng);
+    std::vector<ggml_fp16_t> zeros(n_kv, ggml_fp32_to_fp16(0.0f));
+    ggml_backend_tensor_set(mask, zeros.data(), 0, n_kv * sizeof(ggml_fp16_t));
+    // clusters of consecutive prefix cells, random centroid directions
+    std::vector<int32_t> cells(n_kv * H);
+    std::vector<int64_t> sizes(n, 0);
+    for (int64_t j = 0; j < n_kv; ++j) {
+        const int32_t cl = j < a->n_prefix ? (int32_t) ((j * n) / a->n_prefix) : -1;
+        for (int64_t h = 0; h < H; ++h) {
+            cells[h * n_kv + j] = cl;
+        }
+        if (cl >= 0) {
+            ++sizes[cl];
+        }
+    }
+    ggml_backend_tensor_set(cell, cells.data(), 0, ggml_nbytes(cell));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> tab((d + 1) * n * H);
+    for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+            float * row = tab.data() + (h * n + i) * (d + 1);
+            for (int64_t e = 0; e < d; ++e) {
+                row[e] = normal(rng);
+            }
+            row[d] = (float) sizes[i];
+        }
+    }
+    ggml_backend_tensor_set(cent, tab.data(), 0, ggml_nbytes(cent));
+    // the threshold: the group scores (max over the group) of every cluster, sorted; the one at `keep`
+    std::vector<float> qh(ggml_nelements(q));
+    ggml_backend_tensor_get(q, qh.data(), 0, ggml_nbytes(q));
+    const double scale = 1.0 / std::sqrt((double) d);
+    std::vector<double> scores;
+    for (int64_t h = 0; h < H; ++h) {
+        std::vector<double> s(n, 0.0);
+        for (int64_t g = 0; g < G; ++g) {
+            const float * qg = qh.data() + (h * G + g) * d;
+            std::vector<double> z(n);
+            double mx = -INFINITY;
+            for (int64_t i = 0; i < n; ++i) {
+                double dot = 0.0;
+                for (int64_t e = 0; e < d; ++e) {
+                    dot += (double) qg[e] * tab[(h * n + i) * (d + 1) + e];
+                }
+                z[i] = scale * dot;
+                mx = std::max(mx, z[i]);
+            }
+            double norm = 0.0;
+            for (int64_t i = 0; i < n; ++i) {
+                norm += (double) sizes[i] * std::exp(z[i] - mx);
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                s[i] = std::max(s[i], std::exp(z[i] - mx) / norm);
+            }
+        }
+        scores.insert(scores.end(), s.begin(), s.end());
+    }
+    std::vector<double> sorted = scores;
+    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+    const size_t at = std::min(sorted.size() - 1, (size_t) std::max<int64_t>(0, (int64_t) std::ceil(a->keep * sorted.size()) - 1));
+    params.threshold = a->keep >= 1.0f ? 0.0f : (float) sorted[at];
+    int64_t kept_cells = 0;  // what the op reads of the prefix: clusters at or above T, and each head's best
+    for (int64_t h = 0; h < H; ++h) {
+        int64_t best = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            best = scores[h * n + i] > scores[h * n + best] ? i : best;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            if ((float) scores[h * n + i] >= params.threshold || i == best) {
+                kept_cells += sizes[i];
+            }
+        }
+    }
+    *a->kept_out = (double) kept_cells / (double) (a->n_prefix * H);
+
+    ggml_tensor * centroid = ggml_centroid_attn(c, q, k, v, mask, cent, cell, nullptr, nullptr, params);
+    ggml_tensor * flash = ggml_flash_attn_ext(c, q, k, v, mask, (float) scale, 0.0f, 0.0f);
+    ggml_prec_set_acc(flash, GGML_PREC_F32);
+    if (!ggml_backend_supports_op(backend.get(), centroid) || !ggml_backend_supports_op(backend.get(), flash)) {
+        return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(dev));
+    }
+    ggml_cgraph * g_centroid = ggml_new_graph(c);
+    ggml_build_forward_expand(g_centroid, centroid);
+    ggml_cgraph * g_flash = ggml_new_graph(c);
+    ggml_build_forward_expand(g_flash, flash);
+    std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr *)> galloc(
+        ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend.get())), ggml_gallocr_free);
+    if (!ggml_gallocr_reserve(galloc.get(), g_centroid) || !ggml_gallocr_alloc_graph(galloc.get(), g_centroid)) {
+        return fail(err, err_size, "could not allocate the op's output");
+    }
+    std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr *)> galloc_f(
+        ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend.get())), ggml_gallocr_free);
+    if (!ggml_gallocr_alloc_graph(galloc_f.get(), g_flash)) {
+        return fail(err, err_size, "could not allocate flash attention's output");
+    }
+    ggml_backend_graph_compute(backend.get(), g_centroid);
+    ggml_backend_graph_compute(backend.get(), g_flash);
+    for (int run = 0; run < a->n_runs; ++run) {
+        int64_t t0 = ggml_time_us();
+        ggml_backend_graph_compute(backend.get(), g_centroid);
+        ggml_backend_synchronize(backend.get());
+        int64_t t1 = ggml_time_us();
+        ggml_backend_graph_compute(backend.get(), g_flash);
+        ggml_backend_synchronize(backend.get());
+        int64_t t2 = ggml_time_us();
+        a->centroid_us[run] = (double) (t1 - t0);
         a->flash_us[run] = (double) (t2 - t1);
     }
     return 0;

@@ -344,3 +344,34 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threa
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
                     assignment[h].astype(np.int64), n_run.value) for h in range(H)]
     return out[0] if single else out
+
+
+class CentroidBenchArgs(ctypes.Structure):
+    """struct centroid_bench_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv", "n_prefix", "n_clusters")] + \
+        [("keep", ctypes.c_float), ("n_runs", ctypes.c_int), ("centroid_us", ctypes.POINTER(ctypes.c_double)),
+         ("flash_us", ctypes.POINTER(ctypes.c_double)), ("kept_out", ctypes.POINTER(ctypes.c_double))]
+
+
+def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: int, n_clusters: int, keep: float,
+                   n_runs: int = 20, n_threads: int | None = None, kv_dtype: str = "f16",
+                   backend: str = "cpu") -> tuple[np.ndarray, np.ndarray, float]:
+    """Decode-step times (µs) of ggml_centroid_attn and ggml_flash_attn_ext on the same random cache whose first
+    `n_prefix` cells are clustered, the threshold set so that about `keep` of them are read; `n_runs` interleaved
+    runs each after a warm-up. Returns (centroid_us, flash_us, fraction of the clustered cells read)."""
+    centroid_us = (ctypes.c_double * n_runs)()
+    flash_us = (ctypes.c_double * n_runs)()
+    kept = ctypes.c_double(0.0)
+    args = CentroidBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
+                             kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                             n_prefix=n_prefix, n_clusters=n_clusters, keep=float(keep), n_runs=n_runs,
+                             centroid_us=centroid_us, flash_us=flash_us, kept_out=ctypes.pointer(kept))
+    fn = libllama().sparq_llama_bench_centroid
+    fn.argtypes = [ctypes.POINTER(CentroidBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    return np.array(centroid_us[:]), np.array(flash_us[:]), kept.value
