@@ -92,6 +92,17 @@ def kv_round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     return y.astype(np.float64)
 
 
+def _mask_f16(mask: np.ndarray | None, n_q: int, n_kv: int) -> tuple[np.ndarray | None, int]:
+    """A boolean mask [n_q, n_kv] (or [ns, n_q, n_kv]) as the ops' f16 0 / -inf mask, and its stream count."""
+    if mask is None:
+        return None, 1
+    m = np.asarray(mask, dtype=bool)
+    m = m[None] if m.ndim == 2 else m
+    if m.ndim != 3 or m.shape[1:] != (n_q, n_kv):
+        raise ValueError(f"mask must be [n_q={n_q}, n_kv={n_kv}] (or [ns, n_q, n_kv]), got {np.shape(mask)}")
+    return np.ascontiguousarray(np.where(m, 0.0, -np.inf).astype(np.float16)), m.shape[0]
+
+
 def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
                k1: int, k2: int, window: int | None = None, sinks: int = 0,
                mean: Literal["auto", "on", "off"] = "auto", scale: float | None = None, softcap: float = 0.0,
@@ -133,14 +144,7 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     k_dev = _to_kv(k, kv_dtype)
     kt_dev = _to_kv(np.swapaxes(k, -1, -2), kv_dtype) if layout == "kt" else None
     v_dev = _to_kv(v, kv_dtype)
-    mask_dev, mask_ns = None, 1
-    if mask is not None:
-        m = np.asarray(mask, dtype=bool)
-        m = m[None] if m.ndim == 2 else m
-        if m.ndim != 3 or m.shape[1:] != (n_q, n_kv):
-            raise ValueError(f"mask must be [n_q={n_q}, n_kv={n_kv}] (or [ns, n_q, n_kv]), got {np.shape(mask)}")
-        mask_ns = m.shape[0]
-        mask_dev = np.ascontiguousarray(np.where(m, 0.0, -np.inf).astype(np.float16))
+    mask_dev, mask_ns = _mask_f16(mask, n_q, n_kv)
     vsum_dev = None if vsum is None else np.ascontiguousarray(vsum, dtype=np.float32)
     if vsum_dev is not None and vsum_dev.shape != (ns, n_q, n_head_kv, d_v + 1):
         raise ValueError(f"vsum must be [ns, n_q, n_head_kv, d_v + 1] = {(ns, n_q, n_head_kv, d_v + 1)}")
@@ -271,14 +275,7 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
         parent = _index_map(c_parent, (ns, n_head_kv, cent.shape[2]), "parent")
         if ((parent < 0) | (parent >= coarse_dev.shape[2])).any():
             raise ValueError("parent entries must be coarse cluster indices < n_coarse")
-    mask_dev, mask_ns = None, 1
-    if mask is not None:
-        m = np.asarray(mask, dtype=bool)
-        m = m[None] if m.ndim == 2 else m
-        if m.ndim != 3 or m.shape[1:] != (n_q, n_kv):
-            raise ValueError(f"mask must be [n_q={n_q}, n_kv={n_kv}] (or [ns, n_q, n_kv]), got {np.shape(mask)}")
-        mask_ns = m.shape[0]
-        mask_dev = np.ascontiguousarray(np.where(m, 0.0, -np.inf).astype(np.float16))
+    mask_dev, mask_ns = _mask_f16(mask, n_q, n_kv)
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     k_dev, v_dev = _to_kv(k, kv_dtype), _to_kv(v, kv_dtype)
     out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)

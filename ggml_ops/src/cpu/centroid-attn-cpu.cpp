@@ -139,6 +139,17 @@ struct centroid_ctx {
     }
 };
 
+// Group score of cluster i from the scaled dot products z [G][n]: max or mean over the heads of
+// exp(z_g[i] - log_z[g]).
+float group_score(const centroid_ctx & c, const float * z, int64_t n, int64_t i, const double * log_z) {
+    double agg = 0.0;
+    for (int64_t g = 0; g < c.s.group; ++g) {
+        const double sg = std::exp((double) z[g * n + i] - log_z[g]);
+        agg = c.p.group == GGML_CENTROID_GROUP_MAX ? std::max(agg, sg) : agg + sg / (double) c.s.group;
+    }
+    return (float) agg;
+}
+
 // Group scores of the clusters i with live[i] (others get -1): max or mean over the group's heads of
 // exp(z_g[i] - log_z[g]). z: [G][n] scaled dot products (filled here for live clusters).
 void group_scores(const centroid_ctx & c, const ggml_tensor * table, int64_t n, const uint8_t * live_of,
@@ -150,15 +161,12 @@ void group_scores(const centroid_ctx & c, const ggml_tensor * table, int64_t n, 
             continue;
         }
         const float * ci = centroid_ctx::table_row(table, i, h, st);
-        double agg = 0.0;
         for (int64_t g = 0; g < G; ++g) {
             float dot = 0.0f;
             ggml_vec_dot_f32((int) d, &dot, 0, c.q_row(h * G + g, t, st), 0, ci, 0, 1);
             z[g * n + i] = c.p.scale * dot;
-            const double sg = std::exp((double) z[g * n + i] - log_z[g]);
-            agg = c.p.group == GGML_CENTROID_GROUP_MAX ? std::max(agg, sg) : agg + sg / (double) G;
         }
-        score[i] = (float) agg;
+        score[i] = group_score(c, z, n, i, log_z);
     }
 }
 
@@ -212,42 +220,21 @@ void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
     float * score = th + c.l.score;
     uint8_t * kept = (uint8_t *) (c.row(w) + c.l.kept);
     double * log_z = (double *) (th + c.l.log_z);
-    const int64_t G = c.s.group, n_cent = c.s.n_cent, d = c.s.d;
+    const int64_t n_cent = c.s.n_cent, d = c.s.d;
 
     const ggml_tensor * level1 = c.coarse ? c.coarse : c.cent;
     const int64_t n1 = c.coarse ? c.s.n_coarse : n_cent;
     log_normaliser(c, level1, n1, h, t, st, z, log_z);
+    // level-1 scores from the normaliser pass's dot products (head 0's -inf marks an empty cluster)
+    for (int64_t i = 0; i < n1; ++i) {
+        score[i] = z[i] == -INFINITY ? -1.0f : group_score(c, z, n1, i, log_z);
+    }
     if (!c.coarse) {
-        // scores from the normaliser pass's dot products
-        for (int64_t i = 0; i < n_cent; ++i) {
-            score[i] = -1.0f;
-            if (z[i] == -INFINITY) {  // head 0's entry marks an empty cluster for every head
-                continue;
-            }
-            double agg = 0.0;
-            for (int64_t g = 0; g < G; ++g) {
-                const double sg = std::exp((double) z[g * n_cent + i] - log_z[g]);
-                agg = c.p.group == GGML_CENTROID_GROUP_MAX ? std::max(agg, sg) : agg + sg / (double) G;
-            }
-            score[i] = (float) agg;
-        }
         keep_clusters(score, n_cent, c.p.threshold, kept);
         return;
     }
-    // two levels: coarse scores, then the fine clusters under kept coarse ones against the coarse normaliser
+    // two levels: the fine clusters under kept coarse ones, against the coarse normaliser
     uint8_t * kept_c = (uint8_t *) (c.row(w) + c.l.kept_coarse);
-    for (int64_t i = 0; i < n1; ++i) {
-        score[i] = -1.0f;
-        if (z[i] == -INFINITY) {
-            continue;
-        }
-        double agg = 0.0;
-        for (int64_t g = 0; g < G; ++g) {
-            const double sg = std::exp((double) z[g * n1 + i] - log_z[g]);
-            agg = c.p.group == GGML_CENTROID_GROUP_MAX ? std::max(agg, sg) : agg + sg / (double) G;
-        }
-        score[i] = (float) agg;
-    }
     keep_clusters(score, n1, c.p.threshold_coarse, kept_c);
     const int32_t * parent = centroid_ctx::map_row(c.parent, h, st);
     for (int64_t i = 0; i < n_cent; ++i) {
