@@ -239,41 +239,64 @@ __device__ __forceinline__ float warp_dot(const float * qg, int64_t d, const flo
 
 // ---- S1: level-1 scaled dot products and block statistics --------------------------------------------
 
+// TR components per lane (d <= 32 TR); each warp holds S1_ROWS table rows in flight.
+constexpr int S1_ROWS = 4;
+static_assert(S_CLUSTERS % (S_WARPS * S1_ROWS) == 0, "kernel S1: whole steps of rows");
+template <int TR>
 __global__ void __launch_bounds__(S_THREADS) centroid_level1(const centroid_args a, const centroid_scratch s,
                                                              const int64_t r0) {
     pdl_wait();
     extern __shared__ float s1_smem[];  // [G][S_CLUSTERS] dot products, then [S_CLUSTERS] sizes
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int64_t w = blockIdx.y, G = a.group, n1 = a.n1, i0 = (int64_t) blockIdx.x * S_CLUSTERS;
+    const int64_t w = blockIdx.y, G = a.group, n1 = a.n1, d = a.d, i0 = (int64_t) blockIdx.x * S_CLUSTERS;
     const row_coords c = coords_of(a, r0 + w);
     float * zs = s1_smem, * sz = s1_smem + G*S_CLUSTERS;
     float * z1 = s.z1 + w*G*n1;
 
-    for (int k = warp; k < S_CLUSTERS; k += S_WARPS) {
-        const int64_t i = i0 + k;
-        if (i >= n1) {  // warp-uniform
-            if (lane == 0) {
-                sz[k] = 0.0f;
+    for (int k0 = warp*S1_ROWS; k0 < S_CLUSTERS; k0 += S_WARPS*S1_ROWS) {
+        float ce[S1_ROWS][TR], size[S1_ROWS];
+#pragma unroll
+        for (int u = 0; u < S1_ROWS; ++u) {  // clusters past the table count as empty
+            const int64_t i = i0 + k0 + u;
+            const float * row = i < n1 ? (a.coarse ? coarse_row(a, i, c) : cent_row(a, i, c)) : nullptr;
+#pragma unroll
+            for (int e = 0; e < TR; ++e) {
+                const int64_t x = lane + WARP_SIZE*e;
+                ce[u][e] = row && x < d ? row[x] : 0.0f;
             }
-            for (int64_t g = lane; g < G; g += WARP_SIZE) {
-                zs[g*S_CLUSTERS + k] = -INFINITY;
-            }
-            continue;
+            size[u] = row ? row[d] : 0.0f;
         }
-        const float * row = a.coarse ? coarse_row(a, i, c) : cent_row(a, i, c);
-        float ce[TABLE_REGS];
-        load_table_row(row, a.d, ce);
-        const float size = row[a.d];
         for (int64_t g = 0; g < G; ++g) {
-            const float dot = warp_dot(q_row(a, c.h*G + g, c), a.d, ce);
-            const float z = size > 0.0f ? a.p.scale * dot : -INFINITY;
-            if (lane == 0) {
-                zs[g*S_CLUSTERS + k] = z;
-                z1[g*n1 + i] = z;
+            const float * qg = q_row(a, c.h*G + g, c);
+            float qv[TR];
+#pragma unroll
+            for (int e = 0; e < TR; ++e) {
+                const int64_t x = lane + WARP_SIZE*e;
+                qv[e] = x < d ? qg[x] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < S1_ROWS; ++u) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < TR; ++e) {
+                    dot += qv[e] * ce[u][e];
+                }
+                dot = warp_sum(dot);
+                const float z = size[u] > 0.0f ? a.p.scale * dot : -INFINITY;
+                const int64_t i = i0 + k0 + u;
+                if (lane == 0) {
+                    zs[g*S_CLUSTERS + k0 + u] = z;
+                    if (i < n1) {
+                        z1[g*n1 + i] = z;
+                    }
+                }
             }
         }
         if (lane == 0) {
-            sz[k] = size;
+#pragma unroll
+            for (int u = 0; u < S1_ROWS; ++u) {
+                sz[k0 + u] = size[u];
+            }
         }
     }
     __syncthreads();
@@ -827,8 +850,14 @@ void ggml_cuda_centroid_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst)
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
-        ggml_cuda_kernel_launch(centroid_level1, ggml_cuda_kernel_launch_params(dim3((unsigned) a.n_chunks1, (unsigned) nw),
-                                S_THREADS, smem_s1, stream), a, s, r0);
+        const ggml_cuda_kernel_launch_params lp1(dim3((unsigned) a.n_chunks1, (unsigned) nw), S_THREADS, smem_s1, stream);
+        if (a.d <= 4*WARP_SIZE) {
+            ggml_cuda_kernel_launch(centroid_level1<4>, lp1, a, s, r0);
+        } else if (a.d <= 8*WARP_SIZE) {
+            ggml_cuda_kernel_launch(centroid_level1<8>, lp1, a, s, r0);
+        } else {
+            ggml_cuda_kernel_launch(centroid_level1<TABLE_REGS>, lp1, a, s, r0);
+        }
         ggml_cuda_kernel_launch(centroid_select, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), S_THREADS, smem_s2, stream),
                                 a, s, r0);
         const dim3 grid_a((unsigned) a.n_chunks, (unsigned) (nw*a.n_pass));
