@@ -2,6 +2,7 @@
 # Issue 7 (centroid-sparse attention) on a lent GPU machine without a package registry, in stages:
 #   bench/device_squeeze.sh build test       build (incremental in build/cuda), CUDA op + k-means tests, CPU centroid tests
 #   bench/device_squeeze.sh sanitize         compute-sanitizer memcheck and racecheck on the CUDA tests (small cases)
+#   bench/device_squeeze.sh ncu              per-kernel times (ncu) of a decode step at 64k, keep 10%
 #   bench/device_squeeze.sh opbench cluster  op vs flash attention (32k/64k prefix, keep 30/20/10%, Llama-2-7B heads);
 #                                            clustering time of a 32k prefix (32 layers x 32 KV heads, 5% clusters)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz) and the wheels of
@@ -50,6 +51,12 @@ stage_sanitize() {
 
 stage_opbench() {
     python3 bench/squeeze_op_cuda.py --runs 50 --out "$OUT/squeeze_op_cuda.json"
+}
+
+stage_ncu() {  # per-kernel GPU times of one decode step at 64k, keep 10% (the op's four kernels and flash attention)
+    ncu --metrics gpu__time_duration.sum --csv python3 bench/squeeze_op_cuda.py --prefixes 65536 --keeps 0.1 --runs 3 \
+        --out /tmp/ncu_op.json > "$OUT/ncu_op_64k.csv" 2>&1
+    python3 bench/ncu_summary.py "$OUT/ncu_op_64k.csv"
 }
 
 stage_cluster() {
