@@ -1015,7 +1015,11 @@ __device__ void select_all_cells(const sparq_args & a, const sparq_scratch & s, 
 // block's own list fits.
 __host__ __device__ inline int64_t candidate_cap(int64_t k2) { return 4*k2 + 4096; }
 
-// Kernel S's shared memory (dynamic part), in bytes from the start: the candidate keys, then I2.
+// Kernel S builds I2 from lists (forced cells + the selected top, ranked by cell) up to this k2; above it from
+// the bitmap (the rank by cell costs k2 steps per cell).
+constexpr int LIST_MAX_K2 = 512;
+
+// Kernel S's shared memory (dynamic part), in bytes from the start: the candidate keys, I2, the list of I2 cells.
 struct smem_s_layout {
     size_t keys, i2, uni, total;
 };
@@ -1024,12 +1028,9 @@ __host__ __device__ inline smem_s_layout smem_s_plan(int64_t cap, int64_t k2) {
     l.keys  = 0;
     l.i2    = cap*sizeof(uint64_t);
     l.uni   = l.i2 + k2*sizeof(int32_t);
-    l.total = l.uni + k2*sizeof(int32_t);
+    l.total = l.uni + (k2 <= LIST_MAX_K2 ? k2*sizeof(int32_t) : 0);
     return l;
 }
-// Kernel S builds I2 from lists (forced cells + the selected top, ranked by cell) up to this k2; above it from
-// the bitmap (the rank by cell costs k2 steps per cell).
-constexpr int LIST_MAX_K2 = 512;
 constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 
 // Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
