@@ -22,6 +22,9 @@
 // When the sample misleads (too few or too many candidates) or positions are not distinct, kernel S
 // falls back to exact selections over all cells: slower, same result. Launch sizes depend on shapes only
 // (CUDA graphs stay on); no host round trip.
+// Kernel v6 (opt-in, SPARQ_CUDA_V6=sel,lv,q, until measured on a device; bench/notes_cuda.md): sel = P's threshold
+// and S's top by one bucket pass, I2 from lists instead of the bitmap; lv = L and V as one kernel; q = no kernel Q,
+// each A block finds I1 itself.
 #include "sparq-attn.cuh"
 
 #include "ggml-sparq.h"
@@ -1856,11 +1859,12 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
     a.timing     = getenv("SPARQ_CUDA_TIMING") != nullptr;
-    {   // SPARQ_CUDA_OFF=sel,lv turns variants v6a / v6b off (same results; for measuring them apart)
-        static const char * off = getenv("SPARQ_CUDA_OFF");
-        a.bucket_sel = !(off && strstr(off, "sel"));
-        a.fused_lv   = !(off && strstr(off, "lv"));
-        a.fused_q    = !(off && strstr(off, "q"));
+    {   // SPARQ_CUDA_V6=sel,lv,q turns the parts of kernel v6 on (v6a, v6b, v6c; same results). Off by default until
+        // they have passed the CUDA op tests on a device (bench/notes_cuda.md, v6).
+        static const char * on = getenv("SPARQ_CUDA_V6");
+        a.bucket_sel = on && strstr(on, "sel");
+        a.fused_lv   = on && strstr(on, "lv");
+        a.fused_q    = on && strstr(on, "q");
     }
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
