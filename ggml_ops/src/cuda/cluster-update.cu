@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(cons
     }
     float * out = (float *) (a.dst + i*a.o_nb1 + h*a.o_nb2);
     if (a.table) {  // the mean of the members, then the size (zeros for an empty cluster)
-        const float inv = count > 0 ? 1.0f / (float) count : 0.0f;
+        const float inv = count > 0 ? __frcp_rn((float) count) : 0.0f;  // IEEE, as the CPU (fast math would approximate)
 #pragma unroll
         for (int e = 0; e < REGS; ++e) {
             const int64_t c = lane + WARP_SIZE*e;
