@@ -36,7 +36,7 @@ def case_inputs(case: int, keep: float):
     fine, coarse_scores = all_scores(q, cent, sizes, scale, group, coarse)
     thr = gap_threshold(fine, keep)
     thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
-    kw = dict(softcap=softcap, group=group, coarse=coarse, threshold_coarse=thr_c)
+    kw = {"softcap": softcap, "group": group, "coarse": coarse, "threshold_coarse": thr_c}
     return q, k, v, cent, sizes, cell, thr, mask, kv, kw
 
 
@@ -81,7 +81,7 @@ def test_selected_cells_are_identical(case: int, keep: float) -> None:
     fine, coarse_scores = all_scores(q, cent, sizes, 1.0 / math.sqrt(d), group, coarse)
     thr = gap_threshold(fine, keep)
     thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
-    kw = dict(group=group, coarse=coarse, threshold_coarse=thr_c, kv_dtype="f32")
+    kw = {"group": group, "coarse": coarse, "threshold_coarse": thr_c, "kv_dtype": "f32"}
     got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, backend="cuda", **kw)
     cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, n_threads=2, **kw)
     kw.pop("kv_dtype")
@@ -108,10 +108,11 @@ def wide_gap_threshold(scores: np.ndarray, keep: float) -> float:
 
 
 @pytest.mark.parametrize("shape", [
-    dict(n_head=32, n_head_kv=32, d=128, n_kv=33000, n_prefix=32768, group="max", kv="f16"),   # Llama-2 heads
-    dict(n_head=32, n_head_kv=8, d=128, n_kv=20000, n_prefix=19000, group="mean", kv="bf16"),  # Llama-3 heads
-    dict(n_head=8, n_head_kv=1, d=256, n_kv=12000, n_prefix=11000, group="max", kv="f32"),      # one KV head, d 256
-    dict(n_head=64, n_head_kv=2, d=64, n_kv=9000, n_prefix=8500, group="max", kv="f16"),        # G = 32: four passes
+    # Llama-2 heads; Llama-3 heads; one KV head with d = 256; G = 32 (four passes over the group)
+    {"n_head": 32, "n_head_kv": 32, "d": 128, "n_kv": 33000, "n_prefix": 32768, "group": "max", "kv": "f16"},
+    {"n_head": 32, "n_head_kv": 8, "d": 128, "n_kv": 20000, "n_prefix": 19000, "group": "mean", "kv": "bf16"},
+    {"n_head": 8, "n_head_kv": 1, "d": 256, "n_kv": 12000, "n_prefix": 11000, "group": "max", "kv": "f32"},
+    {"n_head": 64, "n_head_kv": 2, "d": 64, "n_kv": 9000, "n_prefix": 8500, "group": "max", "kv": "f16"},
 ])
 def test_long_sequences_match_cpu(shape) -> None:
     rng = np.random.default_rng(shape["n_kv"])
@@ -134,7 +135,7 @@ def test_long_sequences_match_cpu(shape) -> None:
     fine, _ = all_scores(q[None].astype(np.float64), cent[None], sizes[None], 1.0 / math.sqrt(d), shape["group"], None)
     for keep in (0.1, 0.3):
         thr = wide_gap_threshold(fine, keep)
-        kw = dict(group=shape["group"], kv_dtype=shape["kv"])
+        kw = {"group": shape["group"], "kv_dtype": shape["kv"]}
         got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, backend="cuda", **kw)
         cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, **kw)
         np.testing.assert_allclose(got, cpu, rtol=5e-5, atol=5e-5)
@@ -186,7 +187,7 @@ def test_kmeans_matches_cpu_and_reference_on_separated_blobs(d: int) -> None:
     rng = np.random.default_rng(40 + d)
     problems = []
     for h in range(3):
-        keys, truth = blobs(rng, 12, 40 + 7 * h, d, spread=0.1)
+        keys, _ = blobs(rng, 12, 40 + 7 * h, d, spread=0.1)
         problems.append(keys[:400])
     x = np.stack(problems).astype(np.float32)
     got = ops.kmeans_cosine(x, 12, n_iter=10, backend="cuda")
