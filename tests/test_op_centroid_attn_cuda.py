@@ -196,7 +196,9 @@ def test_kmeans_matches_cpu_and_reference_on_separated_blobs(d: int) -> None:
         want = kmeans_cosine(x[h].astype(np.float64), 12, n_iter=10)
         assert got[h].assignment.tolist() == cpu[h].assignment.tolist() == want.assignment.tolist()
         assert got[h].sizes.tolist() == cpu[h].sizes.tolist()
-        assert got[h].n_iter == cpu[h].n_iter
+        # no n_iter check: ggml-cuda's f32 mul_mat runs in TF32 (its cuBLAS handles' math mode), so an
+        # intermediate iteration can move a point at a near-tie the CPU does not move (seen: d = 32 reached the
+        # same fixed point in 8 iterations against the CPU's 5)
         np.testing.assert_allclose(got[h].centroids, cpu[h].centroids, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-5)
 
@@ -204,7 +206,8 @@ def test_kmeans_matches_cpu_and_reference_on_separated_blobs(d: int) -> None:
 @pytest.mark.parametrize("n_iter", [1, 2, 4])
 def test_kmeans_iterations_match_cpu_on_a_7b_head_shape(n_iter: int) -> None:
     # d = 128, 150 clusters per head, each iteration count: the same assignments and sizes as the CPU, the
-    # centroids to float tolerance (blobs: no near-tie in the argmax, where float32 rounding could part them)
+    # centroids to float tolerance (blobs: no near-tie in the argmax, where the GPU's TF32 similarities could
+    # part from the CPU's float32 ones)
     rng = np.random.default_rng(50)
     x = np.stack([blobs(rng, 150, 20, 128, spread=0.05)[0] for _ in range(4)]).astype(np.float32)
     got = ops.kmeans_cosine(x, 150, n_iter=n_iter, backend="cuda")

@@ -177,7 +177,7 @@ __device__ __forceinline__ T warp_max(T v) {
 }
 
 // Maximum over the block (every thread gets it). red: S_WARPS shared slots.
-__device__ uint64_t block_max_u64(uint64_t v, uint64_t * red) {
+static __device__ uint64_t block_max_u64(uint64_t v, uint64_t * red) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     v = warp_max(v);
     __syncthreads();
@@ -729,14 +729,14 @@ void launch_attend_shape(int lpc, int vpt, int ng, dim3 grid, size_t smem, cudaS
     }
 }
 
-bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
-bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0; }
+static bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
+static bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0; }
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
     size_t z1, part1, kept, kept_c, fscore, part, total;
 };
-scratch_plan plan_scratch(const centroid_args & a, int64_t W) {
+static scratch_plan plan_scratch(const centroid_args & a, int64_t W) {
     const int64_t G = a.group;
     scratch_plan p;
     size_t o = 0;
