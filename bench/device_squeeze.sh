@@ -5,6 +5,7 @@
 #   bench/device_squeeze.sh ncu              per-kernel times (ncu) of a decode step at 64k, keep 10%
 #   bench/device_squeeze.sh opbench cluster  op vs flash attention (32k/64k prefix, keep 30/20/10%, Llama-2-7B heads);
 #                                            clustering time of a 32k prefix (32 layers x 32 KV heads, 5% clusters)
+#   bench/device_squeeze.sh clusterres       the clustering with each layer's keys already on the GPU
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz) and the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels. Logs and results go
 # to $OUT; SPARQ_COMMIT names the commit for the records.
@@ -62,6 +63,11 @@ stage_ncu() {  # per-kernel GPU times of one decode step at 64k, keep 10% (the o
 stage_cluster() {
     python3 bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --out "$OUT/squeeze_cluster_cuda.json" 2>&1 \
         | grep -v "it/s\]$" | tail -3
+}
+
+stage_clusterres() {  # the same with each layer's keys already on the GPU (no per-layer upload or backend start)
+    python3 bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --resident \
+        --out "$OUT/squeeze_cluster_cuda_resident.json" 2>&1 | tail -2
 }
 
 setup_python
