@@ -249,6 +249,28 @@ struct llama_squeeze_info {
 };
 SPARQ_API struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ctx);
 
+// The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
+// (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
+// calibration queries), table [n_layers][n_head_kv][n_cent][d + 1] (components, then the size); two levels:
+// coarse [n_layers][n_head_kv][n_coarse][d + 1] and parent [n_layers][n_head_kv][n_cent], else NULL.
+// Out: *threshold, *threshold_coarse (two levels) and *kept (mean kept fraction at them). 0, or 1 with err.
+struct squeeze_calib_args {
+    int64_t d, n_head, n_head_kv, n_rows, n_layers, n_cent, n_coarse;
+    const float   * q;
+    const float   * table;
+    const float   * coarse;
+    const int32_t * parent;
+    float   scale;
+    int     group;        // enum ggml_centroid_group
+    float   keep;
+    float   keep_coarse;  // two levels: 0 -> min(1, 2*keep)
+    int     n_threads;
+    float * threshold;
+    float * threshold_coarse;
+    float * kept;
+};
+SPARQ_API int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * args, char * err, size_t err_size);
+
 // The reason for the last failed llama_squeeze_* call on this thread ("" if none).
 SPARQ_API const char * llama_squeeze_last_error(void);
 

@@ -188,7 +188,7 @@ def prepare(ctx: Any, tokens: Sequence[int], config: SqueezeConfig, *, seq_id: i
             if progress is not None:
                 progress(float(fraction))
             return True
-        except BaseException as e:  # an exception (KeyboardInterrupt too) cancels the preparation
+        except BaseException as e:  # noqa: BLE001 (any exception, KeyboardInterrupt too, cancels; re-raised below)
             error.append(e)
             return False
 

@@ -51,7 +51,7 @@ struct calib_sink {
 
 // The group scores of one calibration row. coarse_pass: score the coarse level (two levels) instead of the fine.
 // With two levels and !coarse_pass, only fine clusters under coarse clusters kept at t_coarse are candidates.
-void score_row(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass, float t_coarse,
+static void score_row(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass, float t_coarse,
                std::vector<double> & buf, calib_sink & sink) {
     const squeeze_kv_layer & L = *cl.L;
     const int64_t d = L.d, G = cl.n_head / L.n_head_kv;
@@ -176,7 +176,7 @@ std::vector<Sink> score_all(const std::vector<calib_layer> & cls, int n_rows, in
     return sinks;
 }
 
-uint32_t score_bin(float s) {
+static uint32_t score_bin(float s) {
     uint32_t bits;
     std::memcpy(&bits, &s, sizeof(bits));
     return bits >> 16; // scores are >= 0: the float bits order them
@@ -198,7 +198,7 @@ struct bin_sink : calib_sink {
 };
 
 // The largest threshold whose mean kept fraction is >= keep; *kept: that mean kept fraction.
-float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass, float t_coarse,
+static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass, float t_coarse,
                 float keep, int n_threads, float * kept) {
     hist_sink h;
     for (auto & s : score_all(cls, n_rows, group, coarse_pass, t_coarse, n_threads, hist_sink())) {
@@ -256,6 +256,19 @@ float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, boo
     return t;
 }
 
+// Both thresholds (the coarse one first, two levels); returns the mean kept fraction at them.
+static float calibrate_levels(const std::vector<calib_layer> & cls, int n_rows, int group, int levels, float keep,
+                       float keep_coarse, int n_threads, float * threshold, float * threshold_coarse) {
+    float kept = 1.0f;
+    *threshold_coarse = 0.0f;
+    if (levels == 2) {
+        const float keep_c = keep_coarse > 0.0f ? keep_coarse : std::min(1.0f, 2.0f*keep);
+        *threshold_coarse = calibrate(cls, n_rows, group, true, 0.0f, keep_c, n_threads, &kept);
+    }
+    *threshold = calibrate(cls, n_rows, group, false, *threshold_coarse, keep, n_threads, &kept);
+    return kept;
+}
+
 // ---- clustering ---------------------------------------------------------------------------------------------
 
 struct ctx_free { void operator()(ggml_context * c) const { ggml_free(c); } };
@@ -264,7 +277,7 @@ struct galloc_free { void operator()(ggml_gallocr * g) const { ggml_gallocr_free
 
 // k-means of one layer's clustered prefix keys, heads [h0, h0 + n_h) of the stream, into res (table and
 // assignment for those heads). The keys are gathered from the cache on `backend` (cells given by position).
-std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, uint32_t kv_size, uint32_t stream,
+static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, uint32_t kv_size, uint32_t stream,
                           int64_t d, int64_t h0, int64_t n_h, const std::vector<uint32_t> & cells, int64_t n_cent,
                           int n_iter, sparq_kmeans_result & res) {
     const int64_t P = (int64_t) cells.size();
@@ -295,7 +308,7 @@ std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, uint32_
 
 // Coarse level: k-means of the fine centroids (their components) per head on `backend`; the coarse table is the
 // size-weighted mean of the member centroids (= the mean of the member keys) and the summed size.
-std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t n_coarse, int n_iter) {
+static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t n_coarse, int n_iter) {
     const int64_t d = L.d, H = L.n_head_kv, n = L.n_cent;
     ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_free> ctx(ggml_init(ip));
@@ -337,12 +350,12 @@ std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t
     return "";
 }
 
-bool host_buffer(const ggml_tensor * t) {
+static bool host_buffer(const ggml_tensor * t) {
     return t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer);
 }
 
 // Whether the device holding this layer's cache can run ggml_centroid_attn on it.
-bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_cache, int64_t d, int64_t d_v, int64_t n_head,
+static bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_cache, int64_t d, int64_t d_v, int64_t n_head,
                     int64_t n_head_kv, bool two_levels) {
     if (host_buffer(k_cache)) {
         return true; // the CPU kernel takes every case the op's check accepts
@@ -377,7 +390,7 @@ constexpr char     SIDECAR_MAGIC[4] = { 'S', 'Q', 'Z', 'P' };
 constexpr uint32_t SIDECAR_VERSION  = 1;
 
 // What a saved prefix must match: the model's shape and description, and a hash of its first token embeddings.
-std::string model_fingerprint(const llama_model & model) {
+static std::string model_fingerprint(const llama_model & model) {
     const auto & hp = model.hparams;
     std::string fp = model.arch_name() + "|" + model.desc() + "|" + std::to_string(model.n_elements()) + "|" +
                      std::to_string(hp.n_embd) + "|" + std::to_string(hp.n_layer()) + "|";
@@ -665,14 +678,9 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         }
         cls.push_back(std::move(cl));
     }
-    const int n_threads = std::max(1, (int) ctx.cparams.n_threads_batch);
-    float kept = 1.0f;
-    if (params.levels == 2) {
-        const float keep_c = params.keep_coarse > 0.0f ? params.keep_coarse : std::min(1.0f, 2.0f*params.keep);
-        st->threshold_coarse = sqp::calibrate(cls, n_calib, params.group, true, 0.0f, keep_c, n_threads, &kept);
-    }
-    st->threshold  = sqp::calibrate(cls, n_calib, params.group, false, st->threshold_coarse, params.keep, n_threads, &kept);
-    st->kept_calib = kept;
+    st->kept_calib = sqp::calibrate_levels(cls, n_calib, params.group, params.levels, params.keep, params.keep_coarse,
+                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st->threshold,
+                                           &st->threshold_coarse);
     st->captured_scale.clear();
 
     // 4. the device tables
@@ -686,7 +694,7 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
                    "%d calibration tokens), %d layers, T = %.4g%s, kept on the calibration queries %.1f%%\n", __func__,
             seq_id, n_prefix, n_clustered, (long long) n_cent, n_coarse ? (", " + std::to_string(n_coarse) + " coarse").c_str() : "",
             n_calib, n_active, (double) st->threshold,
-            n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "", 100.0*kept);
+            n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "", 100.0*st->kept_calib);
     return "";
 }
 
@@ -964,4 +972,46 @@ struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ct
 
 const char * llama_squeeze_last_error(void) {
     return g_squeeze_error.c_str();
+}
+
+int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char * err, size_t err_size) {
+    auto fail = [&](const char * msg) {
+        snprintf(err, err_size, "%s", msg);
+        return 1;
+    };
+    if (a == nullptr || a->q == nullptr || a->table == nullptr || !a->threshold || !a->threshold_coarse || !a->kept) {
+        return fail("args, q, table and the outputs are required");
+    }
+    const bool two = a->n_coarse > 0;
+    if (a->d < 1 || a->n_head_kv < 1 || a->n_head % a->n_head_kv != 0 || a->n_rows < 1 || a->n_layers < 1 ||
+        a->n_cent < 1 || a->n_coarse < 0 || (two && (!a->coarse || !a->parent)) || !(a->keep > 0.0f && a->keep <= 1.0f)) {
+        return fail("bad sizes, missing two-level tables or keep outside (0, 1]");
+    }
+    const int64_t d = a->d, H = a->n_head_kv;
+    std::vector<squeeze_kv_layer> layers(a->n_layers);
+    std::vector<sqp::calib_layer> cls(a->n_layers);
+    for (int64_t l = 0; l < a->n_layers; ++l) {
+        auto & L = layers[l];
+        L.d = d; L.n_head_kv = H; L.n_cent = a->n_cent; L.n_coarse = a->n_coarse;
+        const size_t nt = (size_t) H*a->n_cent*(d + 1);
+        L.table.assign(a->table + l*nt, a->table + (l + 1)*nt);
+        if (two) {
+            const size_t nc = (size_t) H*a->n_coarse*(d + 1), np = (size_t) H*a->n_cent;
+            L.coarse_table.assign(a->coarse + l*nc, a->coarse + (l + 1)*nc);
+            L.parent.assign(a->parent + l*np, a->parent + (l + 1)*np);
+            for (int32_t p : L.parent) {
+                if (p < 0 || p >= a->n_coarse) {
+                    return fail("parent index out of range");
+                }
+            }
+        }
+        const size_t nq = (size_t) a->n_rows*a->n_head*d;
+        cls[l].L = &L;
+        cls[l].n_head = a->n_head;
+        cls[l].scale = a->scale;
+        cls[l].q.assign(a->q + l*nq, a->q + (l + 1)*nq);
+    }
+    *a->kept = sqp::calibrate_levels(cls, (int) a->n_rows, a->group, two ? 2 : 1, a->keep, a->keep_coarse,
+                                     std::max(1, a->n_threads), a->threshold, a->threshold_coarse);
+    return 0;
 }

@@ -34,7 +34,7 @@ public:
     }
 };
 
-void ensure_graph_input(llm_graph_result * res, const llama_kv_cache * kv, uint64_t generation) {
+static void ensure_graph_input(llm_graph_result * res, const llama_kv_cache * kv, uint64_t generation) {
     for (auto & inp : res->inputs) {
         if (auto * s = dynamic_cast<squeeze_graph_input *>(inp.get())) {
             if (s->kv == kv) {
