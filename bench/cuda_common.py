@@ -28,5 +28,6 @@ def provenance() -> dict[str, Any]:
     commit = git_commit()
     if os.environ.get("SPARQ_COMMIT"):
         commit = {"commit": os.environ["SPARQ_COMMIT"], "dirty": None, "note": "given by $SPARQ_COMMIT"}
+    env = {k: v for k, v in os.environ.items() if k.startswith("SPARQ_CUDA")}  # kernel variant switches
     return {"machine": machine(), "gpu": gpu(), "git": commit, "command": " ".join([sys.executable, *sys.argv]),
-            "build": build_info()}
+            "env": env, "build": build_info()}

@@ -160,6 +160,38 @@ stage_opcheck() {  # benchmark (a) at B = 1 for three lengths: a quick look at a
     python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,131072 --batches 1 --out "$OUT/op_check.json" 2>&1 | grep -v "^wrote"
 }
 
+stage_test6() {
+    # the CUDA op tests with every part of kernel v6 on (SPARQ_CUDA_V6; off by default until these pass)
+    SPARQ_CUDA_V6=sel,lv,q python3 -m pytest -q -p no:cacheprovider --maxfail=30 tests/test_op_sparq_attn_cuda.py 2>&1 \
+        | tee "$OUT/test_cuda_v6.log" | tail -15
+}
+
+stage_testparts() {
+    # the CUDA op tests with one part of v6 on at a time (to find which one a failure comes from)
+    for on in sel lv q; do
+        echo "SPARQ_CUDA_V6=$on: $(SPARQ_CUDA_V6=$on python3 -m pytest -q -p no:cacheprovider --maxfail=5 \
+            tests/test_op_sparq_attn_cuda.py 2>&1 | tail -1)"
+    done
+}
+
+stage_variants() {
+    # benchmark (a) at B = 1 for the v5c chain (none), all of v6 and each part alone (SPARQ_CUDA_V6, same build)
+    for on in none sel,lv,q sel lv q; do
+        echo "SPARQ_CUDA_V6=$on:"
+        SPARQ_CUDA_V6=$on python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,131072 --batches 1 \
+            --out "$OUT/op_check_v6_${on//,/_}.json" 2>&1 | grep -v "^wrote"
+    done
+}
+
+stage_ncu32() {
+    # per-kernel times (ncu) at S = 32k, Llama-2 heads: the v5c chain and v6
+    for on in none sel,lv,q; do
+        SPARQ_CUDA_V6=$on ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 32768 --batch 1 \
+            --runs 2 > "$OUT/ncu32_v6_${on//,/_}.csv" 2>&1
+        echo "S = 32768, SPARQ_CUDA_V6=$on:"; python3 bench/ncu_summary.py "$OUT/ncu32_v6_${on//,/_}.csv"
+    done
+}
+
 stage_smlayer() {
     # -sm layer over every GPU of the machine vs one GPU: the same greedy text with SparQ (k2 = 512 makes kernel
     # S opt into more than 48 KB of shared memory, which is per device), and llama-bench's rates

@@ -4,6 +4,12 @@
 
     python bench/squeeze_cluster.py --shape smollm2 --prefix 8192            # the issue's 2-core CPU target: <= 30 s
     python bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda   # the H100 target: <= 5 s
+    python bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --resident
+
+Default: through sparq_llama.ops.kmeans_cosine, one call per layer, so each layer's time includes opening the
+backend and uploading its keys from host memory. --resident: sparq_llama_bench_kmeans, the keys of each layer
+already on the backend (as in a prepared KV cache; random values from a pool, not numpy's), one backend for all
+layers; each layer's time is the clustering graph runs with their read-backs.
 
 The keys are random (Gaussian): every problem runs the full --iters iterations (real keys, which cluster,
 may stop earlier), so the time is an upper bound for that count. The last --calib cells stay exact (unclustered).
@@ -11,6 +17,7 @@ may stop earlier), so the time is an upper bound for that count. The last --cali
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from pathlib import Path
@@ -19,6 +26,36 @@ import numpy as np
 from cuda_common import provenance
 from sparq_llama import ops
 from tqdm import tqdm
+
+
+class KmeansBenchArgs(ctypes.Structure):
+    """struct kmeans_bench_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
+        [("n_iter", ctypes.c_int), ("n_layers", ctypes.c_int), ("layer_s", ctypes.POINTER(ctypes.c_double)),
+         ("iters_out", ctypes.POINTER(ctypes.c_int))]
+
+
+def bench_resident(backend: str, threads: int | None, d: int, P: int, H: int, n: int, iters: int,
+                   n_layer: int) -> tuple[list[float], list[int]]:
+    """Per-layer clustering seconds and iterations with the keys already on the backend."""
+    import os
+
+    from sparq_llama._lib import libllama
+    from sparq_llama.ops import _device_name
+
+    layer_s, iters_out = (ctypes.c_double * n_layer)(), (ctypes.c_int * n_layer)()
+    args = KmeansBenchArgs(device=_device_name(backend), n_threads=int(threads or os.cpu_count() or 1), d=d, P=P,
+                           H=H, n_clusters=n, n_iter=iters, n_layers=n_layer, layer_s=layer_s, iters_out=iters_out)
+    fn = libllama().sparq_llama_bench_kmeans
+    fn.argtypes = [ctypes.POINTER(KmeansBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    return list(layer_s), list(iters_out)
+
 
 SHAPES = {  # layers, KV heads, head dim
     "smollm2": (30, 3, 64),
@@ -36,29 +73,36 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--resident", action="store_true", help="keys already on the backend (see above)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_cluster.json")
     args = ap.parse_args()
 
     n_layer, n_head_kv, d = SHAPES[args.shape]
     P = args.prefix - args.calib
     n = max(1, round(args.centroids * P))
-    rng = np.random.default_rng(0)
-    keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)
-    ops.kmeans_cosine(keys[:, :256], 8, n_iter=1, backend=args.backend, n_threads=args.threads)  # warm-up
     per_layer, iters = [], []
-    for _ in tqdm(range(n_layer), desc=f"clustering {n_layer} layers"):
-        keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)  # each layer its own keys
-        t0 = time.perf_counter()
-        res = ops.kmeans_cosine(keys, n, n_iter=args.iters, backend=args.backend, n_threads=args.threads)
-        per_layer.append(time.perf_counter() - t0)
-        iters.append(res[0].n_iter)
+    if args.resident:
+        per_layer, iters = bench_resident(args.backend, args.threads, d, P, n_head_kv, n, args.iters, n_layer)
+    else:
+        rng = np.random.default_rng(0)
+        keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)
+        ops.kmeans_cosine(keys[:, :256], 8, n_iter=1, backend=args.backend, n_threads=args.threads)  # warm-up
+        for _ in tqdm(range(n_layer), desc=f"clustering {n_layer} layers"):
+            keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)  # each layer its own keys
+            t0 = time.perf_counter()
+            res = ops.kmeans_cosine(keys, n, n_iter=args.iters, backend=args.backend, n_threads=args.threads)
+            per_layer.append(time.perf_counter() - t0)
+            iters.append(res[0].n_iter)
     total = float(np.sum(per_layer))
+    where = f"{args.backend} (keys resident)" if args.resident else args.backend
     print(f"{args.shape}, prefix {args.prefix} ({P} clustered cells, {n} clusters per KV head, {n_head_kv} KV heads x "
-          f"{n_layer} layers, d = {d}), {args.iters} iterations on {args.backend}: {total:.2f} s "
-          f"({np.mean(per_layer) * 1e3:.0f} ms per layer)")
+          f"{n_layer} layers, d = {d}), {args.iters} iterations on {where}: {total:.2f} s "
+          f"({np.mean(per_layer) * 1e3:.0f} ms per layer, iterations run {min(iters)}-{max(iters)})")
     record = {**provenance(), "shape": args.shape, "prefix": args.prefix, "clustered_cells": P, "clusters": n,
               "layers": n_layer, "kv_heads": n_head_kv, "head_dim": d, "iterations": args.iters,
-              "iterations_run": iters, "backend": args.backend, "threads": args.threads, "keys": "random Gaussian",
+              "iterations_run": iters, "backend": args.backend, "threads": args.threads,
+              "keys": "random Gaussian pool, on the backend (--resident)" if args.resident else "random Gaussian",
+              "resident": args.resident,
               "total_s": total, "per_layer_s": per_layer}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

@@ -11,7 +11,8 @@ target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "$
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
 if (GGML_CUDA)
     # the kernel includes ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our header
-    target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu")
+    target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
+                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu")
     target_include_directories(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda" "${SPARQ_LLAMA_TREE}/ggml/src/ggml-cuda")
 endif()
 

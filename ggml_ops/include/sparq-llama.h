@@ -91,6 +91,21 @@ struct kmeans_eval_args {
 };
 SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
 
+// Microbenchmark: the clustering of a fixed prefix per layer with the keys already on the backend (as in a
+// prepared KV cache): n_layers problems sets of H x P random rows of d components (a pool of normal values in
+// tiles), each clustered by sparq_kmeans_run into n_clusters (n_iter iterations at most) after a warm-up
+// layer. Out: layer_s [n_layers] wall seconds of each (normalising, iterations with their assignment
+// read-backs, the table and its read-back), iters_out [n_layers] iterations run. 0 on success, else 1.
+struct kmeans_bench_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int64_t      d, P, H, n_clusters;
+    int          n_iter, n_layers;
+    double     * layer_s;
+    int        * iters_out;
+};
+SPARQ_API int sparq_llama_bench_kmeans(const struct kmeans_bench_args * args, char * err, size_t err_size);
+
 // Microbenchmark: ggml_centroid_attn vs ggml_flash_attn_ext (F32 precision) on the same random cache, one decode
 // query (n_q = 1, one stream, all cells visible). The first n_prefix cells are clustered into n_clusters
 // clusters of consecutive cells (random centroids); the threshold is set from the query's cluster scores so

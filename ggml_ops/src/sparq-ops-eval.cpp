@@ -477,3 +477,44 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     }
     return 0;
 }
+
+// ---- microbenchmark: the clustering of a fixed prefix with its keys already on the backend ---------------
+
+int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, size_t err_size) {
+    if (!a || !a->layer_s || !a->iters_out || a->n_layers < 1) {
+        return fail(err, err_size, "layer_s, iters_out and n_layers >= 1 are required");
+    }
+    if (a->d < 1 || a->P < 1 || a->H < 1 || a->n_clusters < 1 || a->n_clusters > a->P || a->n_iter < 1) {
+        return fail(err, err_size, "need d, P, H >= 1, 1 <= n_clusters <= P and n_iter >= 1");
+    }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_tensor * x = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, a->d, a->P, a->H);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx.get(), backend.get()));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the keys on '%s'", ggml_backend_dev_name(dev));
+    }
+    std::mt19937 rng(4321);
+    const random_pool pool(rng);
+    for (int layer = -1; layer < a->n_layers; ++layer) {  // layer -1: a warm-up, not reported
+        fill_random(x, pool, rng);  // each layer its own keys, on the backend before the clock starts
+        ggml_backend_synchronize(backend.get());
+        const int64_t t0 = ggml_time_us();
+        sparq_kmeans_result res;
+        const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res);
+        const int64_t t1 = ggml_time_us();
+        if (!msg.empty()) {
+            return fail(err, err_size, "%s", msg.c_str());
+        }
+        if (layer >= 0) {
+            a->layer_s[layer] = 1e-6 * (double) (t1 - t0);
+            a->iters_out[layer] = res.n_iter;
+        }
+    }
+    return 0;
+}

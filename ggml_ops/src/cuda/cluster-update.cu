@@ -1,0 +1,178 @@
+// CUDA kernel of ggml_cluster_update. Semantics: ggml_ops/include/ggml-centroid.h; the CPU kernel
+// (ggml_ops/src/cpu/cluster-update-cpu.cpp) is the reference.
+//
+// Deterministic by construction, with the CPU's summation order: one warp per (cluster i, problem h). The warp
+// scans problem h's assignments in row order, 32 rows a step (a ballot marks the rows of cluster i), and adds
+// the members' rows in increasing row index, lane l holding components l, l + 32, ... So every component's sum
+// is the same sequence of float additions as the CPU's (rows in order), with no atomics and no sort.
+// Cost: every warp reads its problem's P assignments (n_clusters x P x 4 bytes per problem, served by L1/L2:
+// the warps of one block and their neighbours read the same array), the same order of work as the
+// similarity matrix the k-means iteration's ggml_mul_mat / ggml_argmax already produce and read; each member
+// row is read once. The spherical norm is summed in double, as on the CPU (a warp tree instead of a loop: the
+// normalised rows can differ from the CPU's in the last bit).
+#include "cluster-update.cuh"
+
+#include "ggml-centroid.h"
+
+#include <cstdint>
+
+namespace {
+
+constexpr int CU_WARPS     = 4;                     // clusters per block
+constexpr int CU_MAX_DIM   = 1024;
+constexpr int CU_SCAN      = 4;                     // assignment loads in flight per lane (rows p + 32 k)
+constexpr int CU_BATCH     = 4;                     // member rows loaded together
+
+struct cluster_args {
+    const char * x; const char * assign; const char * prev;
+    char * dst;
+    int64_t d, P, H, n;
+    size_t x_nb1, x_nb2, a_nb1, p_nb1, p_nb2, o_nb1, o_nb2;
+    bool table;
+};
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFF, v, off);
+    }
+    return v;
+}
+
+// REGS components per lane: d <= 32 REGS.
+template <int REGS>
+__global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(const cluster_args a) {
+    ggml_cuda_pdl_sync();
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int64_t i = (int64_t) blockIdx.x*CU_WARPS + warp, h = blockIdx.y;
+    if (i >= a.n) {  // warp-uniform; no block barrier below
+        return;
+    }
+    const int32_t * as = (const int32_t *) (a.assign + h*a.a_nb1);
+    const char * xh = a.x + h*a.x_nb2;
+    float acc[REGS];
+#pragma unroll
+    for (int e = 0; e < REGS; ++e) {
+        acc[e] = 0.0f;
+    }
+    int64_t count = 0;
+    for (int64_t p0 = 0; p0 < a.P; p0 += CU_SCAN*WARP_SIZE) {
+        int32_t av[CU_SCAN];
+#pragma unroll
+        for (int k = 0; k < CU_SCAN; ++k) {
+            const int64_t p = p0 + k*WARP_SIZE + lane;
+            av[k] = p < a.P ? __ldg(as + p) : -1;
+        }
+#pragma unroll
+        for (int k = 0; k < CU_SCAN; ++k) {
+            uint32_t b = __ballot_sync(0xFFFFFFFF, av[k] == (int32_t) i);
+            count += __popc(b);
+            while (b) {  // the members of these 32 rows, CU_BATCH rows loaded at once, added in row order
+                int64_t rows[CU_BATCH];
+                int nb = 0;
+#pragma unroll
+                for (int m = 0; m < CU_BATCH; ++m) {
+                    rows[m] = -1;
+                    if (b) {
+                        rows[m] = p0 + k*WARP_SIZE + __ffs(b) - 1;
+                        b &= b - 1;
+                        nb = m + 1;
+                    }
+                }
+                float xv[CU_BATCH][REGS];
+#pragma unroll
+                for (int m = 0; m < CU_BATCH; ++m) {
+                    const float * xr = (const float *) (xh + (m < nb ? rows[m] : 0)*a.x_nb1);
+#pragma unroll
+                    for (int e = 0; e < REGS; ++e) {
+                        const int64_t c = lane + WARP_SIZE*e;
+                        xv[m][e] = m < nb && c < a.d ? xr[c] : 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < CU_BATCH; ++m) {
+                    if (m < nb) {
+#pragma unroll
+                        for (int e = 0; e < REGS; ++e) {
+                            acc[e] += xv[m][e];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    float * out = (float *) (a.dst + i*a.o_nb1 + h*a.o_nb2);
+    if (a.table) {  // the mean of the members, then the size (zeros for an empty cluster)
+        const float inv = count > 0 ? __frcp_rn((float) count) : 0.0f;  // IEEE, as the CPU (fast math would approximate)
+#pragma unroll
+        for (int e = 0; e < REGS; ++e) {
+            const int64_t c = lane + WARP_SIZE*e;
+            if (c < a.d) {
+                out[c] = acc[e] * inv;
+            }
+        }
+        if (lane == 0) {
+            out[a.d] = (float) count;
+        }
+        return;
+    }
+    if (count == 0) {  // spherical, no member: the previous centroid
+        const float * pr = (const float *) (a.prev + i*a.p_nb1 + h*a.p_nb2);
+        for (int64_t c = lane; c < a.d; c += WARP_SIZE) {
+            out[c] = pr[c];
+        }
+        return;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int e = 0; e < REGS; ++e) {
+        ss += (double) acc[e] * acc[e];  // components past d hold 0
+    }
+    ss = warp_sum(ss);
+    const float inv = ss > 0.0 ? (float) (1.0 / sqrt(ss)) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < REGS; ++e) {
+        const int64_t c = lane + WARP_SIZE*e;
+        if (c < a.d) {
+            out[c] = acc[e] * inv;
+        }
+    }
+}
+
+}  // namespace
+
+bool ggml_cuda_cluster_update_supported(int device, const ggml_tensor * op) {
+    GGML_UNUSED(device);
+    const ggml_tensor * x = op->src[0], * assign = op->src[1], * prev = op->src[2];
+    return x->type == GGML_TYPE_F32 && assign->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 &&
+           (!prev || prev->type == GGML_TYPE_F32) && x->nb[0] == sizeof(float) && assign->nb[0] == sizeof(int32_t) &&
+           (!prev || prev->nb[0] == sizeof(float)) && op->nb[0] == sizeof(float) && x->ne[0] <= CU_MAX_DIM &&
+           x->ne[2] <= 65535;
+}
+
+void ggml_cuda_cluster_update(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * x = dst->src[0], * assign = dst->src[1], * prev = dst->src[2];
+    GGML_ASSERT(ggml_cuda_cluster_update_supported(ctx.device, dst));
+    cluster_args a = {};
+    a.x = (const char *) x->data; a.assign = (const char *) assign->data;
+    a.prev = prev ? (const char *) prev->data : nullptr;
+    a.dst = (char *) dst->data;
+    a.d = x->ne[0]; a.P = x->ne[1]; a.H = x->ne[2]; a.n = dst->ne[1];
+    a.x_nb1 = x->nb[1]; a.x_nb2 = x->nb[2]; a.a_nb1 = assign->nb[1];
+    if (prev) {
+        a.p_nb1 = prev->nb[1]; a.p_nb2 = prev->nb[2];
+    }
+    a.o_nb1 = dst->nb[1]; a.o_nb2 = dst->nb[2];
+    a.table = ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_TABLE;
+    GGML_ASSERT(a.table || prev);
+    const dim3 grid((unsigned) ((a.n + CU_WARPS - 1) / CU_WARPS), (unsigned) a.H);
+    const ggml_cuda_kernel_launch_params lp(grid, CU_WARPS*WARP_SIZE, 0, ctx.stream());
+    if (a.d <= 4*WARP_SIZE) {
+        ggml_cuda_kernel_launch(cluster_update_kernel<4>, lp, a);
+    } else if (a.d <= 8*WARP_SIZE) {
+        ggml_cuda_kernel_launch(cluster_update_kernel<8>, lp, a);
+    } else {
+        ggml_cuda_kernel_launch(cluster_update_kernel<CU_MAX_DIM/WARP_SIZE>, lp, a);
+    }
+}
