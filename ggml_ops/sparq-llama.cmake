@@ -24,7 +24,9 @@ target_sources(llama PRIVATE
     "${SPARQ_OPS_DIR}/src/sparq-kmeans.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-context.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-kv.cpp"
-    "${SPARQ_OPS_DIR}/src/llama/sparq-llama-graph.cpp")
+    "${SPARQ_OPS_DIR}/src/llama/sparq-llama-graph.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-state.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-prepare.cpp")
 
 # The patched common/build-info.cpp (--version of every common-based tool) prints our build info.
 target_link_libraries(llama-common-base PUBLIC llama)

@@ -202,6 +202,94 @@ static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct 
 }
 
 
+
+// ---- Centroid-sparse ("Squeezed") attention over a prepared fixed prefix ---------------------------------
+// A context holds at most one prepared prefix: positions [0, n_prefix) of one sequence. Preparing clusters the
+// prefix's keys per layer and KV head (spherical k-means, on the backend that holds the layer's KV), and
+// calibrates one global threshold on the queries of the prefix's last n_calib tokens, which stay unclustered
+// (always read exactly), like every cell after the prefix. Decodes and prompt batches then read a prefix key
+// only when its cluster is kept (ggml_centroid_attn; semantics in ggml-centroid.h). Anything that changes the
+// clustered cells (seq_rm inside them, K-shift, clear, state load) drops the prepared prefix with one log line;
+// seq_rm after the prefix (a new question) keeps it. Token ids are int32_t (llama_token), sequences int32_t.
+
+struct llama_squeeze_params {
+    float   centroids;         // fine clusters as a fraction of the clustered prefix (default 0.05)
+    float   keep;              // target fraction of the clustered prefix read per query row, in (0, 1] (0.1)
+    int32_t levels;            // 1, or 2: coarse clusters (centroids_coarse) prune before the fine ones
+    float   centroids_coarse;  // levels = 2: coarse clusters as a fraction of the clustered prefix (0.01)
+    float   keep_coarse;       // levels = 2: kept fraction at the coarse level; 0: min(1, 2*keep)
+    int32_t n_calib;           // calibration tokens at the prefix's end (default 100; at most n_prefix/2)
+    int32_t n_iter;            // k-means iterations at most (default 8; stops early when nothing moves)
+    int32_t group;             // enum ggml_centroid_group: a GQA group keeps a cluster by the max (0) or mean (1)
+    bool  (*progress_callback)(float progress, void * user_data); // NULL: none; returning false cancels
+    void *  progress_callback_user_data;
+};
+
+// centroids 0.05, keep 0.1, levels 1, centroids_coarse 0.01, keep_coarse 0, n_calib 100, n_iter 8, group max.
+SPARQ_API struct llama_squeeze_params llama_squeeze_default_params(void);
+
+// NULL when the values are valid, otherwise what is wrong (thread-local storage, valid until the next call).
+SPARQ_API const char * llama_squeeze_check(const struct llama_squeeze_params * params);
+
+// Prepares the prefix tokens[0, n_prefix) of seq_id. The cache must hold exactly those positions of the sequence
+// (evaluate the prefix first, nothing after it). The last n_calib tokens are decoded again to capture their
+// queries (same cache contents and same last logits afterwards). Returns 0, or -1 with the reason logged and in
+// llama_squeeze_last_error() (the cache is left as it was, without a prepared prefix).
+SPARQ_API int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_id, const int32_t * tokens,
+                                        int32_t n_prefix, const struct llama_squeeze_params * params);
+
+// Writes the prepared prefix (clusters, assignments by position, thresholds, prefix tokens) to a sidecar file
+// with a format version and the model's fingerprint. Save the KV state itself with llama_state_seq_save_file.
+SPARQ_API int32_t llama_squeeze_save(struct llama_context * ctx, const char * path);
+
+// Reads a sidecar written by llama_squeeze_save for the same model into seq_id, whose cells must already hold
+// the prefix (llama_state_seq_load_file first). tokens (may be NULL) are compared with the saved prefix tokens
+// (n_tokens >= the prefix length; only the prefix is compared). A version, model or token mismatch fails clearly.
+SPARQ_API int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path,
+                                     const int32_t * tokens, int32_t n_tokens);
+
+// Drops the prepared prefix (dense attention over it again).
+SPARQ_API void llama_squeeze_clear(struct llama_context * ctx);
+
+struct llama_squeeze_info {
+    bool    prepared;          // a prefix is prepared and valid
+    int32_t seq_id;
+    int32_t n_prefix;          // tokens in the prefix
+    int32_t n_clustered;       // of them clustered (the rest are the calibration tail, read exactly)
+    int32_t n_layers;          // layers decoded with centroid attention (others stay dense, see the log)
+    int32_t levels;
+    float   threshold;         // calibrated fine threshold T
+    float   threshold_coarse;  // levels = 2: the coarse threshold
+    float   kept_calib;        // mean kept fraction on the calibration queries at T
+};
+SPARQ_API struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ctx);
+
+// The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
+// (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
+// calibration queries), table [n_layers][n_head_kv][n_cent][d + 1] (components, then the size); two levels:
+// coarse [n_layers][n_head_kv][n_coarse][d + 1] and parent [n_layers][n_head_kv][n_cent], else NULL.
+// Out: *threshold, *threshold_coarse (two levels) and *kept (mean kept fraction at them). 0, or 1 with err.
+struct squeeze_calib_args {
+    int64_t d, n_head, n_head_kv, n_rows, n_layers, n_cent, n_coarse;
+    const float   * q;
+    const float   * table;
+    const float   * coarse;
+    const int32_t * parent;
+    float   scale;
+    int     group;        // enum ggml_centroid_group
+    float   keep;
+    float   keep_coarse;  // two levels: 0 -> min(1, 2*keep)
+    int     n_threads;
+    float * threshold;
+    float * threshold_coarse;
+    float * kept;
+};
+SPARQ_API int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * args, char * err, size_t err_size);
+
+// The reason for the last failed llama_squeeze_* call on this thread ("" if none).
+SPARQ_API const char * llama_squeeze_last_error(void);
+
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,12 +1,16 @@
 """`sparq_llama.Llama`: llama-cpp-python's `Llama` on sparq-llama's libllama, with SparQ and strict kwargs."""
 from __future__ import annotations
 
+import ctypes
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 from . import sparq as _sparq
+from . import squeeze as _squeeze
 from ._lib import llama_cpp_bindings
 from .sparq import SparqConfig
+from .squeeze import SqueezeConfig, SqueezeInfo
 
 llama_cpp_bindings()  # must load our libllama before llama_cpp.llama binds it
 from llama_cpp import Llama as _UpstreamLlama
@@ -43,13 +47,19 @@ class Llama(_UpstreamLlama):
     """
 
     _SPARQ_KWARGS: frozenset[str] = frozenset(_sparq.KWARG_FIELDS)
-    _ACCEPTED_KWARGS: frozenset[str] = _upstream_kwargs() | _SPARQ_KWARGS
+    _ACCEPTED_KWARGS: frozenset[str] = _upstream_kwargs() | _SPARQ_KWARGS | {"fixed_context"}
 
     def __init__(self, model_path: str, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - self._ACCEPTED_KWARGS)
         if unknown:
             raise TypeError(_sparq.unknown_kwarg_message(type(self).__name__, unknown, self._ACCEPTED_KWARGS))
         sparq_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in self._SPARQ_KWARGS}
+        fixed_context = kwargs.pop("fixed_context", None)
+        if fixed_context is not None:
+            if kwargs.get("flash_attn") is False:
+                raise ValueError("fixed_context with flash_attn=False: centroid-sparse attention reads V row-major, "
+                                 "the layout llama.cpp keeps only with flash attention on")
+            kwargs.setdefault("flash_attn", True)
         config = None
         if sparq_kwargs:
             # everything about SparQ that can be checked without the model, before loading it
@@ -63,13 +73,15 @@ class Llama(_UpstreamLlama):
                                      f"out (sparq=True turns it on) or set it to True")
             _sparq.check(config)
         super().__init__(model_path=model_path, **kwargs)
-        if config is not None:
-            # also with sparq=False: the values given are stored, and set_sparq(enabled=True) starts from them
-            try:
+        try:
+            if config is not None:
+                # also with sparq=False: the values given are stored, and set_sparq(enabled=True) starts from them
                 self.set_sparq(config)
-            except BaseException:
-                self.close()
-                raise
+            if fixed_context is not None:
+                self.load_fixed_context(fixed_context)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def sparq(self) -> SparqConfig:
@@ -102,6 +114,103 @@ class Llama(_UpstreamLlama):
                              f"flash_attn=True (sparq=True does that by default)")
         _sparq.apply(self.ctx, new)
         return self.sparq
+
+    # ---- centroid-sparse attention over a fixed prefix (sparq_llama.squeeze) -----------------------
+
+    def prepare_fixed_context(self, text_or_tokens: str | bytes | Sequence[int], centroids: float = 0.05,
+                              keep: float = 0.1, levels: int = 1, progress: bool = True,
+                              **settings: Any) -> SqueezeInfo:
+        """Evaluate a fixed prefix (a document, a system prompt) once and prepare it for centroid-sparse attention.
+
+        The prefix is tokenized as `create_completion` tokenizes a prompt, evaluated from an empty cache, and
+        its keys are clustered per layer and KV head (`centroids`: clusters as a fraction of its tokens); one
+        threshold is calibrated on the prefix's last tokens so that a query reads about `keep` of the clustered
+        keys. Later prompts that start with the prefix reuse it (`create_completion(document + question)`): only
+        the question is evaluated, and attention reads the kept clusters of the prefix and every other token
+        exactly. More settings: the fields of `SqueezeConfig` (levels, centroids_coarse, keep_coarse, n_calib,
+        n_iter, group). progress: a tqdm bar on stderr. Needs flash attention (the default with sparq-llama's
+        fixed_context/sparq options; `Llama(..., flash_attn=True)` otherwise). ValueError with the reason when
+        the prefix does not fit the context or llama.cpp cannot prepare it.
+        """
+        config = SqueezeConfig(centroids=centroids, keep=keep, levels=levels, **settings)
+        if isinstance(text_or_tokens, (str, bytes)):
+            text = text_or_tokens.encode("utf-8") if isinstance(text_or_tokens, str) else text_or_tokens
+            tokens = self.tokenize(text, special=True)
+        else:
+            tokens = [int(t) for t in text_or_tokens]
+        if len(tokens) < 2:
+            raise ValueError(f"the fixed context needs at least 2 tokens, got {len(tokens)}")
+        if len(tokens) >= self.n_ctx():
+            raise ValueError(f"the fixed context has {len(tokens)} tokens, more than this context holds with room "
+                             f"for a question (n_ctx = {self.n_ctx()}); make the Llama with a larger n_ctx")
+        _squeeze.check(config)
+        self.reset()
+        self._ctx.kv_cache_clear()
+        self.eval(tokens)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=100, desc="preparing the fixed context", unit="%", leave=False)
+
+        def report(fraction: float) -> None:
+            if bar is not None:
+                bar.update(round(100 * fraction) - bar.n)
+
+        try:
+            return _squeeze.prepare(self.ctx, tokens, config, progress=report)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    @property
+    def fixed_context(self) -> SqueezeInfo:
+        """The prepared prefix this context holds (`prepared` False when none, or after a change dropped it)."""
+        return _squeeze.info(self.ctx)
+
+    def clear_fixed_context(self) -> None:
+        """Drop the prepared prefix (dense attention over it again; the cache keeps its tokens)."""
+        _squeeze.clear(self.ctx)
+
+    def save_fixed_context(self, path: str) -> None:
+        """Save the prepared prefix: its KV state to `path` and its clusters to `path + ".squeeze"`.
+
+        The cache is trimmed back to the prefix first (a question and answer after it are removed), so what is
+        saved is the document alone. Load with `Llama(model, fixed_context=path)` or `load_fixed_context`.
+        """
+        info = self.fixed_context
+        if not info.prepared:
+            raise ValueError("no prepared fixed context to save (prepare_fixed_context first)")
+        n = info.n_prefix
+        tokens = list(self._input_ids[:n])
+        if len(tokens) != n:
+            raise ValueError("the cache no longer holds the whole fixed context")
+        self._ctx.kv_cache_seq_rm(-1, n, -1)
+        self.n_tokens = n
+        arr = (_lc.llama_token * n)(*tokens)
+        if _lc.llama_state_seq_save_file(self.ctx, str(path).encode(), info.seq_id, arr, n) == 0:
+            raise ValueError(f"saving the KV state of the fixed context to {path} failed")
+        _squeeze.save(self.ctx, _squeeze.sidecar_path(path))
+
+    def load_fixed_context(self, path: str) -> SqueezeInfo:
+        """Load a fixed context saved by `save_fixed_context` (KV state and clusters); replaces the cache."""
+        sidecar = _squeeze.sidecar_path(path)
+        import os
+        for p in (path, sidecar):
+            if not os.path.exists(p):
+                raise ValueError(f"fixed context {path}: {p} does not exist")
+        self.reset()
+        self._ctx.kv_cache_clear()
+        capacity = self.n_ctx()
+        tokens = (_lc.llama_token * capacity)()
+        n_out = ctypes.c_size_t(0)
+        if _lc.llama_state_seq_load_file(self.ctx, str(path).encode(), 0, tokens, capacity, ctypes.byref(n_out)) == 0:
+            raise ValueError(f"loading the KV state {path} failed (a different model, or a larger context than "
+                             f"n_ctx = {capacity}; see the log)")
+        n = int(n_out.value)
+        self.input_ids[:n] = tokens[:n]
+        self.n_tokens = n
+        self._requires_eval = True  # logits of restored state are not live: replay the last token
+        return _squeeze.load(self.ctx, sidecar, list(tokens[:n]))
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling re-creates the Llama from its constructor arguments: carry the SparQ settings too

@@ -372,3 +372,52 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
     if fn(ctypes.byref(args), err, len(err)) != 0:
         raise ValueError(err.value.decode())
     return np.array(centroid_us[:]), np.array(flash_us[:]), kept.value
+
+
+# ---- threshold calibration of a prepared prefix (llama_squeeze_prepare's, over arrays) ----------------
+
+class SqueezeCalibArgs(ctypes.Structure):
+    """struct squeeze_calib_args (sparq-llama.h)."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_rows", "n_layers", "n_cent", "n_coarse")] + \
+        [("q", ctypes.c_void_p), ("table", ctypes.c_void_p), ("coarse", ctypes.c_void_p), ("parent", ctypes.c_void_p),
+         ("scale", ctypes.c_float), ("group", ctypes.c_int), ("keep", ctypes.c_float), ("keep_coarse", ctypes.c_float),
+         ("n_threads", ctypes.c_int), ("threshold", ctypes.POINTER(ctypes.c_float)),
+         ("threshold_coarse", ctypes.POINTER(ctypes.c_float)), ("kept", ctypes.POINTER(ctypes.c_float))]
+
+
+def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: float, group: str = "max",
+                      coarse: np.ndarray | None = None, parent: np.ndarray | None = None, keep_coarse: float = 0.0,
+                      n_threads: int | None = None) -> tuple[float, float, float]:
+    """The calibration llama_squeeze_prepare runs, on arrays: q [L, n_rows, n_head, d] (calibration queries per
+    layer), table [L, n_head_kv, n_cent, d + 1] (centroids, then sizes); two levels: coarse [L, n_head_kv,
+    n_coarse, d + 1] and parent [L, n_head_kv, n_cent]. Returns (threshold, threshold_coarse, mean kept
+    fraction). Semantics: `reference_squeeze.calibrate_threshold` over every (layer, KV head, row)."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    table = np.ascontiguousarray(table, dtype=np.float32)
+    if q.ndim != 4 or table.ndim != 4 or q.shape[0] != table.shape[0] or q.shape[3] + 1 != table.shape[3]:
+        raise ValueError(f"q must be [L, n_rows, n_head, d] and table [L, n_head_kv, n_cent, d + 1], got {q.shape} "
+                         f"and {table.shape}")
+    if (coarse is None) != (parent is None):
+        raise ValueError("coarse and parent go together (two levels)")
+    n_layers, n_rows, n_head, d = q.shape
+    n_coarse = 0
+    if coarse is not None:
+        coarse = np.ascontiguousarray(coarse, dtype=np.float32)
+        parent = np.ascontiguousarray(parent, dtype=np.int32)
+        n_coarse = coarse.shape[2]
+    t, tc, kept = ctypes.c_float(), ctypes.c_float(), ctypes.c_float()
+    args = SqueezeCalibArgs(d=d, n_head=n_head, n_head_kv=table.shape[1], n_rows=n_rows, n_layers=n_layers,
+                            n_cent=table.shape[2], n_coarse=n_coarse, q=q.ctypes.data, table=table.ctypes.data,
+                            coarse=None if coarse is None else coarse.ctypes.data,
+                            parent=None if parent is None else parent.ctypes.data, scale=float(scale),
+                            group={"max": 0, "mean": 1}[group], keep=float(keep), keep_coarse=float(keep_coarse),
+                            n_threads=int(n_threads or os.cpu_count() or 1), threshold=ctypes.pointer(t),
+                            threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept))
+    fn = libllama().sparq_llama_eval_squeeze_calibrate
+    fn.argtypes = [ctypes.POINTER(SqueezeCalibArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    return t.value, tc.value, kept.value

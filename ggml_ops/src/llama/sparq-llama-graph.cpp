@@ -3,6 +3,7 @@
 //   - every ubatch: write the new keys into K^T and add the new values into the per-sequence V sums;
 //   - decode ubatches (one token per sequence), or every ubatch with --sparq-prefill, once the cache view
 //     holds at least min_n_kv cells: ggml_sparq_attn instead of flash attention.
+//   - a prepared prefix (sparq-squeeze-state.cpp): ggml_centroid_attn for every ubatch, before SparQ.
 // Anything the op cannot honour for a layer falls back to dense with one log line.
 #include "sparq-llama-internal.h"
 
@@ -224,13 +225,16 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
               float   kq_scale,
                 int   il) const {
     const llama_sparq_params & sp = cparams.sparq;
-    if (!sp.enabled || mctx_cur == nullptr) {
+    if (mctx_cur == nullptr) {
         return nullptr;
     }
     const llama_kv_cache * kv = mctx_cur->get_kv();
-    const sparq_kv_layer * L = kv->sparq_layer(il);
+    const float softcap = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
+    const sparq_kv_layer * L = sp.enabled ? kv->sparq_layer(il) : nullptr;
     if (L == nullptr || !L->active) {
-        return nullptr;
+        // a prepared prefix (centroid-sparse) without SparQ
+        return kv->squeeze && cparams.causal_attn ?
+            squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla) : nullptr;
     }
 
     const uint32_t n_seq_max = kv->get_n_seq_max();
@@ -273,7 +277,16 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         ggml_build_forward_expand(gf, ggml_cpy(ctx0, tab_new, tab));
     }
 
-    if (!select || !cparams.causal_attn) {
+    if (!cparams.causal_attn) {
+        return nullptr;
+    }
+    // a prepared prefix takes precedence: its clusters choose the prefix keys, the rest is read exactly
+    if (kv->squeeze) {
+        if (ggml_tensor * cur = squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla)) {
+            return cur;
+        }
+    }
+    if (!select) {
         return nullptr;
     }
     const int64_t n_kv     = mctx_cur->get_n_kv();
@@ -312,7 +325,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     op.mean            = L->mean_on ? GGML_SPARQ_MEAN_ON : GGML_SPARQ_MEAN_OFF;
     op.policy          = (ggml_sparq_policy) sp.policy;
     op.scale           = kq_scale;
-    op.softcap         = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
+    op.softcap         = softcap;
     op.sparse_v_thresh = sp.sparse_v_thresh;
 
     if (const char * err = ggml_sparq_attn_check(qv, k, kt, v, kq_mask, vsum, &op)) {

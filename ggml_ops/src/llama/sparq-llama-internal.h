@@ -13,6 +13,8 @@
 #include "ggml-cpp.h"
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -68,3 +70,52 @@ inline int32_t sparq_min_n_kv(const llama_sparq_params & p, bool kv_on_host = tr
 inline int32_t sparq_window(const llama_sparq_params & p) {
     return p.window >= 0 ? p.window : p.k2 / 4;
 }
+
+//
+// centroid-sparse ("Squeezed") attention over a prepared prefix (sparq-squeeze-state.cpp, sparq-squeeze-prepare.cpp)
+//
+
+// One cache layer's clusters. Host copies are what the sidecar holds; the tensors what graphs read.
+struct squeeze_kv_layer {
+    bool        active = false;  // decoded with ggml_centroid_attn (otherwise dense, see reason)
+    std::string reason;
+    int64_t     d = 0, n_head_kv = 0, n_cent = 0, n_coarse = 0;
+    std::vector<float>   table;        // [n_head_kv][n_cent][d + 1]: member means, then the size
+    std::vector<int32_t> assign;       // [n_head_kv][n_clustered]: the cluster of each clustered position
+    std::vector<float>   coarse_table; // [n_head_kv][n_coarse][d + 1] (two levels)
+    std::vector<int32_t> parent;       // [n_head_kv][n_cent] (two levels)
+    ggml_tensor * cent   = nullptr;    // [d + 1, n_cent, n_head_kv, n_stream] f32
+    ggml_tensor * cell   = nullptr;    // [kv_size, n_head_kv, n_stream] i32, -1 outside the clustered prefix
+    ggml_tensor * coarse = nullptr;    // [d + 1, n_coarse, n_head_kv, n_stream] f32
+    ggml_tensor * par    = nullptr;    // [n_cent, n_head_kv, n_stream] i32
+    mutable bool logged  = false;      // a graph-time fallback reason was logged
+};
+
+// A prefix being prepared (capturing the calibration queries) or prepared.
+struct squeeze_kv_state {
+    llama_squeeze_params params = {};
+    uint64_t generation = 0;           // unique per state: graphs built with it are reused only while it lives
+    int32_t  seq_id = 0;
+    uint32_t stream = 0;
+    int32_t  n_prefix = 0, n_clustered = 0;
+    float    threshold = 0.0f, threshold_coarse = 0.0f, kept_calib = 0.0f;
+    std::vector<int32_t>  tokens;      // the prefix
+    std::vector<uint32_t> cells;       // [n_clustered]: the cell holding each clustered position
+    std::vector<squeeze_kv_layer> layers; // indexed like llama_kv_cache::layers
+    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
+
+    bool ready = false;                // tables installed: graphs use the op
+    bool check = false;                // cells may have changed since the last graph: verify first
+
+    // while capturing: the graph copies each layer's query rows out (il -> [d, n_head, n_tokens] f32)
+    bool capturing = false;
+    std::map<int32_t, ggml_tensor *> captured_q;
+    std::map<int32_t, float>         captured_scale;
+};
+
+// The centroid-sparse attention of a layer for the current ubatch, or nullptr (dense / SparQ decides).
+struct llama_kv_cache_context;
+struct llm_graph_result;
+ggml_tensor * squeeze_build_attn(ggml_context * ctx0, llm_graph_result * res, const llama_kv_cache_context * mctx,
+                                 ggml_tensor * q, ggml_tensor * kq_mask, float kq_scale, float softcap, int il,
+                                 bool unsupported_inputs);

@@ -7,6 +7,7 @@
 // graph (K-shift, seq_rm/cp/keep/add, clear, state load, stream copy) marks them stale, and update(),
 // which runs before every decode, rebuilds them from K, V and the cells on the device that holds them.
 #include "sparq-llama-internal.h"
+#include "sparq-squeeze.h"
 
 #include "llama-arch.h"
 #include "llama-context.h"
@@ -130,6 +131,14 @@ void llama_kv_cache::sparq_disable() {
 }
 
 void llama_kv_cache::sparq_invalidate(bool kt, bool vsum) {
+    if (squeeze) {
+        if (kt) {
+            // K itself changed (K-shift, a stream copy, a state load): the clusters no longer describe it
+            sparq_squeeze_access::drop(*this, "the cache's keys changed (shift, stream copy or state load)");
+        } else {
+            squeeze->check = true; // cells may have been removed or copied: verified before the next graph
+        }
+    }
     if (!sparq) {
         return;
     }
@@ -140,6 +149,9 @@ void llama_kv_cache::sparq_invalidate(bool kt, bool vsum) {
 // seq_rm: only a removal that touches some sequence's cells changes the V sums (llama-cpp-python calls
 // seq_rm(-1, n_past, -1) before every eval, which usually removes nothing)
 void llama_kv_cache::sparq_invalidate_range(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    if (squeeze) {
+        squeeze->check = true;
+    }
     if (!sparq || sparq->vsum_dirty || !sparq->has_vsum()) {
         return;
     }
@@ -158,10 +170,15 @@ void llama_kv_cache::sparq_invalidate_range(llama_seq_id seq_id, llama_pos p0, l
 }
 
 bool llama_kv_cache::sparq_pending() const {
-    return sparq && (sparq->kt_dirty || sparq->vsum_dirty);
+    return (sparq && (sparq->kt_dirty || sparq->vsum_dirty)) || (squeeze && squeeze->check);
 }
 
 void llama_kv_cache::sparq_memory_breakdown(std::map<ggml_backend_buffer_type_t, size_t> & ret) const {
+    if (squeeze) {
+        for (const auto & [ctx, buf] : squeeze->ctxs_bufs) {
+            ret[ggml_backend_buffer_get_type(buf.get())] += ggml_backend_buffer_get_size(buf.get());
+        }
+    }
     if (!sparq) {
         return;
     }
@@ -253,7 +270,8 @@ public:
 } // namespace
 
 bool llama_kv_cache::sparq_update(llama_context * lctx) {
-    if (!sparq_pending()) {
+    sparq_squeeze_access::verify(*this); // host only: whether the prepared prefix's cells still hold it
+    if (!sparq || !(sparq->kt_dirty || sparq->vsum_dirty)) {
         return false;
     }
 

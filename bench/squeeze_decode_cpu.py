@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Centroid-sparse attention end to end on the CPU: a fixed prefix prepared once, then questions against it.
+
+    python bench/squeeze_decode_cpu.py                  # SmolLM2, 8k prefix (a play), keep 30/20/10% vs dense
+
+Per keep, one process: the preparation time (clustering + calibration, the prefix evaluation excluded), the
+user-input prefill of a question (one batch) and greedy decode steps after it, each against dense attention over
+the same cache (the prepared prefix cleared). Decode and prefill times are medians of `--reps` interleaved
+repetitions (the cache is cut back to the prefix between them); the ratios are taken in this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from cuda_common import provenance
+from sparq_llama import Llama, squeeze, texts
+from sparq_llama.models import fetch
+from tqdm import tqdm
+
+from llama_cpp import llama_cpp as lc  # isort: skip
+
+QUESTION = "\n\nQuestion: Who speaks the first line of this scene, and to whom?\nAnswer:"
+
+
+def decode(llm: Llama, tokens: list[int], pos0: int, want_last: bool = True) -> None:
+    batch = lc.llama_batch_init(len(tokens), 0, 1)
+    try:
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos0 + i, 1, want_last and i == len(tokens) - 1
+            batch.seq_id[i][0] = 0
+        rc = lc.llama_decode(llm.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+    finally:
+        lc.llama_batch_free(batch)
+
+
+def answer_times(llm: Llama, n_prefix: int, question: list[int], n_steps: int) -> tuple[float, float]:
+    """(question prefill s, mean decode step s) after the prefix; the cache is cut back to it first."""
+    lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, n_prefix, -1)
+    t0 = time.perf_counter()
+    decode(llm, question, n_prefix)
+    t1 = time.perf_counter()
+    tok = question[-1]
+    for i in range(n_steps):
+        decode(llm, [tok], n_prefix + len(question) + i)
+    t2 = time.perf_counter()
+    return t1 - t0, (t2 - t1) / n_steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefix", type=int, default=8000)
+    ap.add_argument("--keeps", default="0.3,0.2,0.1")
+    ap.add_argument("--centroids", type=float, default=0.05)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_decode_cpu.json")
+    args = ap.parse_args()
+
+    llm = Llama(str(fetch("smollm2")), n_ctx=8192, n_batch=512, n_ubatch=512, flash_attn=True,
+                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    text = texts.read("hamlet_gut")
+    prefix = llm.tokenize(text.encode(), add_bos=True)[:args.prefix]
+    question = llm.tokenize(QUESTION.encode(), add_bos=False)
+    t0 = time.perf_counter()
+    llm.reset()
+    llm.eval(prefix)
+    prefill_s = time.perf_counter() - t0
+    rows = []
+    for keep in [float(k) for k in args.keeps.split(",")]:
+        # the cache holds exactly the prefix here: prepare it (clustering + calibration only)
+        lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, len(prefix), -1)
+        t0 = time.perf_counter()
+        info = squeeze.prepare(llm.ctx, prefix, squeeze.SqueezeConfig(centroids=args.centroids, keep=keep))
+        prepare_s = time.perf_counter() - t0
+        sparse_pf, sparse_dec, dense_pf, dense_dec = [], [], [], []
+        for _ in tqdm(range(args.reps), desc=f"keep {keep}"):
+            pf, dec = answer_times(llm, len(prefix), question, args.steps)
+            sparse_pf.append(pf)
+            sparse_dec.append(dec)
+            # dense over the same cache: the prepared prefix is put aside and reloaded from memory of it
+            state = Path("/tmp/squeeze_bench.squeeze")
+            squeeze.save(llm.ctx, str(state))
+            squeeze.clear(llm.ctx)
+            pf, dec = answer_times(llm, len(prefix), question, args.steps)
+            dense_pf.append(pf)
+            dense_dec.append(dec)
+            lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, len(prefix), -1)
+            squeeze.load(llm.ctx, str(state), prefix)
+        row = {"keep": keep, "kept_calib": info.kept_calib, "threshold": info.threshold,
+               "prepare_s": prepare_s, "n_clustered": info.n_clustered,
+               "decode_ms": 1e3 * statistics.median(sparse_dec), "dense_decode_ms": 1e3 * statistics.median(dense_dec),
+               "prefill_ms": 1e3 * statistics.median(sparse_pf), "dense_prefill_ms": 1e3 * statistics.median(dense_pf),
+               "raw": {"decode_s": sparse_dec, "dense_decode_s": dense_dec, "prefill_s": sparse_pf,
+                       "dense_prefill_s": dense_pf}}
+        row["decode_speedup"] = row["dense_decode_ms"] / row["decode_ms"]
+        row["prefill_speedup"] = row["dense_prefill_ms"] / row["prefill_ms"]
+        rows.append(row)
+        print(f"keep {keep}: prepare {prepare_s:.1f} s (kept {info.kept_calib:.3f} on calibration); decode "
+              f"{row['decode_ms']:.1f} vs dense {row['dense_decode_ms']:.1f} ms ({row['decode_speedup']:.2f}x); question "
+              f"prefill ({len(question)} tokens) {row['prefill_ms']:.0f} vs {row['dense_prefill_ms']:.0f} ms "
+              f"({row['prefill_speedup']:.2f}x)")
+    record = {**provenance(), "model": "smollm2", "prefix": len(prefix), "question_tokens": len(question),
+              "threads": args.threads, "centroids": args.centroids, "prefix_eval_s": prefill_s, "steps": args.steps,
+              "reps": args.reps, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

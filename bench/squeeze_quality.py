@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Retrieval accuracy with a prepared fixed prefix (centroid-sparse attention) vs dense, on SmolLM2.
+
+    python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
+
+The quality harness's retrieval task (`sparq_llama.eval.tasks`: needles with distractors in a haystack): each
+example's context is the fixed prefix, prefilled densely once; per setting it is prepared (clustered and
+calibrated on its own last tokens), the question runs as a user-input prefill and the answer is generated
+greedily through the op; dense is the same with no prepared prefix. Writes bench/results/squeeze_quality.json
+(every example's record, accuracy per setting, machine, commit, command).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from cuda_common import provenance
+from sparq_llama import squeeze
+from sparq_llama.eval import tasks
+from sparq_llama.eval.engine import Engine, EngineConfig
+from sparq_llama.models import fetch
+from tqdm import tqdm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=10, help="examples (spread over depths 0.1 .. 0.9)")
+    ap.add_argument("--settings", default="0.3:max,0.2:max,0.1:max,0.1:mean")
+    ap.add_argument("--centroids", type=float, default=0.05)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_quality.json")
+    args = ap.parse_args()
+
+    settings = [(float(k), g) for k, g in (s.split(":") for s in args.settings.split(","))]
+    engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=args.length + 64, n_threads=args.threads))
+    depths = tuple(round(0.1 + 0.8 * i / max(1, args.n - 1), 3) for i in range(args.n))
+    examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
+                                        n_distractors=2, seed=0)
+    records, t0 = [], time.time()
+    for ex in tqdm(examples, desc="examples"):
+        engine.clear()
+        engine.prefill(ex.context)
+        rec = {"id": ex.id, "depth": ex.meta["depth"], "answer": ex.meta["answer"], "dense": tasks.score(engine, ex)}
+        for keep, group in settings:
+            engine.truncate(len(ex.context))
+            info = squeeze.prepare(engine.ctx, ex.context,
+                                   squeeze.SqueezeConfig(centroids=args.centroids, keep=keep, group=group))
+            rec[f"keep{keep:g}-{group}"] = {**tasks.score(engine, ex), "kept_calib": info.kept_calib}
+            engine.truncate(len(ex.context))
+            squeeze.clear(engine.ctx)
+        records.append(rec)
+    names = ["dense"] + [f"keep{k:g}-{g}" for k, g in settings]
+    acc = {n: sum(r[n]["correct"] for r in records) / len(records) for n in names}
+    rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
+    for n in names:
+        print(f"{n:>14}: accuracy {acc[n]:.0%}" + (f" ({rel[n]:.0%} of dense)" if rel[n] is not None else ""))
+    record = {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
+              "centroids": args.centroids, "threads": args.threads, "accuracy": acc, "relative_to_dense": rel,
+              "wall_s": round(time.time() - t0, 1), "examples": records}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1017 @@
+// Preparing a fixed prefix for centroid-sparse attention (DESIGN.md "Centroid-sparse"), the sidecar file and
+// the C API (sparq-llama.h):
+//   1. capture: the prefix's last n_calib tokens are removed and decoded again while the graph copies each
+//      layer's query rows out (the cache ends as it was; those tokens stay unclustered, read exactly);
+//   2. cluster: per layer, the clustered prefix keys of every KV head, gathered from the cache on the backend
+//      that holds it, run through the graph k-means (sparq-kmeans.cpp); two levels cluster the centroids again;
+//   3. calibrate: one threshold T over all layers, KV heads and calibration rows such that the mean kept
+//      fraction of the clustered prefix reaches `keep` (the largest such T, as
+//      sparq_llama.reference_squeeze.calibrate_threshold): a histogram of the scores by their float bits, then
+//      an exact pass over the one bin where the target is crossed (O(n), no sort of every score);
+//   4. install the tables on the device (sparq-squeeze-state.cpp).
+#include "sparq-squeeze.h"
+
+#include "../sparq-kmeans.h"
+
+#include "ggml-alloc.h"
+#include "ggml-centroid.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-kv-cache.h"
+#include "llama-memory-hybrid.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+namespace sparq_squeeze_detail {
+
+// ---- calibration -------------------------------------------------------------------------------------------
+
+// Per layer: the calibration queries and the tables the scores are taken against.
+struct calib_layer {
+    const squeeze_kv_layer * L;
+    std::vector<float> q;  // [n_rows][n_head][d]
+    int64_t n_head = 0;
+    float   scale  = 0.0f;
+};
+
+// Receives, per calibration row (layer, KV head, query row), the always-kept weight of its best candidate and
+// the (score, weight) of every other candidate. Weights are fractions of the clustered keys.
+struct calib_sink {
+    virtual ~calib_sink() = default;
+    virtual void row(double base) = 0;
+    virtual void pair(float score, double weight) = 0;
+};
+
+// The group scores of one calibration row. coarse_pass: score the coarse level (two levels) instead of the fine.
+// With two levels and !coarse_pass, only fine clusters under coarse clusters kept at t_coarse are candidates.
+static void score_row(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass, float t_coarse,
+               std::vector<double> & buf, calib_sink & sink) {
+    const squeeze_kv_layer & L = *cl.L;
+    const int64_t d = L.d, G = cl.n_head / L.n_head_kv;
+    const bool two = L.n_coarse > 0;
+    const int64_t n_c = two ? L.n_coarse : 0;
+    const int64_t n_f = L.n_cent;
+    const float * coarse = two ? L.coarse_table.data() + h*n_c*(d + 1) : nullptr;
+    const float * fine   = L.table.data() + h*n_f*(d + 1);
+
+    // buf: [G][n_c + n_f] logits, then the combined scores
+    buf.assign((size_t) (G + 1)*(n_c + n_f), 0.0);
+    double * comb = buf.data() + (size_t) G*(n_c + n_f);
+    double n_total = 0.0;
+    for (int64_t i = 0; i < n_f; ++i) {
+        n_total += fine[i*(d + 1) + d];
+    }
+    for (int64_t j = 0; j < G; ++j) {
+        const float * qg = cl.q.data() + ((size_t) t*cl.n_head + h*G + j)*d;
+        double * lg = buf.data() + (size_t) j*(n_c + n_f);
+        auto dot = [&](const float * c) {
+            float acc = 0.0f;
+            for (int64_t e = 0; e < d; ++e) {
+                acc += qg[e]*c[e];
+            }
+            return (double) cl.scale*acc;
+        };
+        // the normaliser is over the top level (coarse with two levels)
+        const float * top = two ? coarse : fine;
+        const int64_t n_top = two ? n_c : n_f;
+        double m = -INFINITY;
+        for (int64_t i = 0; i < n_top; ++i) {
+            if (top[i*(d + 1) + d] > 0.0f) {
+                lg[i] = dot(top + i*(d + 1));
+                m = std::max(m, lg[i]);
+            }
+        }
+        double z = 0.0;
+        for (int64_t i = 0; i < n_top; ++i) {
+            if (top[i*(d + 1) + d] > 0.0f) {
+                z += top[i*(d + 1) + d]*std::exp(lg[i] - m);
+            }
+        }
+        const bool fine_scores = !coarse_pass;
+        for (int64_t i = 0; i < n_c + n_f; ++i) {
+            const bool is_coarse = i < n_c;
+            if (two && !is_coarse && !fine_scores) {
+                continue; // the coarse pass scores the coarse level only
+            }
+            const float * c = is_coarse ? coarse + i*(d + 1) : fine + (i - n_c)*(d + 1);
+            if (c[d] <= 0.0f) {
+                continue;
+            }
+            const double l = is_coarse || !two ? lg[i] : dot(c);
+            const double s = std::exp(l - m)/z;
+            comb[i] = group == GGML_CENTROID_GROUP_MEAN ? comb[i] + s/G : std::max(comb[i], s);
+        }
+    }
+    // candidates and the best of them (ties: the lower index)
+    const int64_t lo = coarse_pass ? 0 : n_c, hi = coarse_pass ? n_c : n_c + n_f;
+    auto size_of = [&](int64_t i) { return i < n_c ? coarse[i*(d + 1) + d] : fine[(i - n_c)*(d + 1) + d]; };
+    std::vector<char> cand(hi - lo, 0);
+    if (two && !coarse_pass) {
+        int64_t best_c = -1;
+        for (int64_t c = 0; c < n_c; ++c) {
+            if (coarse[c*(d + 1) + d] > 0.0f && (best_c < 0 || comb[c] > comb[best_c])) {
+                best_c = c;
+            }
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+            const int32_t p = L.parent[h*n_f + (i - n_c)];
+            cand[i - lo] = size_of(i) > 0.0f && (p == best_c || comb[p] >= t_coarse);
+        }
+    } else {
+        for (int64_t i = lo; i < hi; ++i) {
+            cand[i - lo] = size_of(i) > 0.0f;
+        }
+    }
+    int64_t best = -1;
+    for (int64_t i = lo; i < hi; ++i) {
+        if (cand[i - lo] && (best < 0 || comb[i] > comb[best])) {
+            best = i;
+        }
+    }
+    if (best < 0) {
+        return;
+    }
+    sink.row(size_of(best)/n_total);
+    for (int64_t i = lo; i < hi; ++i) {
+        if (cand[i - lo] && i != best) {
+            sink.pair((float) comb[i], size_of(i)/n_total);
+        }
+    }
+}
+
+// Runs score_row over every (layer, KV head, row) on n_threads threads, one sink per thread.
+template <typename Sink>
+std::vector<Sink> score_all(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass,
+                            float t_coarse, int n_threads, const Sink & proto) {
+    struct item { size_t l; int64_t h; };
+    std::vector<item> items;
+    for (size_t l = 0; l < cls.size(); ++l) {
+        for (int64_t h = 0; h < cls[l].L->n_head_kv; ++h) {
+            items.push_back({ l, h });
+        }
+    }
+    n_threads = std::max(1, std::min<int>(n_threads, (int) items.size()));
+    std::vector<Sink> sinks(n_threads, proto);
+    std::vector<std::thread> workers;
+    for (int w = 0; w < n_threads; ++w) {
+        workers.emplace_back([&, w] {
+            std::vector<double> buf;
+            for (size_t i = w; i < items.size(); i += n_threads) {
+                for (int t = 0; t < n_rows; ++t) {
+                    score_row(cls[items[i].l], items[i].h, t, group, coarse_pass, t_coarse, buf, sinks[w]);
+                }
+            }
+        });
+    }
+    for (auto & th : workers) {
+        th.join();
+    }
+    return sinks;
+}
+
+static uint32_t score_bin(float s) {
+    uint32_t bits;
+    std::memcpy(&bits, &s, sizeof(bits));
+    return bits >> 16; // scores are >= 0: the float bits order them
+}
+
+struct hist_sink : calib_sink {
+    std::vector<double> hist = std::vector<double>(1u << 16, 0.0);
+    double base = 0.0, n_rows = 0.0;
+    float  max_score = 0.0f;
+    void row(double b) override { base += b; n_rows += 1.0; }
+    void pair(float s, double w) override { hist[score_bin(s)] += w; max_score = std::max(max_score, s); }
+};
+
+struct bin_sink : calib_sink {
+    uint32_t bin = 0;
+    std::vector<std::pair<float, double>> pairs;
+    void row(double) override {}
+    void pair(float s, double w) override { if (score_bin(s) == bin) { pairs.emplace_back(s, w); } }
+};
+
+// The largest threshold whose mean kept fraction is >= keep; *kept: that mean kept fraction.
+static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass, float t_coarse,
+                float keep, int n_threads, float * kept) {
+    hist_sink h;
+    for (auto & s : score_all(cls, n_rows, group, coarse_pass, t_coarse, n_threads, hist_sink())) {
+        for (size_t b = 0; b < h.hist.size(); ++b) {
+            h.hist[b] += s.hist[b];
+        }
+        h.base += s.base;
+        h.n_rows += s.n_rows;
+        h.max_score = std::max(h.max_score, s.max_score);
+    }
+    if (h.n_rows == 0.0) {
+        *kept = 1.0f;
+        return 0.0f;
+    }
+    const double target = (double) keep*h.n_rows - h.base;
+    if (keep >= 1.0f) {
+        *kept = 1.0f;
+        return 0.0f;
+    }
+    if (target <= 1e-12*h.n_rows) {
+        *kept = (float) (h.base/h.n_rows);
+        return std::nextafter(h.max_score, INFINITY); // only the best cluster of each row
+    }
+    double cum = 0.0;
+    int64_t bin = (int64_t) h.hist.size() - 1;
+    for (; bin >= 0; --bin) {
+        if (cum + h.hist[bin] >= target - 1e-12*h.n_rows) {
+            break;
+        }
+        cum += h.hist[bin];
+    }
+    if (bin < 0) {
+        *kept = (float) ((h.base + cum)/h.n_rows);
+        return 0.0f; // every candidate is needed
+    }
+    bin_sink proto;
+    proto.bin = (uint32_t) bin;
+    std::vector<std::pair<float, double>> pairs;
+    for (auto & s : score_all(cls, n_rows, group, coarse_pass, t_coarse, n_threads, proto)) {
+        pairs.insert(pairs.end(), s.pairs.begin(), s.pairs.end());
+    }
+    std::sort(pairs.begin(), pairs.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
+    float t = pairs.empty() ? 0.0f : pairs.back().first;
+    for (size_t i = 0; i < pairs.size(); ++i) {
+        cum += pairs[i].second;
+        if (cum >= target - 1e-12*h.n_rows) {
+            t = pairs[i].first;
+            for (size_t j = i + 1; j < pairs.size() && pairs[j].first == t; ++j) {
+                cum += pairs[j].second; // ties with T are kept too
+            }
+            break;
+        }
+    }
+    *kept = (float) std::min(1.0, (h.base + cum)/h.n_rows);
+    return t;
+}
+
+// Both thresholds (the coarse one first, two levels); returns the mean kept fraction at them.
+static float calibrate_levels(const std::vector<calib_layer> & cls, int n_rows, int group, int levels, float keep,
+                       float keep_coarse, int n_threads, float * threshold, float * threshold_coarse) {
+    float kept = 1.0f;
+    *threshold_coarse = 0.0f;
+    if (levels == 2) {
+        const float keep_c = keep_coarse > 0.0f ? keep_coarse : std::min(1.0f, 2.0f*keep);
+        *threshold_coarse = calibrate(cls, n_rows, group, true, 0.0f, keep_c, n_threads, &kept);
+    }
+    *threshold = calibrate(cls, n_rows, group, false, *threshold_coarse, keep, n_threads, &kept);
+    return kept;
+}
+
+// ---- clustering ---------------------------------------------------------------------------------------------
+
+struct ctx_free { void operator()(ggml_context * c) const { ggml_free(c); } };
+struct buf_free { void operator()(ggml_backend_buffer * b) const { ggml_backend_buffer_free(b); } };
+struct galloc_free { void operator()(ggml_gallocr * g) const { ggml_gallocr_free(g); } };
+
+// k-means of one layer's clustered prefix keys, heads [h0, h0 + n_h) of the stream, into res (table and
+// assignment for those heads). The keys are gathered from the cache on `backend` (cells given by position).
+static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, uint32_t kv_size, uint32_t stream,
+                          int64_t d, int64_t h0, int64_t n_h, const std::vector<uint32_t> & cells, int64_t n_cent,
+                          int n_iter, sparq_kmeans_result & res) {
+    const int64_t P = (int64_t) cells.size();
+    const int64_t n_embd = k_cache->ne[0];
+    ggml_init_params ip = { 8*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_free> ctx(ggml_init(ip));
+    ggml_tensor * idx = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, P);
+    ggml_tensor * x   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, d, P, n_h);
+    std::unique_ptr<ggml_backend_buffer, buf_free> buf(ggml_backend_alloc_ctx_tensors(ctx.get(), backend));
+    if (!buf) {
+        return "could not allocate the keys to cluster on " + std::string(ggml_backend_name(backend));
+    }
+    std::vector<int32_t> rows(cells.begin(), cells.end());
+    ggml_backend_tensor_set(idx, rows.data(), 0, ggml_nbytes(idx));
+
+    ggml_cgraph * gf = ggml_new_graph(ctx.get());
+    ggml_tensor * ks = ggml_view_2d(ctx.get(), k_cache, n_embd, kv_size, k_cache->nb[1], k_cache->nb[1]*kv_size*stream);
+    ggml_tensor * kr = ggml_get_rows(ctx.get(), ks, idx);                                   // [n_embd, P] f32
+    ggml_tensor * kh = ggml_view_3d(ctx.get(), kr, d, n_h, P, ggml_row_size(kr->type, d), kr->nb[1],
+                                    ggml_row_size(kr->type, d*h0));                          // [d, n_h, P]
+    ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_permute(ctx.get(), kh, 0, 2, 1, 3), x));
+    std::unique_ptr<ggml_gallocr, galloc_free> galloc(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)));
+    if (!ggml_gallocr_alloc_graph(galloc.get(), gf) || ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
+        return "gathering the prefix keys failed on " + std::string(ggml_backend_name(backend));
+    }
+    return sparq_kmeans_run(backend, x, n_cent, n_iter, res);
+}
+
+// Coarse level: k-means of the fine centroids (their components) per head on `backend`; the coarse table is the
+// size-weighted mean of the member centroids (= the mean of the member keys) and the summed size.
+static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t n_coarse, int n_iter) {
+    const int64_t d = L.d, H = L.n_head_kv, n = L.n_cent;
+    ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_free> ctx(ggml_init(ip));
+    ggml_tensor * x = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, d, n, H);
+    std::unique_ptr<ggml_backend_buffer, buf_free> buf(ggml_backend_alloc_ctx_tensors(ctx.get(), backend));
+    if (!buf) {
+        return "could not allocate the centroids to cluster";
+    }
+    std::vector<float> comp((size_t) d*n*H);
+    for (int64_t r = 0; r < n*H; ++r) {
+        std::memcpy(comp.data() + r*d, L.table.data() + r*(d + 1), d*sizeof(float));
+    }
+    ggml_backend_tensor_set(x, comp.data(), 0, ggml_nbytes(x));
+    sparq_kmeans_result res;
+    std::string err = sparq_kmeans_run(backend, x, n_coarse, n_iter, res);
+    if (!err.empty()) {
+        return err;
+    }
+    L.n_coarse = n_coarse;
+    L.parent = res.assignment;
+    L.coarse_table.assign((size_t) H*n_coarse*(d + 1), 0.0f);
+    std::vector<double> acc((size_t) H*n_coarse*(d + 1), 0.0);
+    for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float * c = L.table.data() + (h*n + i)*(d + 1);
+            double * a = acc.data() + (h*n_coarse + L.parent[h*n + i])*(d + 1);
+            for (int64_t e = 0; e < d; ++e) {
+                a[e] += (double) c[d]*c[e];
+            }
+            a[d] += c[d];
+        }
+    }
+    for (int64_t r = 0; r < H*n_coarse; ++r) {
+        const double size = acc[r*(d + 1) + d];
+        for (int64_t e = 0; e <= d; ++e) {
+            L.coarse_table[r*(d + 1) + e] = (float) (e == d ? size : size > 0.0 ? acc[r*(d + 1) + e]/size : 0.0);
+        }
+    }
+    return "";
+}
+
+static bool host_buffer(const ggml_tensor * t) {
+    return t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer);
+}
+
+// Whether the device holding this layer's cache can run ggml_centroid_attn on it.
+static bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_cache, int64_t d, int64_t d_v, int64_t n_head,
+                    int64_t n_head_kv, bool two_levels) {
+    if (host_buffer(k_cache)) {
+        return true; // the CPU kernel takes every case the op's check accepts
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(k_cache->buffer));
+    if (dev == nullptr) {
+        return false;
+    }
+    ggml_init_params ip = { 12*ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_free> ctx(ggml_init(ip));
+    const int64_t n = 256;
+    ggml_tensor * q    = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, d, 1, n_head, 1);
+    ggml_tensor * k    = ggml_new_tensor_4d(ctx.get(), k_cache->type, d, n, n_head_kv, 1);
+    ggml_tensor * v    = ggml_new_tensor_4d(ctx.get(), v_cache->type, d_v, n, n_head_kv, 1);
+    ggml_tensor * mask = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F16, n, 1, 1, 1);
+    ggml_tensor * cent = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, d + 1, 8, n_head_kv, 1);
+    ggml_tensor * cell = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, n, n_head_kv, 1);
+    ggml_tensor * coarse = two_levels ? ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, d + 1, 2, n_head_kv, 1) : nullptr;
+    ggml_tensor * parent = two_levels ? ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, 8, n_head_kv, 1) : nullptr;
+    ggml_centroid_params p = ggml_centroid_default_params();
+    p.threshold = 0.5f;
+    if (ggml_centroid_attn_check(q, k, v, mask, cent, cell, coarse, parent, &p) != nullptr) {
+        return false;
+    }
+    ggml_tensor * op = ggml_centroid_attn(ctx.get(), q, k, v, mask, cent, cell, coarse, parent, p);
+    return ggml_backend_dev_supports_op(dev, op);
+}
+
+// ---- sidecar ------------------------------------------------------------------------------------------------
+
+constexpr char     SIDECAR_MAGIC[4] = { 'S', 'Q', 'Z', 'P' };
+constexpr uint32_t SIDECAR_VERSION  = 1;
+
+// What a saved prefix must match: the model's shape and description, and a hash of its first token embeddings.
+static std::string model_fingerprint(const llama_model & model) {
+    const auto & hp = model.hparams;
+    std::string fp = model.arch_name() + "|" + model.desc() + "|" + std::to_string(model.n_elements()) + "|" +
+                     std::to_string(hp.n_embd) + "|" + std::to_string(hp.n_layer()) + "|";
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        fp += std::to_string(hp.n_head_kv(il)) + "x" + std::to_string(hp.n_embd_head_k(il)) + ",";
+    }
+    uint64_t hash = 1469598103934665603ull; // FNV-1a
+    if (model.tok_embd != nullptr && model.tok_embd->buffer != nullptr) {
+        std::vector<uint8_t> bytes(std::min<size_t>(ggml_nbytes(model.tok_embd), 1u << 16));
+        ggml_backend_tensor_get(model.tok_embd, bytes.data(), 0, bytes.size());
+        for (uint8_t b : bytes) {
+            hash = (hash ^ b)*1099511628211ull;
+        }
+    }
+    char hex[24];
+    snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) hash);
+    return fp + "|" + hex;
+}
+
+struct writer {
+    FILE * f;
+    bool ok = true;
+    void raw(const void * p, size_t n) { ok = ok && fwrite(p, 1, n, f) == n; }
+    template <typename T> void val(T v) { raw(&v, sizeof(v)); }
+    template <typename T> void vec(const std::vector<T> & v) { val<uint64_t>(v.size()); raw(v.data(), v.size()*sizeof(T)); }
+    void str(const std::string & s) { val<uint64_t>(s.size()); raw(s.data(), s.size()); }
+};
+
+struct reader {
+    FILE * f;
+    bool ok = true;
+    void raw(void * p, size_t n) { ok = ok && fread(p, 1, n, f) == n; }
+    template <typename T> T val() { T v{}; raw(&v, sizeof(v)); return v; }
+    template <typename T> void vec(std::vector<T> & v, uint64_t max_n) {
+        const uint64_t n = val<uint64_t>();
+        if (!ok || n > max_n) { ok = false; return; }
+        v.resize(n);
+        raw(v.data(), n*sizeof(T));
+    }
+    std::string str(uint64_t max_n) {
+        std::string s;
+        const uint64_t n = val<uint64_t>();
+        if (!ok || n > max_n) { ok = false; return s; }
+        s.resize(n);
+        raw(s.data(), n);
+        return s;
+    }
+};
+
+struct file_closer { void operator()(FILE * f) const { fclose(f); } };
+
+}  // namespace sparq_squeeze_detail
+
+namespace sqp = sparq_squeeze_detail;
+
+llama_kv_cache * sparq_squeeze_access::cache(llama_context & ctx, std::string & err) {
+    llama_memory_i * mem = ctx.memory.get();
+    llama_kv_cache * kv = nullptr;
+    if (mem == nullptr) {
+        err = "the context has no KV cache (an embedding-only or encoder context)";
+    } else if (auto * plain = dynamic_cast<llama_kv_cache *>(mem)) {
+        kv = plain;
+    } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        kv = iswa->get_base(); // sliding-window layers read a bounded window: they stay dense
+    } else if (auto * hyb = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        kv = hyb->get_mem_attn();
+    } else {
+        err = "this model's memory is not an attention KV cache (recurrent or a special cache)";
+    }
+    if (kv && kv->other) {
+        err = "this KV cache shares its cells with another cache (not supported)";
+        kv = nullptr;
+    }
+    if (kv && kv->v_trans) {
+        err = "centroid-sparse attention needs flash attention's row-major V cache; create the context with flash "
+              "attention on (-fa on, flash_attn=True, LLAMA_FLASH_ATTN_TYPE_ENABLED)";
+        kv = nullptr;
+    }
+    return kv;
+}
+
+void sparq_squeeze_access::reset_graphs(llama_context & ctx) {
+    ctx.sched_need_reserve = true;
+    for (auto & res : ctx.gf_res_prev) {
+        if (res) {
+            res->reset();
+        }
+    }
+    ctx.gf_res_prev_active = nullptr;
+}
+
+void sparq_squeeze_access::clear(llama_context & ctx) {
+    std::string err;
+    if (llama_kv_cache * kv = cache(ctx, err)) {
+        kv->squeeze.reset();
+    }
+    reset_graphs(ctx);
+}
+
+std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
+                                          const llama_squeeze_params & params) {
+    if (const char * msg = llama_squeeze_check(&params)) {
+        return msg;
+    }
+    if (tokens == nullptr || n_prefix < 2) {
+        return "the prefix needs its tokens and at least 2 of them";
+    }
+    if (!ctx.cparams.causal_attn) {
+        return "the context does not use causal attention (an embedding context)";
+    }
+    std::string err;
+    llama_kv_cache * kv = cache(ctx, err);
+    if (kv == nullptr) {
+        return err;
+    }
+    const int32_t n_calib     = std::min(params.n_calib, n_prefix/2);
+    const int32_t n_clustered = n_prefix - n_calib;
+    const int64_t n_cent      = std::max<int64_t>(1, std::lround((double) params.centroids*n_clustered));
+    const int64_t n_coarse    = params.levels == 2 ? std::max<int64_t>(1, std::min<int64_t>(n_cent,
+                                    std::lround((double) params.centroids_coarse*n_clustered))) : 0;
+
+    auto st = std::make_shared<squeeze_kv_state>();
+    st->params      = params;
+    st->generation  = next_generation();
+    st->seq_id      = seq_id;
+    st->n_prefix    = n_prefix;
+    st->n_clustered = n_clustered;
+    st->tokens.assign(tokens, tokens + n_prefix);
+    std::vector<uint32_t> cells;
+    err = prefix_cells(*kv, seq_id, n_prefix, n_prefix, /*only_prefix =*/ true, st->stream, cells);
+    if (!err.empty()) {
+        return err;
+    }
+
+    // which layers take part
+    const auto & hp = ctx.model.hparams;
+    st->layers.resize(kv->layers.size());
+    int n_active = 0;
+    std::map<std::string, std::string> dense; // reason -> layers
+    for (size_t ikv = 0; ikv < kv->layers.size(); ++ikv) {
+        const auto & layer = kv->layers[ikv];
+        auto & L = st->layers[ikv];
+        const uint32_t il = layer.il;
+        L.d = hp.n_embd_head_k(il);
+        L.n_head_kv = hp.n_head_kv(il);
+        const ggml_type kt = layer.k->type;
+        if (hp.is_swa(il)) {
+            L.reason = "sliding-window layer (its read is bounded)";
+        } else if (layer.v == nullptr || (kt != GGML_TYPE_F32 && kt != GGML_TYPE_F16 && kt != GGML_TYPE_BF16) || layer.v->type != kt) {
+            L.reason = std::string("KV cache type ") + ggml_type_name(kt) + " (the op reads f32, f16 or bf16 caches)";
+        } else if (!sqp::device_runs_op(layer.k, layer.v, L.d, hp.n_embd_head_v(il), hp.n_head(il), L.n_head_kv, params.levels == 2)) {
+            L.reason = std::string("no ggml_centroid_attn kernel for this case on ") +
+                       ggml_backend_buft_name(ggml_backend_buffer_get_type(layer.k->buffer));
+        }
+        if (!L.reason.empty()) {
+            auto & list = dense[L.reason];
+            list += (list.empty() ? "" : ",") + std::to_string(il);
+            continue;
+        }
+        L.active = true;
+        n_active++;
+    }
+    for (const auto & [reason, list] : dense) {
+        LLAMA_LOG_INFO("%s: centroid-sparse: dense attention for layers %s: %s\n", __func__, list.c_str(), reason.c_str());
+    }
+    if (n_active == 0) {
+        return "no layer can use centroid-sparse attention (see the log)";
+    }
+
+    auto progress = [&](float f) {
+        return params.progress_callback == nullptr || params.progress_callback(f, params.progress_callback_user_data);
+    };
+    auto fail = [&](const std::string & why) {
+        kv->squeeze.reset();
+        reset_graphs(ctx);
+        return why;
+    };
+
+    // 1. capture the calibration queries by decoding the tail again
+    kv->squeeze = st;
+    st->capturing = true;
+    reset_graphs(ctx);
+    if (!llama_memory_seq_rm(llama_get_memory(&ctx), seq_id, n_clustered, -1)) {
+        return fail("this model's memory cannot remove the prefix's last tokens to decode them again (recurrent "
+                    "layers); centroid-sparse preparation needs that");
+    }
+    std::map<int32_t, std::vector<float>> q_rows; // il -> [n_calib][n_head][d]
+    const int32_t n_ub = (int32_t) ctx.cparams.n_ubatch;
+    for (int32_t p0 = n_clustered; p0 < n_prefix; p0 += n_ub) {
+        const int32_t n = std::min(n_ub, n_prefix - p0);
+        llama_batch batch = llama_batch_init(n, 0, 1);
+        for (int32_t i = 0; i < n; ++i) {
+            batch.token[i] = tokens[p0 + i];
+            batch.pos[i] = p0 + i;
+            batch.n_seq_id[i] = 1;
+            batch.seq_id[i][0] = seq_id;
+            batch.logits[i] = p0 + i == n_prefix - 1;
+        }
+        batch.n_tokens = n;
+        st->captured_q.clear();
+        const int32_t rc = llama_decode(&ctx, batch);
+        llama_batch_free(batch);
+        if (rc != 0) {
+            return fail("decoding the calibration tokens failed (llama_decode returned " + std::to_string(rc) +
+                        "); the cache lost positions from " + std::to_string(p0));
+        }
+        for (auto & [il, t] : st->captured_q) {
+            auto & rows = q_rows[il];
+            const size_t off = rows.size();
+            rows.resize(off + ggml_nelements(t));
+            ggml_backend_tensor_get(t, rows.data() + off, 0, ggml_nbytes(t));
+        }
+    }
+    st->capturing = false;
+    st->captured_q.clear();
+    reset_graphs(ctx);
+    if (!progress(0.05f)) {
+        return fail("cancelled");
+    }
+
+    // 2. cluster each active layer's prefix keys where its cache lives
+    err = prefix_cells(*kv, seq_id, n_prefix, n_clustered, true, st->stream, st->cells);
+    if (!err.empty()) {
+        return fail(err);
+    }
+    const uint32_t kv_size = kv->get_size();
+    for (size_t ikv = 0, done = 0; ikv < kv->layers.size(); ++ikv) {
+        auto & L = st->layers[ikv];
+        if (!L.active) {
+            continue;
+        }
+        const auto & layer = kv->layers[ikv];
+        ggml_backend_t backend = backend_for(ctx, layer.k);
+        if (backend == nullptr) {
+            return fail("no backend of this context holds layer " + std::to_string(layer.il) + "'s cache");
+        }
+        L.n_cent = n_cent;
+        L.table.assign((size_t) L.n_head_kv*n_cent*(L.d + 1), 0.0f);
+        L.assign.assign((size_t) L.n_head_kv*n_clustered, 0);
+        // a chunk of heads at a time keeps the similarity matrix [n_cent, P, heads] f32 under ~1 GiB
+        const int64_t per_head = n_cent*n_clustered*(int64_t) sizeof(float);
+        const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(L.n_head_kv, (int64_t(1) << 30)/std::max<int64_t>(1, per_head)));
+        for (int64_t h0 = 0; h0 < L.n_head_kv; h0 += chunk) {
+            const int64_t n_h = std::min(chunk, L.n_head_kv - h0);
+            sparq_kmeans_result res;
+            err = sqp::cluster_heads(backend, layer.k, kv_size, st->stream, L.d, h0, n_h, st->cells, n_cent,
+                                     params.n_iter, res);
+            if (!err.empty()) {
+                return fail("layer " + std::to_string(layer.il) + ": " + err);
+            }
+            std::copy(res.table.begin(), res.table.end(), L.table.begin() + h0*n_cent*(L.d + 1));
+            std::copy(res.assignment.begin(), res.assignment.end(), L.assign.begin() + h0*n_clustered);
+        }
+        if (n_coarse > 0) {
+            err = sqp::cluster_coarse(backend, L, n_coarse, params.n_iter);
+            if (!err.empty()) {
+                return fail("layer " + std::to_string(layer.il) + " (coarse level): " + err);
+            }
+        }
+        if (!progress(0.05f + 0.85f*(float) ++done/(float) n_active)) {
+            return fail("cancelled");
+        }
+    }
+
+    // 3. calibrate the thresholds on the captured queries
+    std::vector<sqp::calib_layer> cls;
+    for (size_t ikv = 0; ikv < kv->layers.size(); ++ikv) {
+        const auto & L = st->layers[ikv];
+        const uint32_t il = kv->layers[ikv].il;
+        if (!L.active) {
+            continue;
+        }
+        auto it = q_rows.find((int32_t) il);
+        if (it == q_rows.end() || st->captured_scale.count((int32_t) il) == 0) {
+            return fail("layer " + std::to_string(il) + "'s queries were not captured (its graph does not reach "
+                        "llama.cpp's KV attention)");
+        }
+        sqp::calib_layer cl;
+        cl.L      = &L;
+        cl.n_head = hp.n_head(il);
+        cl.scale  = st->captured_scale[(int32_t) il];
+        cl.q      = std::move(it->second);
+        if ((int64_t) cl.q.size() != (int64_t) n_calib*cl.n_head*L.d) {
+            return fail("layer " + std::to_string(il) + ": captured query rows have an unexpected size");
+        }
+        cls.push_back(std::move(cl));
+    }
+    st->kept_calib = sqp::calibrate_levels(cls, n_calib, params.group, params.levels, params.keep, params.keep_coarse,
+                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st->threshold,
+                                           &st->threshold_coarse);
+    st->captured_scale.clear();
+
+    // 4. the device tables
+    err = install(*kv, *st);
+    if (!err.empty()) {
+        return fail(err);
+    }
+    reset_graphs(ctx);
+    progress(1.0f);
+    LLAMA_LOG_INFO("%s: centroid-sparse prefix of sequence %d: %d tokens (%d clustered into %lld clusters per KV head%s, "
+                   "%d calibration tokens), %d layers, T = %.4g%s, kept on the calibration queries %.1f%%\n", __func__,
+            seq_id, n_prefix, n_clustered, (long long) n_cent, n_coarse ? (", " + std::to_string(n_coarse) + " coarse").c_str() : "",
+            n_calib, n_active, (double) st->threshold,
+            n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "", 100.0*st->kept_calib);
+    return "";
+}
+
+ggml_backend_t sparq_squeeze_access::backend_for(llama_context & ctx, const ggml_tensor * t) {
+    if (sqp::host_buffer(t)) {
+        return ctx.backend_cpu;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    for (auto & b : ctx.backends) {
+        if (ggml_backend_get_device(b.get()) == dev) {
+            return b.get();
+        }
+    }
+    return nullptr;
+}
+
+std::string sparq_squeeze_access::save(llama_context & ctx, const char * path) {
+    std::string err;
+    llama_kv_cache * kv = cache(ctx, err);
+    if (kv == nullptr) {
+        return err;
+    }
+    verify(*kv);
+    const squeeze_kv_state * st = kv->squeeze.get();
+    if (st == nullptr || !st->ready) {
+        return "no prepared prefix to save";
+    }
+    std::unique_ptr<FILE, sqp::file_closer> f(fopen(path, "wb"));
+    if (!f) {
+        return std::string("cannot write ") + path + ": " + strerror(errno);
+    }
+    sqp::writer w{ f.get() };
+    w.raw(sqp::SIDECAR_MAGIC, 4);
+    w.val<uint32_t>(sqp::SIDECAR_VERSION);
+    w.str(sqp::model_fingerprint(ctx.model));
+    const auto & p = st->params;
+    w.val(p.centroids); w.val(p.keep); w.val(p.levels); w.val(p.centroids_coarse); w.val(p.keep_coarse);
+    w.val(p.n_calib); w.val(p.n_iter); w.val(p.group);
+    w.val(st->n_prefix); w.val(st->n_clustered);
+    w.val(st->threshold); w.val(st->threshold_coarse); w.val(st->kept_calib);
+    w.vec(st->tokens);
+    w.val<uint32_t>((uint32_t) st->layers.size());
+    for (size_t ikv = 0; ikv < st->layers.size(); ++ikv) {
+        const auto & L = st->layers[ikv];
+        w.val<uint32_t>(kv->layers[ikv].il);
+        w.val<uint8_t>(L.active ? 1 : 0);
+        w.str(L.reason);
+        w.val(L.d); w.val(L.n_head_kv); w.val(L.n_cent); w.val(L.n_coarse);
+        w.vec(L.table); w.vec(L.assign); w.vec(L.coarse_table); w.vec(L.parent);
+    }
+    if (!w.ok || fflush(f.get()) != 0) {
+        return std::string("writing ") + path + " failed";
+    }
+    return "";
+}
+
+std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, const char * path, const int32_t * tokens,
+                                       int32_t n_tokens) {
+    std::string err;
+    llama_kv_cache * kv = cache(ctx, err);
+    if (kv == nullptr) {
+        return err;
+    }
+    std::unique_ptr<FILE, sqp::file_closer> f(fopen(path, "rb"));
+    if (!f) {
+        return std::string("cannot read ") + path + ": " + strerror(errno);
+    }
+    sqp::reader r{ f.get() };
+    char magic[4] = {};
+    r.raw(magic, 4);
+    if (!r.ok || std::memcmp(magic, sqp::SIDECAR_MAGIC, 4) != 0) {
+        return std::string(path) + " is not a centroid-sparse prefix file";
+    }
+    const uint32_t version = r.val<uint32_t>();
+    if (version != sqp::SIDECAR_VERSION) {
+        return std::string(path) + ": format version " + std::to_string(version) + ", this build reads version " +
+               std::to_string(sqp::SIDECAR_VERSION);
+    }
+    if (r.str(1u << 20) != sqp::model_fingerprint(ctx.model)) {
+        return std::string(path) + " was prepared with a different model (the fingerprint differs)";
+    }
+    auto st = std::make_shared<squeeze_kv_state>();
+    auto & p = st->params;
+    p = llama_squeeze_default_params();
+    p.centroids = r.val<float>(); p.keep = r.val<float>(); p.levels = r.val<int32_t>();
+    p.centroids_coarse = r.val<float>(); p.keep_coarse = r.val<float>(); p.n_calib = r.val<int32_t>();
+    p.n_iter = r.val<int32_t>(); p.group = r.val<int32_t>();
+    st->n_prefix = r.val<int32_t>(); st->n_clustered = r.val<int32_t>();
+    st->threshold = r.val<float>(); st->threshold_coarse = r.val<float>(); st->kept_calib = r.val<float>();
+    r.vec(st->tokens, 1u << 30);
+    if (!r.ok || st->n_clustered < 1 || st->n_clustered > st->n_prefix || (int32_t) st->tokens.size() != st->n_prefix) {
+        return std::string(path) + " is truncated or damaged";
+    }
+    if (tokens != nullptr) {
+        if (n_tokens < st->n_prefix || !std::equal(st->tokens.begin(), st->tokens.end(), tokens)) {
+            return std::string(path) + " holds a different prefix than the given tokens (" + std::to_string(st->n_prefix) +
+                   " saved tokens)";
+        }
+    }
+    const uint32_t n_layers = r.val<uint32_t>();
+    if (!r.ok || n_layers != kv->layers.size()) {
+        return std::string(path) + ": the layer count differs from this context's cache";
+    }
+    const auto & hp = ctx.model.hparams;
+    st->layers.resize(n_layers);
+    for (uint32_t ikv = 0; ikv < n_layers; ++ikv) {
+        auto & L = st->layers[ikv];
+        const uint32_t il = r.val<uint32_t>();
+        L.active = r.val<uint8_t>() != 0;
+        L.reason = r.str(1u << 12);
+        L.d = r.val<int64_t>(); L.n_head_kv = r.val<int64_t>(); L.n_cent = r.val<int64_t>(); L.n_coarse = r.val<int64_t>();
+        const uint64_t max_n = uint64_t(1) << 36;
+        r.vec(L.table, max_n); r.vec(L.assign, max_n); r.vec(L.coarse_table, max_n); r.vec(L.parent, max_n);
+        if (!r.ok || il != kv->layers[ikv].il || L.d != hp.n_embd_head_k(il) || L.n_head_kv != hp.n_head_kv(il)) {
+            return std::string(path) + " is truncated, damaged or from a different cache layout (layer " + std::to_string(il) + ")";
+        }
+        if (L.active && ((int64_t) L.table.size() != L.n_head_kv*L.n_cent*(L.d + 1) ||
+                         (int64_t) L.assign.size() != L.n_head_kv*st->n_clustered ||
+                         (int64_t) L.coarse_table.size() != L.n_head_kv*L.n_coarse*(L.d + 1) ||
+                         (int64_t) L.parent.size() != (L.n_coarse > 0 ? L.n_head_kv*L.n_cent : 0))) {
+            return std::string(path) + ": layer " + std::to_string(il) + "'s tables have inconsistent sizes";
+        }
+        for (int32_t a : L.assign) {
+            if (a < 0 || a >= L.n_cent) {
+                return std::string(path) + ": layer " + std::to_string(il) + " has a cluster index out of range";
+            }
+        }
+        if (L.active && !sqp::device_runs_op(kv->layers[ikv].k, kv->layers[ikv].v, L.d, hp.n_embd_head_v(il), hp.n_head(il),
+                                             L.n_head_kv, L.n_coarse > 0)) {
+            L.active = false;
+            L.reason = "no ggml_centroid_attn kernel for this case on this device";
+        }
+    }
+    st->generation = next_generation();
+    st->seq_id = seq_id;
+    err = prefix_cells(*kv, seq_id, st->n_clustered, st->n_clustered, false, st->stream, st->cells);
+    if (!err.empty()) {
+        return err + " (load the KV state of the prefix before its sidecar)";
+    }
+    kv->squeeze.reset();
+    err = install(*kv, *st);
+    if (!err.empty()) {
+        return err;
+    }
+    kv->squeeze = st;
+    reset_graphs(ctx);
+    LLAMA_LOG_INFO("%s: centroid-sparse prefix of sequence %d loaded from %s: %d tokens, T = %.4g\n", __func__, seq_id, path,
+                   st->n_prefix, (double) st->threshold);
+    return "";
+}
+
+//
+// C API
+//
+
+static thread_local std::string g_squeeze_error;
+
+static int32_t squeeze_result(const char * fn, const std::string & err) {
+    if (err.empty()) {
+        g_squeeze_error.clear();
+        return 0;
+    }
+    LLAMA_LOG_ERROR("%s: %s\n", fn, err.c_str());
+    g_squeeze_error = err;
+    return -1;
+}
+
+struct llama_squeeze_params llama_squeeze_default_params(void) {
+    llama_squeeze_params p = {};
+    p.centroids        = 0.05f;
+    p.keep             = 0.1f;
+    p.levels           = 1;
+    p.centroids_coarse = 0.01f;
+    p.keep_coarse      = 0.0f;
+    p.n_calib          = 100;
+    p.n_iter           = 8;
+    p.group            = GGML_CENTROID_GROUP_MAX;
+    p.progress_callback = nullptr;
+    p.progress_callback_user_data = nullptr;
+    return p;
+}
+
+const char * llama_squeeze_check(const struct llama_squeeze_params * p) {
+    static thread_local char msg[256];
+    auto fail = [&](const char * fmt, auto... args) {
+        snprintf(msg, sizeof(msg), fmt, args...);
+        return msg;
+    };
+    if (p == nullptr) {
+        return "params is NULL";
+    }
+    if (!(p->centroids > 0.0f && p->centroids <= 1.0f)) {
+        return fail("centroids must be in (0, 1] (a fraction of the prefix), got %g", (double) p->centroids);
+    }
+    if (!(p->keep > 0.0f && p->keep <= 1.0f)) {
+        return fail("keep must be in (0, 1], got %g", (double) p->keep);
+    }
+    if (p->levels != 1 && p->levels != 2) {
+        return fail("levels must be 1 or 2, got %d", p->levels);
+    }
+    if (p->levels == 2 && !(p->centroids_coarse > 0.0f && p->centroids_coarse <= p->centroids)) {
+        return fail("centroids_coarse must be in (0, centroids=%g], got %g", (double) p->centroids, (double) p->centroids_coarse);
+    }
+    if (!(p->keep_coarse >= 0.0f && p->keep_coarse <= 1.0f)) {
+        return fail("keep_coarse must be in [0, 1] (0: min(1, 2*keep)), got %g", (double) p->keep_coarse);
+    }
+    if (p->n_calib < 1) {
+        return fail("n_calib must be >= 1, got %d", p->n_calib);
+    }
+    if (p->n_iter < 1) {
+        return fail("n_iter must be >= 1, got %d", p->n_iter);
+    }
+    if (p->group != GGML_CENTROID_GROUP_MAX && p->group != GGML_CENTROID_GROUP_MEAN) {
+        return fail("group must be max (0) or mean (1), got %d", p->group);
+    }
+    return nullptr;
+}
+
+int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
+                              const struct llama_squeeze_params * params) {
+    if (ctx == nullptr || params == nullptr) {
+        return squeeze_result(__func__, "ctx and params must not be NULL");
+    }
+    ctx->synchronize();
+    return squeeze_result(__func__, sparq_squeeze_access::prepare(*ctx, seq_id, tokens, n_prefix, *params));
+}
+
+int32_t llama_squeeze_save(struct llama_context * ctx, const char * path) {
+    if (ctx == nullptr || path == nullptr) {
+        return squeeze_result(__func__, "ctx and path must not be NULL");
+    }
+    return squeeze_result(__func__, sparq_squeeze_access::save(*ctx, path));
+}
+
+int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path, const int32_t * tokens,
+                           int32_t n_tokens) {
+    if (ctx == nullptr || path == nullptr) {
+        return squeeze_result(__func__, "ctx and path must not be NULL");
+    }
+    ctx->synchronize();
+    return squeeze_result(__func__, sparq_squeeze_access::load(*ctx, seq_id, path, tokens, n_tokens));
+}
+
+void llama_squeeze_clear(struct llama_context * ctx) {
+    if (ctx != nullptr) {
+        sparq_squeeze_access::clear(*ctx);
+    }
+}
+
+struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ctx) {
+    llama_squeeze_info info = {};
+    std::string err;
+    llama_kv_cache * kv = ctx ? sparq_squeeze_access::cache(const_cast<llama_context &>(*ctx), err) : nullptr;
+    if (kv == nullptr) {
+        return info;
+    }
+    sparq_squeeze_access::verify(*kv);
+    const squeeze_kv_state * st = kv->squeeze.get();
+    if (st == nullptr || !st->ready) {
+        return info;
+    }
+    info.prepared         = true;
+    info.seq_id           = st->seq_id;
+    info.n_prefix         = st->n_prefix;
+    info.n_clustered      = st->n_clustered;
+    info.levels           = st->params.levels;
+    info.threshold        = st->threshold;
+    info.threshold_coarse = st->threshold_coarse;
+    info.kept_calib       = st->kept_calib;
+    for (const auto & L : st->layers) {
+        info.n_layers += L.active ? 1 : 0;
+    }
+    return info;
+}
+
+const char * llama_squeeze_last_error(void) {
+    return g_squeeze_error.c_str();
+}
+
+int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char * err, size_t err_size) {
+    auto fail = [&](const char * msg) {
+        snprintf(err, err_size, "%s", msg);
+        return 1;
+    };
+    if (a == nullptr || a->q == nullptr || a->table == nullptr || !a->threshold || !a->threshold_coarse || !a->kept) {
+        return fail("args, q, table and the outputs are required");
+    }
+    const bool two = a->n_coarse > 0;
+    if (a->d < 1 || a->n_head_kv < 1 || a->n_head % a->n_head_kv != 0 || a->n_rows < 1 || a->n_layers < 1 ||
+        a->n_cent < 1 || a->n_coarse < 0 || (two && (!a->coarse || !a->parent)) || !(a->keep > 0.0f && a->keep <= 1.0f)) {
+        return fail("bad sizes, missing two-level tables or keep outside (0, 1]");
+    }
+    const int64_t d = a->d, H = a->n_head_kv;
+    std::vector<squeeze_kv_layer> layers(a->n_layers);
+    std::vector<sqp::calib_layer> cls(a->n_layers);
+    for (int64_t l = 0; l < a->n_layers; ++l) {
+        auto & L = layers[l];
+        L.d = d; L.n_head_kv = H; L.n_cent = a->n_cent; L.n_coarse = a->n_coarse;
+        const size_t nt = (size_t) H*a->n_cent*(d + 1);
+        L.table.assign(a->table + l*nt, a->table + (l + 1)*nt);
+        if (two) {
+            const size_t nc = (size_t) H*a->n_coarse*(d + 1), np = (size_t) H*a->n_cent;
+            L.coarse_table.assign(a->coarse + l*nc, a->coarse + (l + 1)*nc);
+            L.parent.assign(a->parent + l*np, a->parent + (l + 1)*np);
+            for (int32_t p : L.parent) {
+                if (p < 0 || p >= a->n_coarse) {
+                    return fail("parent index out of range");
+                }
+            }
+        }
+        const size_t nq = (size_t) a->n_rows*a->n_head*d;
+        cls[l].L = &L;
+        cls[l].n_head = a->n_head;
+        cls[l].scale = a->scale;
+        cls[l].q.assign(a->q + l*nq, a->q + (l + 1)*nq);
+    }
+    *a->kept = sqp::calibrate_levels(cls, (int) a->n_rows, a->group, two ? 2 : 1, a->keep, a->keep_coarse,
+                                     std::max(1, a->n_threads), a->threshold, a->threshold_coarse);
+    return 0;
+}

@@ -1,0 +1,44 @@
+// Centroid-sparse attention over a prepared prefix inside libllama. llama_kv_cache and llama_context name
+// sparq_squeeze_access a friend (vendor/patches/0003), so the code here reaches their private members
+// without more hook points:
+//   sparq-squeeze-state.cpp    the cache side: prefix cells, checks, device tables, the graph op
+//   sparq-squeeze-prepare.cpp  the context side: capture, clustering, calibration, sidecar, C API
+#pragma once
+
+#include "sparq-llama-internal.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+class llama_kv_cache;
+struct llama_context;
+
+struct sparq_squeeze_access {
+    static uint64_t next_generation();
+
+    // The cells holding positions [0, n_need) of seq_id (the cache must hold at least n_prefix positions, and
+    // with only_prefix no more). "" on success, else why not.
+    static std::string prefix_cells(const llama_kv_cache & kv, int32_t seq_id, int32_t n_prefix, int32_t n_need,
+                                    bool only_prefix, uint32_t & stream, std::vector<uint32_t> & cells);
+
+    // Allocates and fills the device tables of the active layers from the host copies; marks st ready.
+    static std::string install(llama_kv_cache & kv, squeeze_kv_state & st);
+
+    // After a cache change: drops the prepared prefix when a clustered cell no longer holds its position.
+    static void verify(llama_kv_cache & kv);
+    static void drop(llama_kv_cache & kv, const char * why);
+
+    static const squeeze_kv_layer * layer(const llama_kv_cache & kv, int32_t il);
+
+    // context side (sparq-squeeze-prepare.cpp)
+    static std::string prepare(llama_context & ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
+                               const llama_squeeze_params & params);
+    static std::string save(llama_context & ctx, const char * path);
+    static std::string load(llama_context & ctx, int32_t seq_id, const char * path, const int32_t * tokens,
+                            int32_t n_tokens);
+    static void clear(llama_context & ctx);
+    static llama_kv_cache * cache(llama_context & ctx, std::string & err);
+    static void reset_graphs(llama_context & ctx);
+    static ggml_backend_t backend_for(llama_context & ctx, const ggml_tensor * t);
+};

@@ -1,0 +1,233 @@
+"""Centroid-sparse ("Squeezed") attention over a fixed prefix: settings (`SqueezeConfig`) and the C API.
+
+    from sparq_llama import Llama
+    llm = Llama(path)                                       # flash attention on (needed: row-major V)
+    llm.prepare_fixed_context(document, keep=0.1)           # evaluate, cluster, calibrate once
+    llm.create_completion(document + question)              # reuses the prefix; reads ~10% of its keys
+    llm.save_fixed_context("doc.state")                     # doc.state + doc.state.squeeze
+    llm2 = Llama(path, fixed_context="doc.state")           # processed once, loaded since
+
+`SqueezeConfig` mirrors `struct llama_squeeze_params` (ggml_ops/include/sparq-llama.h). Semantics: the C
+header and ggml-centroid.h. Importing this module loads nothing native.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+from .sparq import _as_int, _ctx_ptr, _finite_float, _int32
+
+__all__ = ["GROUPS", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save", "sidecar_path"]
+
+log = logging.getLogger(__name__)
+
+GROUPS = ("max", "mean")  # index = enum ggml_centroid_group
+Group = Literal["max", "mean"]
+
+ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class SqueezeConfig:
+    """How a fixed prefix is prepared; the fields of `struct llama_squeeze_params`.
+
+    centroids: fine clusters per layer and KV head, as a fraction of the clustered prefix tokens.
+    keep: target fraction of the clustered prefix read per query (calibrated on the prefix's last tokens).
+    levels: 1, or 2 (coarse clusters prune before the fine ones).
+    centroids_coarse: levels = 2: coarse clusters as a fraction of the clustered prefix.
+    keep_coarse: levels = 2: kept fraction at the coarse level; None: min(1, 2 * keep).
+    n_calib: the prefix's last tokens whose queries calibrate the threshold (read exactly, never clustered).
+    n_iter: k-means iterations at most (stops early when no assignment moves).
+    group: how the query heads of a GQA group decide together: "max" (a cluster is read when any head wants
+        it) or "mean".
+    """
+
+    centroids: float = 0.05
+    keep: float = 0.1
+    levels: int = 1
+    centroids_coarse: float = 0.01
+    keep_coarse: float | None = None
+    n_calib: int = 100
+    n_iter: int = 8
+    group: Group = "max"
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name in ("centroids", "keep", "centroids_coarse"):
+            set_(self, name, _finite_float(name, getattr(self, name)))
+        if not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"keep must be in (0, 1], got {self.keep!r}")
+        if not 0.0 < self.centroids <= 1.0:
+            raise ValueError(f"centroids must be in (0, 1] (a fraction of the prefix), got {self.centroids!r}")
+        if self.keep_coarse is not None:
+            set_(self, "keep_coarse", _finite_float("keep_coarse", self.keep_coarse))
+        for name in ("levels", "n_calib", "n_iter"):
+            set_(self, name, _int32(name, getattr(self, name)))
+        if self.levels not in (1, 2):
+            raise ValueError(f"levels must be 1 or 2, got {self.levels!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {', '.join(map(repr, GROUPS))}, got {self.group!r}")
+
+    def to_c(self) -> LlamaSqueezeParams:
+        return LlamaSqueezeParams(
+            centroids=self.centroids, keep=self.keep, levels=self.levels, centroids_coarse=self.centroids_coarse,
+            keep_coarse=0.0 if self.keep_coarse is None else self.keep_coarse, n_calib=self.n_calib,
+            n_iter=self.n_iter, group=GROUPS.index(self.group))
+
+
+@dataclass(frozen=True)
+class SqueezeInfo:
+    """What a context holds (llama_squeeze_get_info); `prepared` False: no valid prepared prefix."""
+
+    prepared: bool
+    seq_id: int
+    n_prefix: int
+    n_clustered: int
+    n_layers: int
+    levels: int
+    threshold: float
+    threshold_coarse: float
+    kept_calib: float
+
+
+class LlamaSqueezeParams(ctypes.Structure):
+    """struct llama_squeeze_params (sparq-llama.h), field for field."""
+
+    _fields_ = [
+        ("centroids", ctypes.c_float),
+        ("keep", ctypes.c_float),
+        ("levels", ctypes.c_int32),
+        ("centroids_coarse", ctypes.c_float),
+        ("keep_coarse", ctypes.c_float),
+        ("n_calib", ctypes.c_int32),
+        ("n_iter", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("progress_callback", ProgressFn),
+        ("progress_callback_user_data", ctypes.c_void_p),
+    ]
+
+
+class LlamaSqueezeInfo(ctypes.Structure):
+    """struct llama_squeeze_info (sparq-llama.h)."""
+
+    _fields_ = [
+        ("prepared", ctypes.c_bool),
+        ("seq_id", ctypes.c_int32),
+        ("n_prefix", ctypes.c_int32),
+        ("n_clustered", ctypes.c_int32),
+        ("n_layers", ctypes.c_int32),
+        ("levels", ctypes.c_int32),
+        ("threshold", ctypes.c_float),
+        ("threshold_coarse", ctypes.c_float),
+        ("kept_calib", ctypes.c_float),
+    ]
+
+
+@lru_cache(maxsize=1)
+def _api() -> ctypes.CDLL:
+    from ._lib import libllama
+
+    lib = libllama()
+    names = ("llama_squeeze_default_params", "llama_squeeze_check", "llama_squeeze_prepare", "llama_squeeze_save",
+             "llama_squeeze_load", "llama_squeeze_clear", "llama_squeeze_get_info", "llama_squeeze_last_error")
+    missing = [n for n in names if not hasattr(lib, n)]
+    if missing:
+        raise RuntimeError(f"this build of sparq-llama's libllama has no centroid-sparse API ({', '.join(missing)} "
+                           f"missing); rebuild and reinstall the package")
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    lib.llama_squeeze_default_params.argtypes = []
+    lib.llama_squeeze_default_params.restype = LlamaSqueezeParams
+    lib.llama_squeeze_check.argtypes = [ctypes.POINTER(LlamaSqueezeParams)]
+    lib.llama_squeeze_check.restype = ctypes.c_char_p
+    lib.llama_squeeze_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32,
+                                          ctypes.POINTER(LlamaSqueezeParams)]
+    lib.llama_squeeze_prepare.restype = ctypes.c_int32
+    lib.llama_squeeze_save.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.llama_squeeze_save.restype = ctypes.c_int32
+    lib.llama_squeeze_load.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p, ctypes.c_int32]
+    lib.llama_squeeze_load.restype = ctypes.c_int32
+    lib.llama_squeeze_clear.argtypes = [ctypes.c_void_p]
+    lib.llama_squeeze_clear.restype = None
+    lib.llama_squeeze_get_info.argtypes = [ctypes.c_void_p]
+    lib.llama_squeeze_get_info.restype = LlamaSqueezeInfo
+    lib.llama_squeeze_last_error.argtypes = []
+    lib.llama_squeeze_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _error(what: str) -> ValueError:
+    reason = (_api().llama_squeeze_last_error() or b"").decode(errors="replace") or "no reason given"
+    return ValueError(f"{what} failed: {reason}")
+
+
+def _tokens_array(tokens: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int32 * len(tokens))(*(_as_int("token", t) for t in tokens))
+
+
+def check(config: SqueezeConfig) -> None:
+    """ValueError with llama_squeeze_check's message if C rejects `config`."""
+    p = config.to_c()
+    msg = _api().llama_squeeze_check(ctypes.byref(p))
+    if msg is not None:
+        raise ValueError(f"invalid centroid-sparse settings: {msg.decode(errors='replace')}")
+
+
+def prepare(ctx: Any, tokens: Sequence[int], config: SqueezeConfig, *, seq_id: int = 0,
+            progress: Callable[[float], None] | None = None) -> SqueezeInfo:
+    """llama_squeeze_prepare: the cache must hold exactly `tokens` as sequence `seq_id`. ValueError on failure."""
+    check(config)
+    p = config.to_c()
+    error: list[BaseException] = []
+
+    def report(fraction: float, _user: Any) -> bool:
+        try:
+            if progress is not None:
+                progress(float(fraction))
+            return True
+        except BaseException as e:  # noqa: BLE001 (any exception, KeyboardInterrupt too, cancels; re-raised below)
+            error.append(e)
+            return False
+
+    callback = ProgressFn(report)  # referenced until the call returns
+    p.progress_callback = callback
+    arr = _tokens_array(tokens)
+    rc = _api().llama_squeeze_prepare(_ctx_ptr(ctx), _int32("seq_id", seq_id), arr, len(tokens), ctypes.byref(p))
+    if error:
+        raise error[0]
+    if rc != 0:
+        raise _error("llama_squeeze_prepare")
+    return info(ctx)
+
+
+def save(ctx: Any, path: str) -> None:
+    if _api().llama_squeeze_save(_ctx_ptr(ctx), str(path).encode()) != 0:
+        raise _error("llama_squeeze_save")
+
+
+def load(ctx: Any, path: str, tokens: Sequence[int] | None = None, *, seq_id: int = 0) -> SqueezeInfo:
+    arr = _tokens_array(tokens) if tokens is not None else None
+    n = len(tokens) if tokens is not None else 0
+    if _api().llama_squeeze_load(_ctx_ptr(ctx), _int32("seq_id", seq_id), str(path).encode(), arr, n) != 0:
+        raise _error("llama_squeeze_load")
+    return info(ctx)
+
+
+def clear(ctx: Any) -> None:
+    _api().llama_squeeze_clear(_ctx_ptr(ctx))
+
+
+def info(ctx: Any) -> SqueezeInfo:
+    c = _api().llama_squeeze_get_info(_ctx_ptr(ctx))
+    return SqueezeInfo(prepared=bool(c.prepared), seq_id=int(c.seq_id), n_prefix=int(c.n_prefix),
+                       n_clustered=int(c.n_clustered), n_layers=int(c.n_layers), levels=int(c.levels),
+                       threshold=float(c.threshold), threshold_coarse=float(c.threshold_coarse),
+                       kept_calib=float(c.kept_calib))
+
+
+def sidecar_path(state_path: str) -> str:
+    """Where the clusters of a saved fixed context live, next to its KV state file."""
+    return f"{state_path}.squeeze"

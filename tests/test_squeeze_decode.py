@@ -1,0 +1,360 @@
+"""Centroid-sparse attention over a prepared prefix in llama.cpp's decode path, on the real default model
+(SmolLM2-135M), every result against an oracle:
+
+* the threshold calibration against the float64 reference (`reference_squeeze.calibrate_threshold`);
+* dense attention, where keep = 1 must equal it and where a small keep must not (proof the op is used);
+* the same tokens computed another way: a question after another question equals a fresh preparation; a saved
+  and loaded prefix equals the original; a change inside the prefix drops it (and decoding stays correct);
+* clear errors for bad settings, a prefix that does not fit, a sidecar of another prefix or model.
+
+Logit tolerances are test_sparq_decode's (this Q4_1 model amplifies rounding; see its docstring).
+"""
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+from sparq_llama import Llama, SparqConfig, ops, reference_squeeze
+from sparq_llama import squeeze as squeeze_api
+from test_sparq_decode import TEXT, TOL, TOL_DENSE, Ctx, assert_logits_agree, rel_err
+
+from llama_cpp import llama_cpp as lc  # isort: skip
+
+N_CTX = 1024
+N_PREFIX = 600          # the document: 500 clustered tokens + 100 calibration tokens
+SETTINGS = dict(centroids=0.1, progress=False)   # 50 clusters per KV head
+
+
+# ---------------------------------------------------------------------------------------------------
+# The calibration against the float64 reference
+
+
+def _random_tables(rng, n_layers=3, h_kv=2, g=3, n_cent=24, d=16, n_rows=20, empty=3):
+    q = rng.standard_normal((n_layers, n_rows, h_kv * g, d)).astype(np.float32)
+    table = np.zeros((n_layers, h_kv, n_cent, d + 1), dtype=np.float32)
+    table[..., :d] = rng.standard_normal((n_layers, h_kv, n_cent, d)) * 0.8
+    table[..., d] = rng.integers(1, 40, size=(n_layers, h_kv, n_cent))
+    table[:, :, :empty, d] = 0  # empty clusters never count
+    return q, table
+
+
+def _reference_rows(q, table, scale, group):
+    """(group scores, sizes) per (layer, KV head, row), as calibrate_threshold takes them."""
+    n_layers, n_rows, n_head, d = q.shape
+    h_kv = table.shape[1]
+    g = n_head // h_kv
+    rows = []
+    for layer in range(n_layers):
+        for h in range(h_kv):
+            cent, sizes = table[layer, h, :, :d].astype(np.float64), table[layer, h, :, d].astype(np.float64)
+            for t in range(n_rows):
+                s = reference_squeeze.group_scores(q[layer, t, h * g:(h + 1) * g], cent, sizes, scale, group)
+                rows.append((s, sizes))
+    return rows
+
+
+@pytest.mark.parametrize("group", ["max", "mean"])
+@pytest.mark.parametrize("keep", [0.05, 0.2, 0.5, 1.0])
+def test_calibration_matches_reference(group, keep):
+    rng = np.random.default_rng(7)
+    q, table = _random_tables(rng)
+    scale = 0.25
+    t, _, kept = ops.squeeze_calibrate(q, table, scale=scale, keep=keep, group=group, n_threads=2)
+    rows = _reference_rows(q, table, scale, group)
+    want = reference_squeeze.calibrate_threshold(rows, keep)
+    assert t == pytest.approx(want, rel=1e-4, abs=1e-12), f"T = {t}, reference {want}"
+    # C's scores are float32, so the cluster at T itself may round to either side of it in float64
+    lo, hi = (np.mean([reference_squeeze.kept_fraction(s, n, t * f) for s, n in rows]) for f in (1 + 1e-5, 1 - 1e-5))
+    assert lo - 1e-6 <= kept <= hi + 1e-6, (lo, kept, hi)
+    assert kept >= keep - 1e-4
+    if keep < 1.0:  # the largest such T: a slightly higher one keeps less than asked
+        above = np.mean([reference_squeeze.kept_fraction(s, n, t * (1 + 1e-3)) for s, n in rows])
+        assert above < keep + 1e-4
+
+
+def test_two_level_calibration_matches_a_float64_oracle():
+    rng = np.random.default_rng(3)
+    q, table = _random_tables(rng, n_cent=30, empty=0)
+    n_layers, _, h_kv, d = q.shape[0], None, table.shape[1], q.shape[3]
+    n_coarse = 6
+    parent = rng.integers(0, n_coarse, size=(n_layers, h_kv, 30)).astype(np.int32)
+    coarse = np.zeros((n_layers, h_kv, n_coarse, d + 1), dtype=np.float32)
+    for layer in range(n_layers):
+        for h in range(h_kv):
+            for c in range(n_coarse):
+                members = parent[layer, h] == c
+                size = table[layer, h, members, d].sum()
+                coarse[layer, h, c, d] = size
+                if size > 0:
+                    coarse[layer, h, c, :d] = (table[layer, h, members, d:] * table[layer, h, members, :d]).sum(0) / size
+    scale, keep = 0.25, 0.2
+    t, tc, kept = ops.squeeze_calibrate(q, table, scale=scale, keep=keep, coarse=coarse, parent=parent)
+    # the oracle: coarse rows first (keep_coarse = 2 * keep), then the fine candidates under kept parents
+    g = q.shape[2] // h_kv
+    coarse_rows, fine = [], []
+    for layer in range(n_layers):
+        for h in range(h_kv):
+            cc, cn = coarse[layer, h, :, :d].astype(np.float64), coarse[layer, h, :, d].astype(np.float64)
+            fc, fn = table[layer, h, :, :d].astype(np.float64), table[layer, h, :, d].astype(np.float64)
+            for r in range(q.shape[1]):
+                qg = q[layer, r, h * g:(h + 1) * g].astype(np.float64)
+                zl = scale * qg @ cc.T + np.log(np.where(cn > 0, cn, 1.0))
+                log_z = np.log(np.exp(zl - zl.max(1, keepdims=True)).sum(1)) + zl.max(1)
+                sc = reference_squeeze.group_scores(qg, cc, cn, scale, "max", log_z)
+                sf = reference_squeeze.group_scores(qg, fc, fn, scale, "max", log_z)
+                coarse_rows.append((sc, cn))
+                fine.append((sc, cn, sf, fn, parent[layer, h]))
+    want_tc = reference_squeeze.calibrate_threshold(coarse_rows, 2 * keep)
+    assert tc == pytest.approx(want_tc, rel=1e-4)
+    base, pairs = 0.0, []
+    for sc, cn, sf, fn, par in fine:
+        kept_c = (sc >= tc) & (cn > 0)
+        kept_c[int(np.argmax(np.where(cn > 0, sc, -np.inf)))] = True
+        cand = (fn > 0) & kept_c[par]
+        best = int(np.argmax(np.where(cand, sf, -np.inf)))
+        base += fn[best] / fn.sum()
+        pairs += [(sf[i], fn[i] / fn.sum()) for i in np.flatnonzero(cand) if i != best]
+    pairs.sort(key=lambda p: -p[0])
+    cum = base + np.cumsum([w for _, w in pairs])
+    want_t = pairs[int(np.searchsorted(cum / len(fine), keep - 1e-12))][0]
+    assert t == pytest.approx(want_t, rel=1e-4)
+    assert kept >= keep - 1e-4
+
+
+def test_calibration_rejects_bad_arguments():
+    q, table = _random_tables(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="keep"):
+        ops.squeeze_calibrate(q, table, scale=0.25, keep=0.0)
+    with pytest.raises(ValueError, match="coarse and parent"):
+        ops.squeeze_calibrate(q, table, scale=0.25, keep=0.1, coarse=table)
+
+
+# ---------------------------------------------------------------------------------------------------
+# In llama.cpp's decode path
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    llm = Llama(str(smollm2_path), n_ctx=N_CTX, flash_attn=True, n_threads=1, n_threads_batch=1, verbose=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def toks(llm) -> list[int]:
+    return llm.tokenize(TEXT.encode(), add_bos=True)
+
+
+@pytest.fixture(scope="module")
+def doc(toks):
+    return toks[:N_PREFIX]
+
+
+@pytest.fixture(scope="module")
+def questions(toks):
+    return toks[700:716], toks[760:772]
+
+
+def _greedy_after(llm: Llama, question: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """The question decoded after the cache's prefix (one batch), then n - 1 greedy tokens one by one."""
+    ctx = Ctx.of(llm)
+    pos0 = int(lc.llama_memory_seq_pos_max(ctx.mem, 0)) + 1
+    logits = [ctx.prefill(question, pos0=pos0)[0]]
+    out = [int(np.argmax(logits[0]))]
+    for i in range(n - 1):
+        logits.append(ctx.decode([(out[-1], pos0 + len(question) + i, 0, True)])[0])
+        out.append(int(np.argmax(logits[-1])))
+    return out, np.array(logits)
+
+
+def _back_to_prefix(llm: Llama, n_prefix: int) -> None:
+    lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, n_prefix, -1)
+    llm.n_tokens = n_prefix
+
+
+@pytest.fixture(scope="module")
+def dense_answer(llm, doc, questions):
+    """Dense greedy answer to question 0 (16 steps), on the cache a preparation leaves (then cleared)."""
+    llm.prepare_fixed_context(doc, keep=1.0, **SETTINGS)
+    llm.clear_fixed_context()
+    return _greedy_after(llm, questions[0], 16)
+
+
+def test_keep_one_equals_dense(llm, doc, questions, dense_answer):
+    info = llm.prepare_fixed_context(doc, keep=1.0, **SETTINGS)
+    assert info.prepared and info.n_prefix == N_PREFIX and info.n_clustered == N_PREFIX - 100
+    assert info.n_layers == 30 and info.threshold == 0.0 and info.kept_calib == 1.0
+    tokens, logits = _greedy_after(llm, questions[0], 16)
+    d_tokens, d_logits = dense_answer
+    same = next((i for i, (a, b) in enumerate(zip(tokens, d_tokens)) if a != b), len(tokens))
+    assert_logits_agree(logits[:same + 1], d_logits[:same + 1], "keep = 1 vs dense", tol=TOL_DENSE)
+    assert tokens == d_tokens
+    assert llm.fixed_context.prepared  # the answer's cells come after the prefix
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.1])
+def test_small_keep_really_selects(llm, doc, questions, dense_answer, keep):
+    info = llm.prepare_fixed_context(doc, keep=keep, **SETTINGS)
+    assert abs(info.kept_calib - keep) < 0.02, info
+    assert info.threshold > 0
+    d_tokens, d_logits = dense_answer
+    ctx = Ctx.of(llm)
+    logits = ctx.prefill(questions[0] + d_tokens[:15], pos0=N_PREFIX, all_logits=True)[len(questions[0]) - 1:]
+    assert np.isfinite(logits).all()
+    err = rel_err(logits, d_logits)
+    assert err.max() > 1.5 * TOL_DENSE, f"keep {keep}: logits equal dense to {err.max():.2g}: is the op used?"
+    top5 = np.argsort(-logits, axis=1)[:, :5]
+    hits = np.mean([d_tokens[i] in top5[i] for i in range(len(d_tokens))])
+    assert hits >= 0.75, f"dense's greedy token in the centroid-sparse top 5 at only {hits:.0%} of steps"
+
+
+def test_question_after_question_equals_a_fresh_preparation(llm, doc, questions):
+    llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    _greedy_after(llm, questions[0], 8)
+    _back_to_prefix(llm, N_PREFIX)        # a new question: the old one and its answer go
+    assert llm.fixed_context.prepared
+    got = _greedy_after(llm, questions[1], 8)
+    llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    want = _greedy_after(llm, questions[1], 8)
+    assert got[0] == want[0]
+    assert_logits_agree(got[1], want[1], "second question vs a fresh preparation", tol=TOL)
+
+
+def test_create_completion_reuses_the_prefix(llm):
+    text = TEXT[:1500]
+    llm.prepare_fixed_context(text, keep=0.2, **SETTINGS)
+    out = llm.create_completion(text + " Who was the first keeper?", max_tokens=4, temperature=0)
+    assert out["choices"][0]["text"]
+    assert llm.fixed_context.prepared, "create_completion re-evaluated the prepared prefix"
+
+
+def test_change_inside_the_prefix_drops_it(llm, doc, questions):
+    llm.prepare_fixed_context(doc, keep=0.1, **SETTINGS)
+    mem = lc.llama_get_memory(llm.ctx)
+    lc.llama_memory_seq_rm(mem, 0, N_PREFIX - 20, -1)       # inside the calibration tail: kept
+    assert llm.fixed_context.prepared
+    Ctx.of(llm).prefill(doc[N_PREFIX - 20:], pos0=N_PREFIX - 20)
+    assert llm.fixed_context.prepared
+    lc.llama_memory_seq_rm(mem, 0, 100, 101)                # a clustered cell: dropped
+    got = _greedy_after(llm, questions[0], 4)[1]
+    assert not llm.fixed_context.prepared
+    # the oracle: the same removal with no prepared prefix (dense over the same cells)
+    # (the tail decoded again while the prefix was prepared: its keys come from the sparse path there too)
+    llm.prepare_fixed_context(doc, keep=0.1, **SETTINGS)
+    lc.llama_memory_seq_rm(mem, 0, N_PREFIX - 20, -1)
+    Ctx.of(llm).prefill(doc[N_PREFIX - 20:], pos0=N_PREFIX - 20)
+    llm.clear_fixed_context()
+    lc.llama_memory_seq_rm(mem, 0, 100, 101)
+    want = _greedy_after(llm, questions[0], 4)[1]
+    assert_logits_agree(got, want, "after the prefix was dropped vs dense", tol=TOL)
+
+
+def test_clear_and_cache_clear_drop_it(llm, doc):
+    llm.prepare_fixed_context(doc, keep=0.1, **SETTINGS)
+    llm.clear_fixed_context()
+    assert not llm.fixed_context.prepared
+    llm.prepare_fixed_context(doc, keep=0.1, **SETTINGS)
+    lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), True)
+    assert not llm.fixed_context.prepared
+
+
+def test_save_then_load_gives_the_same_outputs(llm, smollm2_path, doc, questions, tmp_path):
+    llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    _greedy_after(llm, questions[0], 2)                     # saving trims the cache back to the prefix
+    path = str(tmp_path / "doc.state")
+    llm.save_fixed_context(path)
+    want = _greedy_after(llm, questions[1], 8)
+    other = Llama(str(smollm2_path), n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False, fixed_context=path)
+    try:
+        info = other.fixed_context
+        assert info.prepared and info.n_prefix == N_PREFIX
+        assert info.threshold == llm.fixed_context.threshold
+        got = _greedy_after(other, questions[1], 8)
+    finally:
+        other.close()
+    assert got[0] == want[0]
+    assert_logits_agree(got[1], want[1], "loaded vs prepared", tol=TOL)
+
+
+def test_preparation_is_deterministic(llm, doc, tmp_path):
+    files = []
+    for i in range(2):
+        llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+        files.append(tmp_path / f"run{i}.squeeze")
+        squeeze_api.save(llm.ctx, str(files[-1]))
+    assert files[0].read_bytes() == files[1].read_bytes()
+
+
+def _sidecar(llm, doc, tmp_path) -> bytes:
+    llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    path = tmp_path / "ok.squeeze"
+    squeeze_api.save(llm.ctx, str(path))
+    return path.read_bytes()
+
+
+def test_mismatched_sidecar_fails_clearly(llm, doc, tmp_path):
+    good = _sidecar(llm, doc, tmp_path)
+    path = tmp_path / "bad.squeeze"
+    cases = {
+        "not a centroid-sparse prefix file": b"XXXX" + good[4:],
+        "format version 99": good[:4] + struct.pack("<I", 99) + good[8:],
+        "different model": good[:16] + bytes([good[16] ^ 1]) + good[17:],
+        "truncated": good[:len(good) // 2],
+    }
+    for expect, data in cases.items():
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match=expect):
+            squeeze_api.load(llm.ctx, str(path), doc)
+    path.write_bytes(good)
+    with pytest.raises(ValueError, match="different prefix"):
+        squeeze_api.load(llm.ctx, str(path), doc[:-1] + [doc[-1] + 1])
+    assert squeeze_api.load(llm.ctx, str(path), doc).prepared
+
+
+def test_bad_settings_fail_clearly(llm, smollm2_path, doc):
+    for kwargs, expect in ((dict(keep=0.0), "keep"), (dict(keep=1.5), "keep"), (dict(levels=3), "levels"),
+                           (dict(centroids=0.0), "centroids"), (dict(n_calib=0), "n_calib"),
+                           (dict(levels=2, centroids_coarse=0.5), "centroids_coarse")):
+        with pytest.raises(ValueError, match=expect):
+            llm.prepare_fixed_context(doc, **{**SETTINGS, **kwargs})
+    with pytest.raises(ValueError, match="more than this context holds"):
+        llm.prepare_fixed_context(doc * 2, **SETTINGS)
+    with pytest.raises(ValueError, match="flash attention"):
+        Llama(str(smollm2_path), n_ctx=N_CTX, flash_attn=False, verbose=False, fixed_context="x.state")
+    plain = Llama(str(smollm2_path), n_ctx=N_CTX, flash_attn=False, verbose=False)
+    try:
+        with pytest.raises(ValueError, match="flash attention"):
+            plain.prepare_fixed_context(doc, **SETTINGS)
+    finally:
+        plain.close()
+    # the C API directly: the cache must hold exactly the prefix
+    llm.prepare_fixed_context(doc, keep=1.0, **SETTINGS)
+    with pytest.raises(ValueError, match="positions after the prefix"):
+        squeeze_api.prepare(llm.ctx, doc[:300], squeeze_api.SqueezeConfig())
+    with pytest.raises(ValueError, match="fewer than the prefix"):
+        squeeze_api.prepare(llm.ctx, doc + doc[:10], squeeze_api.SqueezeConfig())
+
+
+def test_two_levels(llm, doc, questions, dense_answer):
+    info = llm.prepare_fixed_context(doc, keep=0.2, levels=2, centroids_coarse=0.02, **SETTINGS)
+    assert info.prepared and info.levels == 2 and info.threshold_coarse > 0
+    assert abs(info.kept_calib - 0.2) < 0.03, info
+    d_tokens, _ = dense_answer
+    logits = Ctx.of(llm).prefill(questions[0] + d_tokens[:15], pos0=N_PREFIX, all_logits=True)[len(questions[0]) - 1:]
+    top5 = np.argsort(-logits, axis=1)[:, :5]
+    assert np.mean([d_tokens[i] in top5[i] for i in range(len(d_tokens))]) >= 0.75
+
+
+def test_with_sparq_the_prefix_takes_precedence(llm, doc, questions):
+    llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    want = _greedy_after(llm, questions[0], 6)
+    try:
+        llm.set_sparq(SparqConfig(k1=8, k2=32, min_n_kv=0))
+        llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+        got = _greedy_after(llm, questions[0], 6)
+    finally:
+        llm.set_sparq(dataclasses.replace(llm.sparq, enabled=False))
+    assert got[0] == want[0]
+    assert_logits_agree(got[1], want[1], "prefix + SparQ vs prefix alone", tol=TOL)
