@@ -59,7 +59,11 @@ def test_demo_runs_dense_and_sparq_side_by_side(smollm2_path):
         assert out[key]["prefill"] > 0 and out[key]["decode"] > 0, res.stdout
         assert 1 <= out[key]["generated"] <= n_gen, res.stdout
         assert out[key]["text"].strip(), f"{key} generated no text:\n{res.stdout}"
-    assert out["speedup"] == pytest.approx(out["sparq"]["decode"] / out["dense"]["decode"], rel=0.02)
+    # the report prints tokens/s and the speedup to 2 decimals: the printed speedup must lie in the range the
+    # printed rates allow (at a loaded machine's < 1 token/s, their rounding alone moves the ratio by > 1%)
+    s, d, half = out["sparq"]["decode"], out["dense"]["decode"], 0.005
+    lo, hi = (s - half) / (d + half), (s + half) / max(d - half, 1e-9)
+    assert lo - half <= out["speedup"] <= hi + half, res.stdout
     # SmolLM2: head_dim 64, GQA (9 q / 3 kv heads) so no mean reallocation; n_kv = the prompt
     assert out["ratio_args"] == (n_prompt, 64, k1, k2, False)
     assert out["ratio"] == pytest.approx(transfer_ratio(n_prompt, 64, k1, k2, mean=False), abs=0.006)
