@@ -1,0 +1,46 @@
+"""llama-bench's centroid-sparse sweep (-squeeze-keep, -squeeze-centroids): the -d prefix is prepared once per
+test and stays prepared over the repetitions; bad values fail clearly before any test runs."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO, run
+
+sys.path.insert(0, str(REPO / "bench"))
+import random_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path_factory.mktemp("m") / "tiny.gguf")
+
+
+def test_keep_sweep_prepares_the_depth_once_and_keeps_it(tiny_model):
+    res = run(["llama-bench", "-m", str(tiny_model), "-p", "8", "-n", "4", "-d", "400", "-r", "3", "-t", "2",
+               "-squeeze-keep", "0,0.5,0.2", "-squeeze-centroids", "0.1", "-o", "json", "-v"], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    # dense once (the cluster count changes nothing without a prefix), then pp and tg per keep
+    assert sorted((r["squeeze_keep"], r["n_prompt"], r["n_gen"]) for r in rows) == [
+        (0.0, 0, 4), (0.0, 8, 0), (0.2, 0, 4), (0.2, 8, 0), (0.5, 0, 4), (0.5, 8, 0)]
+    assert all(r["n_depth"] == 400 and r["avg_ts"] > 0 and len(r["samples_ns"]) == 3 for r in rows)
+    assert all(r["squeeze_centroids"] == pytest.approx(0.1) for r in rows if r["squeeze_keep"] > 0)
+    # prepared once per sparse test (four), never dropped by the repetitions' removals after the prefix
+    assert res.stderr.count("centroid-sparse prefix prepared in") == 4, res.stderr[-3000:]
+    assert "dropped" not in res.stderr
+    assert res.stderr.count("centroid-sparse prefix of sequence 0: 400 tokens") == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-squeeze-keep", "0.1", "-p", "0", "-n", "4"], "-squeeze-keep needs a prefix to cluster"),
+    (["-squeeze-keep", "1.5", "-d", "64"], "invalid parameter for argument: -squeeze-keep"),
+    (["-squeeze-keep", "abc", "-d", "64"], "invalid parameter for argument: -squeeze-keep"),
+    (["-squeeze-keep", "0.1", "-squeeze-centroids", "0", "-d", "64"], "invalid parameter for argument: -squeeze-centroids"),
+])
+def test_bad_squeeze_values_fail_before_any_test(tiny_model, args, message):
+    res = run(["llama-bench", "-m", str(tiny_model), "-r", "1", "-t", "1", *args], timeout=120)
+    assert res.returncode == 1
+    assert message in res.stderr + res.stdout
+    assert "t/s" not in res.stdout.split("|")[-1]  # no result row
