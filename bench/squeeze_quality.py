@@ -2,6 +2,7 @@
 """Retrieval accuracy with a prepared fixed prefix (centroid-sparse attention) vs dense, on SmolLM2.
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
+    python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels]]
 
 The quality harness's retrieval task (`sparq_llama.eval.tasks`: needles with distractors in a haystack): each
 example's context is the fixed prefix, prefilled densely once; per setting it is prepared (clustered and
@@ -28,13 +29,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--n", type=int, default=10, help="examples (spread over depths 0.1 .. 0.9)")
-    ap.add_argument("--settings", default="0.3:max,0.2:max,0.1:max,0.1:mean")
+    ap.add_argument("--settings", default="0.3:max,0.2:max,0.1:max,0.1:mean",
+                    help="comma-separated keep:group[:centroids[:levels]] (centroids default --centroids, levels 1)")
     ap.add_argument("--centroids", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_quality.json")
     args = ap.parse_args()
 
-    settings = [(float(k), g) for k, g in (s.split(":") for s in args.settings.split(","))]
+    settings = []
+    for spec in args.settings.split(","):
+        keep, group, *rest = spec.split(":")
+        cent = float(rest[0]) if rest else args.centroids
+        levels = int(rest[1]) if len(rest) > 1 else 1
+        settings.append((spec if rest else f"keep{float(keep):g}-{group}",
+                         squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels)))
     engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=args.length + 64, n_threads=args.threads))
     depths = tuple(round(0.1 + 0.8 * i / max(1, args.n - 1), 3) for i in range(args.n))
     examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
@@ -44,21 +52,20 @@ def main() -> int:
         engine.clear()
         engine.prefill(ex.context)
         rec = {"id": ex.id, "depth": ex.meta["depth"], "answer": ex.meta["answer"], "dense": tasks.score(engine, ex)}
-        for keep, group in settings:
+        for name, config in settings:
             engine.truncate(len(ex.context))
-            info = squeeze.prepare(engine.ctx, ex.context,
-                                   squeeze.SqueezeConfig(centroids=args.centroids, keep=keep, group=group))
-            rec[f"keep{keep:g}-{group}"] = {**tasks.score(engine, ex), "kept_calib": info.kept_calib}
+            info = squeeze.prepare(engine.ctx, ex.context, config)
+            rec[name] = {**tasks.score(engine, ex), "kept_calib": info.kept_calib}
             engine.truncate(len(ex.context))
             squeeze.clear(engine.ctx)
         records.append(rec)
-    names = ["dense"] + [f"keep{k:g}-{g}" for k, g in settings]
+    names = ["dense"] + [name for name, _ in settings]
     acc = {n: sum(r[n]["correct"] for r in records) / len(records) for n in names}
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
     for n in names:
         print(f"{n:>14}: accuracy {acc[n]:.0%}" + (f" ({rel[n]:.0%} of dense)" if rel[n] is not None else ""))
     record = {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
-              "centroids": args.centroids, "threads": args.threads, "accuracy": acc, "relative_to_dense": rel,
+              "settings": {name: config.__dict__ for name, config in settings}, "threads": args.threads, "accuracy": acc, "relative_to_dense": rel,
               "wall_s": round(time.time() - t0, 1), "examples": records}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
