@@ -1,0 +1,98 @@
+"""Centroid-sparse attention on the command line (llama-completion --squeeze ...): a document is evaluated and
+prepared once, the prompt follows it without evaluating it again, a saved prefix loads and answers the same, keep 1
+answers as dense attention over the same tokens does, and bad flags fail clearly."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import run
+from sparq_llama import Llama, texts
+
+QUESTION = "\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is"
+GEN = ["-no-cnv", "--temp", "0", "-n", "8", "-t", "2", "-c", "2048"]
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory) -> str:
+    play = texts.read(texts.names()[0])
+    text = play[:2500] + "\n\nThe secret number of Alice is 48213.\n\n" + play[2500:3500]
+    path = tmp_path_factory.mktemp("doc") / "doc.txt"
+    path.write_text(text)
+    return str(path)
+
+
+def answer(stdout: str) -> str:
+    """The generated text: what follows the question (llama-completion echoes the prompt, the prefix included)."""
+    assert QUESTION.strip() in stdout, stdout[-2000:]
+    return stdout.split("Answer: The secret number of Alice is", 1)[1]
+
+
+def completion(model, *args: str) -> tuple[str, str]:
+    res = run(["llama-completion", "-m", str(model), *GEN, "-p", QUESTION, *args], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return answer(res.stdout), res.stderr
+
+
+def test_help_lists_the_flags():
+    res = run(["llama-completion", "--help"], timeout=60)
+    assert res.returncode == 0, res.stderr
+    for flag in ["--squeeze", "--squeeze-prefix-file", "--squeeze-centroids", "--squeeze-keep", "--squeeze-levels",
+                 "--squeeze-save", "--squeeze-load"]:
+        assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", res.stdout, re.MULTILINE), f"{flag} missing"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--squeeze-keep", "0.2"], "--squeeze-keep has no effect without --squeeze"),
+    (["--squeeze"], "--squeeze needs one of --squeeze-prefix-file"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-load", "b.state"], "--squeeze needs one of"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-keep", "1.5"], "must be a number in (0, 1]"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-centroids", "x"], "must be a number in (0, 1]"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-levels", "3"], "must be 1 or 2"),
+    (["--squeeze", "--squeeze-load", "b.state", "--squeeze-keep", "0.2"], "--squeeze-keep applies when preparing"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--prompt-cache", "c.bin"], "cannot be combined with --prompt-cache"),
+])
+def test_bad_flags_fail_before_loading(args, message):
+    res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert message in res.stderr + res.stdout
+
+
+def test_keep_1_answers_as_dense_over_the_same_tokens(smollm2_path, document):
+    got, log = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "1")
+    # the prompt follows the prepared prefix: only the question is evaluated after it
+    n_prefix = int(re.search(r"session file matches (\d+) / (\d+) tokens", log).group(1))
+    assert "prepared the fixed prefix" in log and "dropped" not in log
+    llm = Llama(str(smollm2_path), n_ctx=2048, flash_attn=True, n_threads=2, n_threads_batch=2, verbose=False)
+    try:
+        doc = open(document).read()
+        tokens = llm.tokenize(doc.encode(), add_bos=True, special=True)
+        assert len(tokens) == n_prefix
+        tokens += llm.tokenize(QUESTION.encode(), add_bos=False, special=True)
+        out = llm.create_completion(tokens, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    finally:
+        llm.close()
+    assert got.startswith(out), (got, out)
+    assert "48213" in got
+
+
+def test_saved_prefix_loads_and_answers_the_same(smollm2_path, document, tmp_path):
+    state = str(tmp_path / "doc.state")
+    prepared, log = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3",
+                               "--squeeze-save", state)
+    assert "saved the prepared prefix" in log
+    loaded, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state)
+    assert "loaded a prepared prefix" in log and "evaluating the fixed prefix" not in log and "dropped" not in log
+    assert loaded == prepared
+
+
+def test_missing_or_mismatched_files_fail(smollm2_path, document, tmp_path):
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-p", QUESTION, "--squeeze",
+               "--squeeze-load", str(tmp_path / "none.state")], timeout=120)
+    assert res.returncode != 0 and "failed to load the prefix's KV state" in res.stderr
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-p", QUESTION, "--squeeze",
+               "--squeeze-prefix-file", str(tmp_path / "none.txt")], timeout=120)
+    assert res.returncode != 0 and "cannot read --squeeze-prefix-file" in res.stderr
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN[:-1], "256", "-p", QUESTION, "--squeeze",
+               "--squeeze-prefix-file", document], timeout=120)
+    assert res.returncode != 0 and "must leave room for the prompt" in res.stderr
