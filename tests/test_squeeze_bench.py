@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO, run
 
 sys.path.insert(0, str(REPO / "bench"))
-import random_gguf  # noqa: E402
+import random_gguf
 
 
 @pytest.fixture(scope="module")
