@@ -4,6 +4,7 @@ answers as dense attention over the same tokens does, and bad flags fail clearly
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from conftest import run
@@ -65,7 +66,7 @@ def test_keep_1_answers_as_dense_over_the_same_tokens(smollm2_path, document):
     assert "prepared the fixed prefix" in log and "dropped" not in log
     llm = Llama(str(smollm2_path), n_ctx=2048, flash_attn=True, n_threads=2, n_threads_batch=2, verbose=False)
     try:
-        doc = open(document).read()
+        doc = Path(document).read_text()
         tokens = llm.tokenize(doc.encode(), add_bos=True, special=True)
         assert len(tokens) == n_prefix
         tokens += llm.tokenize(QUESTION.encode(), add_bos=False, special=True)
