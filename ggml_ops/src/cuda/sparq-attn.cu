@@ -25,6 +25,7 @@
 // (CUDA graphs stay on); no host round trip. History and measurements of each variant: bench/notes_cuda.md
 // (v6 = the bucket selection, v6a, and LV, v6b; SPARQ_CUDA_RADIX_SELECT=1 selects as v5c did, for measuring).
 #include "sparq-attn.cuh"
+#include "attn-cuda-common.cuh"
 
 #include "ggml-sparq.h"
 
@@ -33,6 +34,8 @@
 #include <cstring>
 
 namespace {
+
+using namespace attn_cuda;  // pdl_wait, pdl_release, to_f32, load8, load8_row
 
 constexpr int      A_THREADS   = 256;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
@@ -54,12 +57,11 @@ constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
 constexpr int      N_CTR       = 8;                      // per-row counters (see ctr_*)
 
-// Programmatic dependent launch (Hopper): each kernel is launched while its predecessor still runs and waits
-// here before it reads or writes anything (pdl_wait); the kernels of one or a few blocks per row also let
-// their successor's blocks launch at once (pdl_release), which hides the launch latency between the six
-// kernels. Kernel A releases only when it exits: its successor's blocks would take its SM slots.
-__device__ __forceinline__ void pdl_wait()    { ggml_cuda_pdl_sync(); }
-__device__ __forceinline__ void pdl_release() { ggml_cuda_pdl_lc(); }
+// Programmatic dependent launch (Hopper; pdl_wait / pdl_release in attn-cuda-common.cuh): each kernel is
+// launched while its predecessor still runs and waits before it reads or writes anything; the kernels of one
+// or a few blocks per row also let their successor's blocks launch at once (pdl_release), which hides the
+// launch latency between the six kernels. Kernel A releases only when it exits: its successor's blocks would
+// take its SM slots.
 
 // Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's last block prints
 // clock64() deltas between marks; for kernel tuning only.
@@ -115,33 +117,6 @@ struct sparq_scratch {
 
 // ---- loads -----------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(nv_bfloat16 x) { return __bfloat162float(x); }
-
-// 8 consecutive values from a 16-byte aligned address.
-__device__ __forceinline__ void load8(const half * p, float (&x)[8]) {
-    const uint4 u = *(const uint4 *) p;
-    const half2 * h = (const half2 *) &u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        x[2*i] = f.x; x[2*i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const nv_bfloat16 * p, float (&x)[8]) {
-    const uint4 u = *(const uint4 *) p;
-    const uint32_t w[4] = { u.x, u.y, u.z, u.w };
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        x[2*i]     = __uint_as_float(w[i] << 16);
-        x[2*i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-}
-__device__ __forceinline__ void load8(const float * p, float (&x)[8]) {
-    const float4 a = ((const float4 *) p)[0], b = ((const float4 *) p)[1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-}
 // 8 consecutive values kept as loaded (16 bytes of f16/bf16, 32 of f32) and converted where they are used:
 // kernel A keeps many rows in flight and so wants the loaded form, the smallest one.
 template <typename T> struct raw8 { uint4 u; };
@@ -161,19 +136,6 @@ __device__ __forceinline__ float raw8_at(const raw8<nv_bfloat16> & r, int i) {
 }
 __device__ __forceinline__ float raw8_at(const raw8<float> & r, int i) {
     return i < 4 ? ((const float *) &r.a)[i] : ((const float *) &r.b)[i - 4];
-}
-
-// Elements [e0, e0 + 8) of a row of n values, vector load when allowed, zero past the end.
-template <typename T>
-__device__ __forceinline__ void load8_row(const T * row, int64_t e0, int64_t n, bool vec, float (&x)[8]) {
-    if (vec && e0 + 8 <= n) {
-        load8(row + e0, x);
-        return;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        x[e] = e0 + e < n ? to_f32(row[e0 + e]) : 0.0f;
-    }
 }
 
 // Elements [e0, e0 + 8) of a row of n values in their loaded form (load8_row's rules).
