@@ -160,35 +160,29 @@ stage_opcheck() {  # benchmark (a) at B = 1 for three lengths: a quick look at a
     python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,131072 --batches 1 --out "$OUT/op_check.json" 2>&1 | grep -v "^wrote"
 }
 
-stage_test6() {
-    # the CUDA op tests with every part of kernel v6 on (SPARQ_CUDA_V6; off by default until these pass)
-    SPARQ_CUDA_V6=sel,lv,q python3 -m pytest -q -p no:cacheprovider --maxfail=30 tests/test_op_sparq_attn_cuda.py 2>&1 \
-        | tee "$OUT/test_cuda_v6.log" | tail -15
-}
-
-stage_testparts() {
-    # the CUDA op tests with one part of v6 on at a time (to find which one a failure comes from)
-    for on in sel lv q; do
-        echo "SPARQ_CUDA_V6=$on: $(SPARQ_CUDA_V6=$on python3 -m pytest -q -p no:cacheprovider --maxfail=5 \
-            tests/test_op_sparq_attn_cuda.py 2>&1 | tail -1)"
-    done
+stage_testradix() {
+    # the CUDA op tests with v5c's radix selection in kernels P and S (SPARQ_CUDA_RADIX_SELECT, the A/B of v6a)
+    SPARQ_CUDA_RADIX_SELECT=1 python3 -m pytest -q -p no:cacheprovider --maxfail=30 tests/test_op_sparq_attn_cuda.py 2>&1 \
+        | tee "$OUT/test_cuda_radix.log" | tail -3
 }
 
 stage_variants() {
-    # benchmark (a) at B = 1 for the v5c chain (none), all of v6 and each part alone (SPARQ_CUDA_V6, same build)
-    for on in none sel,lv,q sel lv q; do
-        echo "SPARQ_CUDA_V6=$on:"
-        SPARQ_CUDA_V6=$on python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,131072 --batches 1 \
-            --out "$OUT/op_check_v6_${on//,/_}.json" 2>&1 | grep -v "^wrote"
+    # benchmark (a) at B = 1: the default (v6: bucket selection + kernel LV) and the radix selection (same build)
+    for sel in bucket radix; do
+        echo "selection: $sel"
+        local env=(); [ $sel = radix ] && env=(SPARQ_CUDA_RADIX_SELECT=1)
+        env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1 \
+            --out "$OUT/op_check_$sel.json" 2>&1 | grep -v "^wrote"
     done
 }
 
 stage_ncu32() {
-    # per-kernel times (ncu) at S = 32k, Llama-2 heads: the v5c chain and v6
-    for on in none sel,lv,q; do
-        SPARQ_CUDA_V6=$on ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 32768 --batch 1 \
-            --runs 2 > "$OUT/ncu32_v6_${on//,/_}.csv" 2>&1
-        echo "S = 32768, SPARQ_CUDA_V6=$on:"; python3 bench/ncu_summary.py "$OUT/ncu32_v6_${on//,/_}.csv"
+    # per-kernel times (ncu) at S = 32k, Llama-2 heads: bucket (default) and radix selection
+    for sel in bucket radix; do
+        local env=(); [ $sel = radix ] && env=(SPARQ_CUDA_RADIX_SELECT=1)
+        env "${env[@]}" ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 32768 --batch 1 \
+            --runs 2 > "$OUT/ncu32_$sel.csv" 2>&1
+        echo "S = 32768, selection $sel:"; python3 bench/ncu_summary.py "$OUT/ncu32_$sel.csv"
     done
 }
 

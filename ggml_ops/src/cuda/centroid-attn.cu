@@ -20,6 +20,7 @@
 // Launch sizes depend on shapes only (CUDA graphs stay on); no host round trip. Every reduction runs in a fixed
 // order: repeated runs give identical bits.
 #include "centroid-attn.cuh"
+#include "attn-cuda-common.cuh"
 
 #include "ggml-centroid.h"
 
@@ -27,6 +28,8 @@
 #include <cstdint>
 
 namespace {
+
+using namespace attn_cuda;  // pdl_wait, to_f32, load8, load8_row, warp_sum, warp_max
 
 constexpr int      S_THREADS    = 256;   // kernels S1 and S2
 constexpr int      S_WARPS      = S_THREADS / WARP_SIZE;
@@ -42,8 +45,6 @@ constexpr int      MAX_G        = 128;
 constexpr int      TABLE_REGS   = MAX_HEAD_DIM / WARP_SIZE;  // a table row held by a warp
 constexpr uint16_t F16_NEG_INF  = 0xFC00;
 constexpr int64_t  WAVE_BYTES   = int64_t(256) << 20;  // scratch budget of one wave of rows
-
-__device__ __forceinline__ void pdl_wait() { ggml_cuda_pdl_sync(); }
 
 struct centroid_args {
     const char * q; const char * k; const char * v; const char * mask;
@@ -75,49 +76,6 @@ struct centroid_scratch {
     float   * fscore;  // [W][n_cent]: fine group scores, -1 for unscored (kernel S2, two levels)
     float   * part;    // [W][n_chunks][G][2 + d_v]: chunk max, sum and weighted sum of V (kernel A)
 };
-
-// ---- loads -----------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(nv_bfloat16 x) { return __bfloat162float(x); }
-
-// 8 consecutive values from a 16-byte aligned address.
-__device__ __forceinline__ void load8(const half * p, float (&x)[8]) {
-    const uint4 u = *(const uint4 *) p;
-    const half2 * h = (const half2 *) &u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        x[2*i] = f.x; x[2*i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const nv_bfloat16 * p, float (&x)[8]) {
-    const uint4 u = *(const uint4 *) p;
-    const uint32_t w[4] = { u.x, u.y, u.z, u.w };
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        x[2*i]     = __uint_as_float(w[i] << 16);
-        x[2*i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-}
-__device__ __forceinline__ void load8(const float * p, float (&x)[8]) {
-    const float4 a = ((const float4 *) p)[0], b = ((const float4 *) p)[1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-}
-
-// Elements [e0, e0 + 8) of a row of n values, one vector load when allowed, zero past the end.
-template <typename T>
-__device__ __forceinline__ void load8_row(const T * row, int64_t e0, int64_t n, bool vec, float (&x)[8]) {
-    if (vec && e0 + 8 <= n) {
-        load8(row + e0, x);
-        return;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        x[e] = e0 + e < n ? to_f32(row[e0 + e]) : 0.0f;
-    }
-}
 
 // ---- row addressing --------------------------------------------------------------------------------
 
@@ -157,24 +115,6 @@ __device__ __forceinline__ float logit_of(const centroid_args & a, float dot) {
 }
 
 // ---- reductions ------------------------------------------------------------------------------------
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-    for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xFFFFFFFF, v, off);
-    }
-    return v;
-}
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-#pragma unroll
-    for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
-        const T o = __shfl_xor_sync(0xFFFFFFFF, v, off);
-        v = o > v ? o : v;
-    }
-    return v;
-}
 
 // Maximum over the block (every thread gets it). red: S_WARPS shared slots.
 static __device__ uint64_t block_max_u64(uint64_t v, uint64_t * red) {

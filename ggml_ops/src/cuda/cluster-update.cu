@@ -11,12 +11,15 @@
 // row is read once. The spherical norm is summed in double, as on the CPU (a warp tree instead of a loop: the
 // normalised rows can differ from the CPU's in the last bit).
 #include "cluster-update.cuh"
+#include "attn-cuda-common.cuh"
 
 #include "ggml-centroid.h"
 
 #include <cstdint>
 
 namespace {
+
+using namespace attn_cuda;  // pdl_wait, warp_sum
 
 constexpr int CU_WARPS     = 4;                     // clusters per block
 constexpr int CU_MAX_DIM   = 1024;
@@ -31,19 +34,10 @@ struct cluster_args {
     bool table;
 };
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-    for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
-        v += __shfl_xor_sync(0xFFFFFFFF, v, off);
-    }
-    return v;
-}
-
 // REGS components per lane: d <= 32 REGS.
 template <int REGS>
 __global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(const cluster_args a) {
-    ggml_cuda_pdl_sync();
+    pdl_wait();
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t i = (int64_t) blockIdx.x*CU_WARPS + warp, h = blockIdx.y;
     if (i >= a.n) {  // warp-uniform; no block barrier below

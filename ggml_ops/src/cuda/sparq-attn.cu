@@ -2,30 +2,30 @@
 // kernel (ggml_ops/src/cpu/sparq-attn-cpu.cpp) is the reference for every detail (tie rules included).
 //
 // A row is (KV head h, query row t, stream s), as on the CPU; the query heads of h's group share the row's
-// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, seven
+// selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, six
 // short kernels. Each kernel's grid is either one block per row (the serial steps) or is split along the
-// sequence, over I2 or over output slices, so that every SM works even with 8 KV heads:
+// sequence or over output slices, so that every SM works even with 8 KV heads:
 //   Q. query (one block per row): I1 and the scaled query components at I1.
 //   A. scores (grid: chunks of A_CHUNK cells x rows): the approximate logits of each chunk and the chunk's
 //      softmax max/sum and visible-cell statistics.
 //   P. prepare (one block per row): merges the chunk statistics (softmax normaliser, visible count,
-//      position range) and sets a candidate threshold from a strided sample of the group score, so that
-//      about 4x the needed cells pass it.
+//      position range) and sets a candidate threshold from a strided sample of the group score (one bucket
+//      pass over the sample's keys), so that about 4x the needed cells pass it.
 //   B. sweep (grid: chunks of B_CHUNK cells x rows): marks the row's forced cells (window and sinks, or every
-//      visible cell of a dense row) in a bitmap whose words it owns, and appends the cells whose group score
-//      passes the threshold to the row's candidate list.
-//   S. select (one block per row): the exact top of the candidates (radix select on (score, cell) keys,
-//      equal scores going to the lower cell), I2 in cell order out of the bitmap, alpha_g.
-//   L. logits (grid: blocks of I2 x rows): exact logits of every head of the group over I2.
-//   V. values (grid: output slices x heads, rows): softmax, Sparse-V cut, weighted sum of V, mean mix.
-// One block per row would run the last three as a serial chain of memory round trips (~45 us per step).
+//      visible cell of a dense row) in a bitmap whose words it owns, lists the forced cells of sparse rows, and
+//      appends the cells whose group score passes the threshold to the row's candidate list.
+//   S. select (one block per row): the exact top of the candidates by (score, cell) keys, equal scores going
+//      to the lower cell (one bucket pass, the boundary bucket ranked pairwise; radix select where it is
+//      large), I2 in cell order (from the lists for k2 <= LIST_MAX_K2, else out of the bitmap), alpha_g.
+//   LV. logits and values (grid: output slices x heads, rows): exact logits of the head over I2, softmax,
+//      Sparse-V cut, weighted sum of V, mean mix.
+// One block per row would run the last steps as a serial chain of memory round trips (~45 us per step).
 // When the sample misleads (too few or too many candidates) or positions are not distinct, kernel S
 // falls back to exact selections over all cells: slower, same result. Launch sizes depend on shapes only
-// (CUDA graphs stay on); no host round trip.
-// Kernel v6 (opt-in, SPARQ_CUDA_V6=sel,lv,q, until measured on a device; bench/notes_cuda.md): sel = P's threshold
-// and S's top by one bucket pass, I2 from lists instead of the bitmap; lv = L and V as one kernel; q = no kernel Q,
-// each A block finds I1 itself.
+// (CUDA graphs stay on); no host round trip. History and measurements of each variant: bench/notes_cuda.md
+// (v6 = the bucket selection, v6a, and LV, v6b; SPARQ_CUDA_RADIX_SELECT=1 selects as v5c did, for measuring).
 #include "sparq-attn.cuh"
+#include "attn-cuda-common.cuh"
 
 #include "ggml-sparq.h"
 
@@ -34,6 +34,8 @@
 #include <cstring>
 
 namespace {
+
+using namespace attn_cuda;  // pdl_wait, pdl_release, to_f32, load8, load8_row
 
 constexpr int      A_THREADS   = 256;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
@@ -55,12 +57,11 @@ constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
 constexpr int      N_CTR       = 8;                      // per-row counters (see ctr_*)
 
-// Programmatic dependent launch (Hopper): each kernel is launched while its predecessor still runs and waits
-// here before it reads or writes anything (pdl_wait); the kernels of one or a few blocks per row also let
-// their successor's blocks launch at once (pdl_release), which hides the launch latency between the seven
-// kernels. Kernel A releases only when it exits: its successor's blocks would take its SM slots.
-__device__ __forceinline__ void pdl_wait()    { ggml_cuda_pdl_sync(); }
-__device__ __forceinline__ void pdl_release() { ggml_cuda_pdl_lc(); }
+// Programmatic dependent launch (Hopper; pdl_wait / pdl_release in attn-cuda-common.cuh): each kernel is
+// launched while its predecessor still runs and waits before it reads or writes anything; the kernels of one
+// or a few blocks per row also let their successor's blocks launch at once (pdl_release), which hides the
+// launch latency between the six kernels. Kernel A releases only when it exits: its successor's blocks would
+// take its SM slots.
 
 // Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's last block prints
 // clock64() deltas between marks; for kernel tuning only.
@@ -95,8 +96,6 @@ struct sparq_args {
     bool vec_kt, vec_kv, vec_logits;
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
-    bool fused_lv;                 // kernels L and V as one kernel (v6b)
-    bool fused_q;                  // kernel A finds I1 itself, no kernel Q (v6c)
 };
 
 struct sparq_scratch {
@@ -114,38 +113,10 @@ struct sparq_scratch {
     int32_t  * forced;   // [W][k2]: the forced cells of sparse rows, unordered (kernel B, bucket_sel)
     int32_t  * i2;       // [W][k2]: I2 in cell order (kernel S)
     float    * alpha;    // [W][G]: approximate probability mass of I2 (kernel S)
-    float    * weights;  // [W][G][k2]: exact logits over I2 (kernel L)
 };
 
 // ---- loads -----------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(nv_bfloat16 x) { return __bfloat162float(x); }
-
-// 8 consecutive values from a 16-byte aligned address.
-__device__ __forceinline__ void load8(const half * p, float (&x)[8]) {
-    const uint4 u = *(const uint4 *) p;
-    const half2 * h = (const half2 *) &u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        x[2*i] = f.x; x[2*i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(const nv_bfloat16 * p, float (&x)[8]) {
-    const uint4 u = *(const uint4 *) p;
-    const uint32_t w[4] = { u.x, u.y, u.z, u.w };
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        x[2*i]     = __uint_as_float(w[i] << 16);
-        x[2*i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
-}
-__device__ __forceinline__ void load8(const float * p, float (&x)[8]) {
-    const float4 a = ((const float4 *) p)[0], b = ((const float4 *) p)[1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-}
 // 8 consecutive values kept as loaded (16 bytes of f16/bf16, 32 of f32) and converted where they are used:
 // kernel A keeps many rows in flight and so wants the loaded form, the smallest one.
 template <typename T> struct raw8 { uint4 u; };
@@ -165,19 +136,6 @@ __device__ __forceinline__ float raw8_at(const raw8<nv_bfloat16> & r, int i) {
 }
 __device__ __forceinline__ float raw8_at(const raw8<float> & r, int i) {
     return i < 4 ? ((const float *) &r.a)[i] : ((const float *) &r.b)[i - 4];
-}
-
-// Elements [e0, e0 + 8) of a row of n values, vector load when allowed, zero past the end.
-template <typename T>
-__device__ __forceinline__ void load8_row(const T * row, int64_t e0, int64_t n, bool vec, float (&x)[8]) {
-    if (vec && e0 + 8 <= n) {
-        load8(row + e0, x);
-        return;
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        x[e] = e0 + e < n ? to_f32(row[e0 + e]) : 0.0f;
-    }
 }
 
 // Elements [e0, e0 + 8) of a row of n values in their loaded form (load8_row's rules).
@@ -547,7 +505,7 @@ __device__ void row_query(const sparq_args & a, const row_coords & c, float * ab
 }
 
 // Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
-// for kernel A (when kernel A does not find them itself: fused_q).
+// for kernel A.
 __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks
     __shared__ int i1[MAX_HEAD_DIM];
@@ -571,14 +529,14 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
 // Heads g0 .. g0+NG of the row into shared memory: scaled components at I1 (SparQ) or whole rows (exact).
 template <int POL, int NG>
 __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
-                                int64_t g0, float * qs, const float * qall) {
+                                int64_t g0, float * qs) {
     const int64_t G = a.group, d = a.d;
     const int k1 = a.p.k1;
     __syncthreads();  // qs of the previous pass is no longer read
     if (POL == SC_KT || POL == SC_GATHER) {
         for (int idx = threadIdx.x; idx < NG*k1; idx += blockDim.x) {
             const int gg = idx / k1, i = idx % k1;
-            qs[idx] = g0 + gg >= G ? 0.0f : qall ? qall[(g0 + gg)*k1 + i] : s.qs[(w*G + g0 + gg)*k1 + i];
+            qs[idx] = g0 + gg >= G ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
         }
     } else if (POL == SC_EXACT) {
         for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
@@ -721,18 +679,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
     const int k1 = a.p.k1;
-    __shared__ float fac[MAX_G];
-    float * qall = nullptr;  // [G][k1] scaled components when this block finds I1 itself (fused_q)
-    if ((POL == SC_KT || POL == SC_GATHER) && a.fused_q) {
-        // kernel Q's work (v6c): the query rows are a few KB, read from L2 by every block of the row
-        qall = qs + NG*k1;
-        float * absum = qall + G*k1;
-        row_query(a, c, absum, (int *) (absum + d), i1_buf, fac);
-        for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
-            const int64_t g = idx / k1, i = idx % k1;
-            qall[idx] = q_row(a, c.h*G + g, c)[i1_buf[i]] * fac[g];
-        }
-    } else if (POL == SC_KT || POL == SC_GATHER) {
+    if (POL == SC_KT || POL == SC_GATHER) {
         for (int i = threadIdx.x; i < k1; i += blockDim.x) {
             i1_buf[i] = s.i1[w*k1 + i];
         }
@@ -757,7 +704,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
 
     if (POL != SC_NONE) {
         for (int64_t g0 = 0; g0 < G; g0 += NG) {
-            load_query_pass<POL, NG>(a, s, w, c, g0, qs, qall);
+            load_query_pass<POL, NG>(a, s, w, c, g0, qs);
             float acc[NG][A_CELLS];
 #pragma unroll
             for (int g = 0; g < NG; ++g) {
@@ -921,31 +868,6 @@ __host__ __device__ __forceinline__ int threads_per_row(int64_t n) {
         tpr <<= 1;
     }
     return tpr;
-}
-
-// Rows i2[ib + uu*slots + slot] (uu < 4) of a cache tensor (row stride nb1, n values of type T): this thread's
-// vectors lr + vi*tpr of each, zero past n and past n_sel. Four rows in flight per thread group.
-template <typename T, int VPT>
-__device__ __forceinline__ void gather_rows4(const char * base, size_t nb1, const int32_t * i2, int n_sel, int ib,
-                                             int slots, int slot, int lr, int tpr, int64_t n, bool vec,
-                                             float (&x)[4][VPT][8]) {
-#pragma unroll
-    for (int uu = 0; uu < 4; ++uu) {
-        const int i = ib + uu*slots + slot;
-        const T * row = (const T *) (base + (int64_t) (i < n_sel ? i2[i] : 0)*nb1);
-#pragma unroll
-        for (int vi = 0; vi < VPT; ++vi) {
-            const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
-            if (i < n_sel && e0 < n) {
-                load8_row(row, e0, n, vec, x[uu][vi]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    x[uu][vi][e] = 0.0f;
-                }
-            }
-        }
-    }
 }
 
 __device__ __forceinline__ void mark_cell(uint32_t * bm, int64_t j) { atomicOr(&bm[j >> 5], 1u << (j & 31)); }
@@ -1330,181 +1252,18 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     SPARQ_TIMING_PRINT("S: select, I2, alpha", w, 4);
 }
 
-// Kernel L (grid: blocks of selected cells x rows): exact logits of every head of the group over I2, a group
-// of tpr threads per cell (8 components per thread and vector), 4 cells in flight per group.
-constexpr int L_THREADS = 128;
-__host__ __device__ inline int l_cells_per_block(int64_t d) { return 4 * (L_THREADS / threads_per_row(d)); }
-
-template <typename T, int VPT>
-__global__ void __launch_bounds__(L_THREADS) sparq_logits(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    pdl_wait();
-    pdl_release();
-    const int64_t w = blockIdx.y;
-    const int64_t n_sel = s.rinfo[w*N_RI + RI_N_SEL];
-    const int tpr = threads_per_row(a.d), slots = blockDim.x / tpr, slot = threadIdx.x / tpr, lr = threadIdx.x % tpr;
-    const int ib = blockIdx.x * 4*slots;
-    if (ib >= n_sel) {
-        return;
-    }
-    const row_coords c = coords_of(a, r0 + w);
-    const int64_t G = a.group, d = a.d, k2 = a.p.k2;
-    const int32_t * i2 = s.i2 + w*k2;
-    float x[4][VPT][8];
-    gather_rows4<T, VPT>(a.k + c.h*a.k_nb2 + c.st*a.k_nb3, a.k_nb1, i2, (int) n_sel, ib, slots, slot, lr, tpr, d,
-                         a.vec_kv, x);
-    for (int64_t g = 0; g < G; ++g) {
-        const float * qg = q_row(a, c.h*G + g, c);
-        float qv[VPT][8];
-#pragma unroll
-        for (int vi = 0; vi < VPT; ++vi) {
-            const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                qv[vi][e] = e0 + e < d ? qg[e0 + e] : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int uu = 0; uu < 4; ++uu) {
-            const int i = ib + uu*slots + slot;
-            float dot = 0.0f;
-#pragma unroll
-            for (int vi = 0; vi < VPT; ++vi) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    dot += qv[vi][e] * x[uu][vi][e];
-                }
-            }
-            for (int off = tpr/2; off > 0; off >>= 1) {
-                dot += __shfl_xor_sync(0xFFFFFFFF, dot, off);
-            }
-            if (lr == 0 && i < n_sel) {
-                s.weights[(w*G + g)*k2 + i] = logit_exact(a, dot);
-            }
-        }
-    }
-}
-
-// Kernel V (grid: (slices of V_SLICE output components) x heads, rows): one head's softmax over I2 (recomputed
-// by each block of the row, in a fixed order), the Sparse-V threshold, and the weighted sum of the V rows'
-// slice: 8 components per thread, V_SLICE/8 threads per cell, the cell groups reduced through shared memory;
-// then the mean-value mix.
+// Kernel LV (grid: (slices of V_SLICE output components) x heads, rows): the exact logits of one head over I2
+// into shared memory, then its softmax over I2 (recomputed by each block of the row, in a fixed order), the
+// Sparse-V threshold, and the weighted sum of the V rows' slice: 8 components per thread, V_SLICE/8 threads per
+// cell, the cell groups reduced through shared memory; then the mean-value mix.
 constexpr int V_THREADS = 256;
 constexpr int V_SLICE   = 32;
 constexpr int V_TPC     = V_SLICE / 8;              // threads per cell
 constexpr int V_GROUPS  = V_THREADS / V_TPC;        // cells in flight per round
 
-template <typename T>
-__global__ void __launch_bounds__(V_THREADS) sparq_values(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    __shared__ float red[32];
-    __shared__ float part[V_GROUPS][V_SLICE];
-    pdl_wait();
-    const int64_t w = blockIdx.y, G = a.group, d_v = a.d_v, k2 = a.p.k2;
-    const int64_t n_slices = (d_v + V_SLICE - 1) / V_SLICE;
-    const int64_t slice = blockIdx.x % n_slices, g = blockIdx.x / n_slices;
-    const row_coords c = coords_of(a, r0 + w);
-    const int64_t * ri = s.rinfo + w*N_RI;
-    const int64_t kind = ri[RI_KIND], n_sel = ri[RI_N_SEL];
-    float * out = (float *) (a.dst + (c.h*G + g)*a.o_nb1 + c.t*a.o_nb2 + c.st*a.o_nb3);
-    const int tid = threadIdx.x, grp = tid / V_TPC, lr = tid % V_TPC;
-    const int64_t dim0 = slice*V_SLICE;
-    if (kind == ROW_EMPTY) {
-        if (tid < V_SLICE && dim0 + tid < d_v) {
-            out[dim0 + tid] = 0.0f;
-        }
-        return;
-    }
-    // softmax statistics of head g over I2 and the Sparse-V cut: weight_i = exp(l_i - mx) * inv, kept when
-    // >= keep (the largest always stays), renormalised by 1/kept
-    const float * lg = s.weights + (w*G + g)*k2;
-    float mx = -INFINITY;
-    for (int64_t i = tid; i < n_sel; i += blockDim.x) {
-        mx = fmaxf(mx, lg[i]);
-    }
-    mx = block_reduce(mx, op_max(), -INFINITY, red);
-    float sum = 0.0f;
-    for (int64_t i = tid; i < n_sel; i += blockDim.x) {
-        sum += __expf(lg[i] - mx);
-    }
-    sum = block_reduce(sum, op_add(), 0.0f, red);
-    const float inv = 1.0f / sum;
-    float keep = 0.0f, renorm = 1.0f;
-    if (a.p.sparse_v_thresh > 0.0f) {
-        keep = fminf(a.p.sparse_v_thresh, inv);  // inv: the weight of the largest logit
-        float kept = 0.0f;
-        for (int64_t i = tid; i < n_sel; i += blockDim.x) {
-            const float p = __expf(lg[i] - mx) * inv;
-            kept += p >= keep ? p : 0.0f;
-        }
-        renorm = 1.0f / block_reduce(kept, op_add(), 0.0f, red);
-    }
-    // this thread's 8 components of the slice over cells grp, grp + V_GROUPS, ...; two cells in flight
-    const char * vb = a.v + c.h*a.v_nb2 + c.st*a.v_nb3;
-    const int64_t e0 = dim0 + lr*8;
-    float acc[8] = {};
-    for (int64_t i0 = grp; i0 < n_sel; i0 += 2*V_GROUPS) {
-        float x[2][8];
-        float p[2];
-#pragma unroll
-        for (int uu = 0; uu < 2; ++uu) {
-            const int64_t i = i0 + uu*V_GROUPS;
-            p[uu] = 0.0f;
-            if (i < n_sel) {
-                const float wi = __expf(lg[i] - mx) * inv;
-                p[uu] = wi >= keep ? wi * renorm : 0.0f;
-                load8_row((const T *) (vb + (int64_t) s.i2[w*k2 + i]*a.v_nb1), e0, d_v, a.vec_kv, x[uu]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    x[uu][e] = 0.0f;
-                }
-            }
-        }
-#pragma unroll
-        for (int uu = 0; uu < 2; ++uu) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                acc[e] += p[uu] * x[uu][e];
-            }
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        part[grp][lr*8 + e] = acc[e];
-    }
-    __syncthreads();
-    if (tid < V_SLICE && dim0 + tid < d_v) {
-        float y = 0.0f;
-        for (int q = 0; q < V_GROUPS; ++q) {
-            y += part[q][tid];
-        }
-        if (kind == ROW_SPARSE && a.p.mean_on) {
-            // mean of V over the visible cells: from the running sums, or (none given) over all of V
-            const int64_t dim = dim0 + tid;
-            float vmean;
-            if (a.vsum) {
-                const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
-                vmean = vs[d_v] > 0.0f ? vs[dim] / vs[d_v] : 0.0f;
-            } else {
-                const uint16_t * m = mask_row(a, c);
-                float vsum = 0.0f;
-                for (int64_t j = 0; j < a.n_kv; ++j) {
-                    if (visible(m, j)) {
-                        vsum += to_f32(((const T *) (vb + j*a.v_nb1))[dim]);
-                    }
-                }
-                vmean = vsum / (float) ri[RI_N_VIS];
-            }
-            const float al = s.alpha[w*G + g];
-            y = al*y + (1.0f - al)*vmean;
-        }
-        out[dim0 + tid] = y;
-    }
-}
-
-// Kernels L and V as one (v6b; grid as kernel V's): each block computes the exact logits of its head over I2 into
-// shared memory (the arithmetic of kernel L: same products, same order), its V rows' slice in flight meanwhile,
-// then kernel V's softmax, Sparse-V cut, weighted sum and mean mix. The K rows are read once per output slice
-// (from L2 after the first): a kernel boundary and the weights' round trip through global memory less.
+// The logits: a group of tpr threads per cell (8 components per thread and vector), CIF cells in flight per group,
+// the V rows' first slice loaded together with the K rows. Each block of the head reads the K rows over I2 (from L2
+// after the first); v6b, measured against separate kernels L and V in bench/notes_cuda.md.
 template <typename T, int VPT>
 __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ __align__(16) unsigned char smlv[];  // [k2] I2, [k2] logits of head g
@@ -1731,31 +1490,21 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
     ensure_smem<sparq_select>(smem_s);
     ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
     const dim3 grid_v((unsigned) (((a.d_v + V_SLICE - 1) / V_SLICE) * a.group), (unsigned) nw);
-    if (a.fused_lv) {
-        const size_t smem_lv = 2*sizeof(float)*a.p.k2;
-        switch (vpt) {
-            case 1:
-                ensure_smem<sparq_logits_values<T, 1>>(smem_lv);
-                ggml_cuda_kernel_launch(sparq_logits_values<T, 1>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
-                break;
-            case 2:
-                ensure_smem<sparq_logits_values<T, 2>>(smem_lv);
-                ggml_cuda_kernel_launch(sparq_logits_values<T, 2>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
-                break;
-            default:
-                ensure_smem<sparq_logits_values<T, 4>>(smem_lv);
-                ggml_cuda_kernel_launch(sparq_logits_values<T, 4>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
-                break;
-        }
-        return;
-    }
-    const dim3 grid_l((unsigned) ((a.p.k2 + l_cells_per_block(a.d) - 1) / l_cells_per_block(a.d)), (unsigned) nw);
+    const size_t smem_lv = 2*sizeof(float)*a.p.k2;
     switch (vpt) {
-        case 1:  ggml_cuda_kernel_launch(sparq_logits<T, 1>, ggml_cuda_kernel_launch_params(grid_l, L_THREADS, 0, stream), a, s, r0); break;
-        case 2:  ggml_cuda_kernel_launch(sparq_logits<T, 2>, ggml_cuda_kernel_launch_params(grid_l, L_THREADS, 0, stream), a, s, r0); break;
-        default: ggml_cuda_kernel_launch(sparq_logits<T, 4>, ggml_cuda_kernel_launch_params(grid_l, L_THREADS, 0, stream), a, s, r0); break;
+        case 1:
+            ensure_smem<sparq_logits_values<T, 1>>(smem_lv);
+            ggml_cuda_kernel_launch(sparq_logits_values<T, 1>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
+            break;
+        case 2:
+            ensure_smem<sparq_logits_values<T, 2>>(smem_lv);
+            ggml_cuda_kernel_launch(sparq_logits_values<T, 2>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
+            break;
+        default:
+            ensure_smem<sparq_logits_values<T, 4>>(smem_lv);
+            ggml_cuda_kernel_launch(sparq_logits_values<T, 4>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
+            break;
     }
-    ggml_cuda_kernel_launch(sparq_values<T>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, 0, stream), a, s, r0);
 }
 
 bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
@@ -1763,7 +1512,7 @@ bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
-    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, weights, total;
+    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, total;
 };
 scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     const int64_t G = a.group;
@@ -1784,7 +1533,6 @@ scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     p.forced   = take(a.bucket_sel ? sizeof(int32_t) * W*a.p.k2 : 0);
     p.i2       = take(sizeof(int32_t) * W*a.p.k2);
     p.alpha    = take(sizeof(float) * W*G);
-    p.weights  = take(sizeof(float) * W*G*a.p.k2);
     p.total    = o;
     return p;
 }
@@ -1859,19 +1607,16 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
     a.timing     = getenv("SPARQ_CUDA_TIMING") != nullptr;
-    {   // SPARQ_CUDA_V6=sel,lv,q turns the parts of kernel v6 on (v6a, v6b, v6c; same results). Off by default until
-        // they have passed the CUDA op tests on a device (bench/notes_cuda.md, v6).
-        static const char * on = getenv("SPARQ_CUDA_V6");
-        a.bucket_sel = on && strstr(on, "sel");
-        a.fused_lv   = on && strstr(on, "lv");
-        a.fused_q    = on && strstr(on, "q");
-    }
+    // SPARQ_CUDA_RADIX_SELECT=1: kernels P and S select with v5c's radix passes and S builds I2 from the bitmap
+    // (same results; for measuring v6a against it, bench/notes_cuda.md)
+    static const bool radix_select = getenv("SPARQ_CUDA_RADIX_SELECT") != nullptr;
+    a.bucket_sel = !radix_select;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
     const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
-    const int64_t n_vec = (a.d + 7) / 8;  // kernel L: vectors of 8 components per thread
+    const int64_t n_vec = (a.d + 7) / 8;  // kernel LV: K vectors of 8 components per thread
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
 
     const int64_t n_rows = a.n_head_kv * a.n_q * a.ns;
@@ -1895,17 +1640,15 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.forced   = (int32_t *)  (base + plan.forced);
     s.i2       = (int32_t *)  (base + plan.i2);
     s.alpha    = (float *)    (base + plan.alpha);
-    s.weights  = (float *)    (base + plan.weights);
 
     const size_t smem_q = sizeof(float) * 2*a.d;
-    a.fused_q = a.fused_q && (pol == SC_KT || pol == SC_GATHER) && G*a.p.k1 <= 4096;
-    const size_t smem_a = sizeof(float) * (ng*std::max<int64_t>(a.p.k1, a.d) + (a.fused_q ? G*a.p.k1 + 2*a.d : 0));
+    const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
-        if ((pol == SC_KT || pol == SC_GATHER) && !a.fused_q) {
+        if (pol == SC_KT || pol == SC_GATHER) {
             ggml_cuda_kernel_launch(sparq_query, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream),
                                     a, s, r0);
         }
