@@ -24,13 +24,13 @@ struct buffer_deleter { void operator()(ggml_backend_buffer * b) const { ggml_ba
 struct gallocr_deleter { void operator()(ggml_gallocr * g) const { ggml_gallocr_free(g); } };
 using ctx_ptr = std::unique_ptr<ggml_context, ctx_deleter>;
 
-ctx_ptr graph_context() {
+static ctx_ptr graph_context() {
     ggml_init_params ip = { ggml_tensor_overhead() * 32 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     return ctx_ptr(ggml_init(ip));
 }
 
 // Allocates the graph's intermediate tensors and runs it; false on failure.
-bool run_graph(ggml_backend_t backend, ggml_gallocr * galloc, ggml_cgraph * gf) {
+static bool run_graph(ggml_backend_t backend, ggml_gallocr * galloc, ggml_cgraph * gf) {
     return ggml_gallocr_alloc_graph(galloc, gf) && ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS;
 }
 

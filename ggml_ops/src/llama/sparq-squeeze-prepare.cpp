@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <thread>
 
 namespace sparq_squeeze_detail {
@@ -490,6 +492,168 @@ void sparq_squeeze_access::clear(llama_context & ctx) {
     reset_graphs(ctx);
 }
 
+// Which layers take part; the others stay dense (logged once per reason). Returns how many take part.
+int sparq_squeeze_access::select_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st) {
+    const auto & hp = ctx.model.hparams;
+    st.layers.resize(kv.layers.size());
+    int n_active = 0;
+    std::map<std::string, std::string> dense; // reason -> layers
+    for (size_t ikv = 0; ikv < kv.layers.size(); ++ikv) {
+        const auto & layer = kv.layers[ikv];
+        auto & L = st.layers[ikv];
+        const uint32_t il = layer.il;
+        L.d = hp.n_embd_head_k(il);
+        L.n_head_kv = hp.n_head_kv(il);
+        const ggml_type kt = layer.k->type;
+        if (hp.is_swa(il)) {
+            L.reason = "sliding-window layer (its read is bounded)";
+        } else if (layer.v == nullptr || (kt != GGML_TYPE_F32 && kt != GGML_TYPE_F16 && kt != GGML_TYPE_BF16) || layer.v->type != kt) {
+            L.reason = std::string("KV cache type ") + ggml_type_name(kt) + " (the op reads f32, f16 or bf16 caches)";
+        } else if (!sqp::device_runs_op(layer.k, layer.v, L.d, hp.n_embd_head_v(il), hp.n_head(il), L.n_head_kv, st.params.levels == 2)) {
+            L.reason = std::string("no ggml_centroid_attn kernel for this case on ") +
+                       ggml_backend_buft_name(ggml_backend_buffer_get_type(layer.k->buffer));
+        }
+        if (!L.reason.empty()) {
+            auto & list = dense[L.reason];
+            list += (list.empty() ? "" : ",") + std::to_string(il);
+            continue;
+        }
+        L.active = true;
+        n_active++;
+    }
+    for (const auto & [reason, list] : dense) {
+        LLAMA_LOG_INFO("%s: centroid-sparse: dense attention for layers %s: %s\n", __func__, list.c_str(), reason.c_str());
+    }
+    return n_active;
+}
+
+// Step 1: the calibration queries. The prefix's last n_prefix - n_clustered tokens are removed and decoded
+// again while the graph hook copies each layer's query rows out: q_rows[il] = [n_calib][n_head][d].
+std::string sparq_squeeze_access::capture_queries(llama_context & ctx, squeeze_kv_state & st, const int32_t * tokens,
+                                                  std::map<int32_t, std::vector<float>> & q_rows) {
+    const int32_t seq_id = st.seq_id, n_prefix = st.n_prefix, n_clustered = st.n_clustered;
+    st.capturing = true;
+    reset_graphs(ctx);
+    if (!llama_memory_seq_rm(llama_get_memory(&ctx), seq_id, n_clustered, -1)) {
+        return "this model's memory cannot remove the prefix's last tokens to decode them again (recurrent "
+               "layers); centroid-sparse preparation needs that";
+    }
+    const int32_t n_ub = (int32_t) ctx.cparams.n_ubatch;
+    for (int32_t p0 = n_clustered; p0 < n_prefix; p0 += n_ub) {
+        const int32_t n = std::min(n_ub, n_prefix - p0);
+        llama_batch batch = llama_batch_init(n, 0, 1);
+        for (int32_t i = 0; i < n; ++i) {
+            batch.token[i] = tokens[p0 + i];
+            batch.pos[i] = p0 + i;
+            batch.n_seq_id[i] = 1;
+            batch.seq_id[i][0] = seq_id;
+            batch.logits[i] = p0 + i == n_prefix - 1;
+        }
+        batch.n_tokens = n;
+        st.captured_q.clear();
+        const int32_t rc = llama_decode(&ctx, batch);
+        llama_batch_free(batch);
+        if (rc != 0) {
+            return "decoding the calibration tokens failed (llama_decode returned " + std::to_string(rc) +
+                   "); the cache lost positions from " + std::to_string(p0);
+        }
+        for (auto & [il, t] : st.captured_q) {
+            auto & rows = q_rows[il];
+            const size_t off = rows.size();
+            rows.resize(off + ggml_nelements(t));
+            ggml_backend_tensor_get(t, rows.data() + off, 0, ggml_nbytes(t));
+        }
+    }
+    st.capturing = false;
+    st.captured_q.clear();
+    reset_graphs(ctx);
+    return "";
+}
+
+// Step 2: k-means of each active layer's clustered keys (positions [0, n_clustered)) on the backend that holds
+// its cache, then the coarse level; progress(f) reports f in [0.05, 0.9] and cancels by returning false.
+std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_cache & kv, squeeze_kv_state & st,
+                                                 int64_t n_cent, int64_t n_coarse, int n_active,
+                                                 const std::function<bool(float)> & progress) {
+    std::string err = prefix_cells(kv, st.seq_id, st.n_prefix, st.n_clustered, true, st.stream, st.cells);
+    if (!err.empty()) {
+        return err;
+    }
+    const int64_t n_clustered = st.n_clustered;
+    const uint32_t kv_size = kv.get_size();
+    for (size_t ikv = 0, done = 0; ikv < kv.layers.size(); ++ikv) {
+        auto & L = st.layers[ikv];
+        if (!L.active) {
+            continue;
+        }
+        const auto & layer = kv.layers[ikv];
+        ggml_backend_t backend = backend_for(ctx, layer.k);
+        if (backend == nullptr) {
+            return "no backend of this context holds layer " + std::to_string(layer.il) + "'s cache";
+        }
+        L.n_cent = n_cent;
+        L.table.assign((size_t) L.n_head_kv*n_cent*(L.d + 1), 0.0f);
+        L.assign.assign((size_t) L.n_head_kv*n_clustered, 0);
+        // a chunk of heads at a time keeps the similarity matrix [n_cent, P, heads] f32 under ~1 GiB
+        const int64_t per_head = n_cent*n_clustered*(int64_t) sizeof(float);
+        const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(L.n_head_kv, (int64_t(1) << 30)/std::max<int64_t>(1, per_head)));
+        for (int64_t h0 = 0; h0 < L.n_head_kv; h0 += chunk) {
+            const int64_t n_h = std::min(chunk, L.n_head_kv - h0);
+            sparq_kmeans_result res;
+            err = sqp::cluster_heads(backend, layer.k, kv_size, st.stream, L.d, h0, n_h, st.cells, n_cent,
+                                     st.params.n_iter, res);
+            if (!err.empty()) {
+                return "layer " + std::to_string(layer.il) + ": " + err;
+            }
+            std::copy(res.table.begin(), res.table.end(), L.table.begin() + h0*n_cent*(L.d + 1));
+            std::copy(res.assignment.begin(), res.assignment.end(), L.assign.begin() + h0*n_clustered);
+        }
+        if (n_coarse > 0) {
+            err = sqp::cluster_coarse(backend, L, n_coarse, st.params.n_iter);
+            if (!err.empty()) {
+                return "layer " + std::to_string(layer.il) + " (coarse level): " + err;
+            }
+        }
+        if (!progress(0.05f + 0.85f*(float) ++done/(float) n_active)) {
+            return "cancelled";
+        }
+    }
+    return "";
+}
+
+// Step 3: the thresholds from the captured queries (st.threshold, st.threshold_coarse, st.kept_calib).
+std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st,
+                                                   std::map<int32_t, std::vector<float>> & q_rows, int32_t n_calib) {
+    const auto & hp = ctx.model.hparams;
+    std::vector<sqp::calib_layer> cls;
+    for (size_t ikv = 0; ikv < kv.layers.size(); ++ikv) {
+        const auto & L = st.layers[ikv];
+        const uint32_t il = kv.layers[ikv].il;
+        if (!L.active) {
+            continue;
+        }
+        auto it = q_rows.find((int32_t) il);
+        if (it == q_rows.end() || st.captured_scale.count((int32_t) il) == 0) {
+            return "layer " + std::to_string(il) + "'s queries were not captured (its graph does not reach "
+                   "llama.cpp's KV attention)";
+        }
+        sqp::calib_layer cl;
+        cl.L      = &L;
+        cl.n_head = hp.n_head(il);
+        cl.scale  = st.captured_scale[(int32_t) il];
+        cl.q      = std::move(it->second);
+        if ((int64_t) cl.q.size() != (int64_t) n_calib*cl.n_head*L.d) {
+            return "layer " + std::to_string(il) + ": captured query rows have an unexpected size";
+        }
+        cls.push_back(std::move(cl));
+    }
+    st.kept_calib = sqp::calibrate_levels(cls, n_calib, st.params.group, st.params.levels, st.params.keep, st.params.keep_coarse,
+                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st.threshold,
+                                           &st.threshold_coarse);
+    st.captured_scale.clear();
+    return "";
+}
+
 std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
                                           const llama_squeeze_params & params) {
     if (const char * msg = llama_squeeze_check(&params)) {
@@ -525,37 +689,7 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         return err;
     }
 
-    // which layers take part
-    const auto & hp = ctx.model.hparams;
-    st->layers.resize(kv->layers.size());
-    int n_active = 0;
-    std::map<std::string, std::string> dense; // reason -> layers
-    for (size_t ikv = 0; ikv < kv->layers.size(); ++ikv) {
-        const auto & layer = kv->layers[ikv];
-        auto & L = st->layers[ikv];
-        const uint32_t il = layer.il;
-        L.d = hp.n_embd_head_k(il);
-        L.n_head_kv = hp.n_head_kv(il);
-        const ggml_type kt = layer.k->type;
-        if (hp.is_swa(il)) {
-            L.reason = "sliding-window layer (its read is bounded)";
-        } else if (layer.v == nullptr || (kt != GGML_TYPE_F32 && kt != GGML_TYPE_F16 && kt != GGML_TYPE_BF16) || layer.v->type != kt) {
-            L.reason = std::string("KV cache type ") + ggml_type_name(kt) + " (the op reads f32, f16 or bf16 caches)";
-        } else if (!sqp::device_runs_op(layer.k, layer.v, L.d, hp.n_embd_head_v(il), hp.n_head(il), L.n_head_kv, params.levels == 2)) {
-            L.reason = std::string("no ggml_centroid_attn kernel for this case on ") +
-                       ggml_backend_buft_name(ggml_backend_buffer_get_type(layer.k->buffer));
-        }
-        if (!L.reason.empty()) {
-            auto & list = dense[L.reason];
-            list += (list.empty() ? "" : ",") + std::to_string(il);
-            continue;
-        }
-        L.active = true;
-        n_active++;
-    }
-    for (const auto & [reason, list] : dense) {
-        LLAMA_LOG_INFO("%s: centroid-sparse: dense attention for layers %s: %s\n", __func__, list.c_str(), reason.c_str());
-    }
+    const int n_active = select_layers(ctx, *kv, *st);
     if (n_active == 0) {
         return "no layer can use centroid-sparse attention (see the log)";
     }
@@ -569,122 +703,22 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         return why;
     };
 
-    // 1. capture the calibration queries by decoding the tail again
-    kv->squeeze = st;
-    st->capturing = true;
-    reset_graphs(ctx);
-    if (!llama_memory_seq_rm(llama_get_memory(&ctx), seq_id, n_clustered, -1)) {
-        return fail("this model's memory cannot remove the prefix's last tokens to decode them again (recurrent "
-                    "layers); centroid-sparse preparation needs that");
-    }
+    kv->squeeze = st; // the graph hook captures the queries through it
     std::map<int32_t, std::vector<float>> q_rows; // il -> [n_calib][n_head][d]
-    const int32_t n_ub = (int32_t) ctx.cparams.n_ubatch;
-    for (int32_t p0 = n_clustered; p0 < n_prefix; p0 += n_ub) {
-        const int32_t n = std::min(n_ub, n_prefix - p0);
-        llama_batch batch = llama_batch_init(n, 0, 1);
-        for (int32_t i = 0; i < n; ++i) {
-            batch.token[i] = tokens[p0 + i];
-            batch.pos[i] = p0 + i;
-            batch.n_seq_id[i] = 1;
-            batch.seq_id[i][0] = seq_id;
-            batch.logits[i] = p0 + i == n_prefix - 1;
-        }
-        batch.n_tokens = n;
-        st->captured_q.clear();
-        const int32_t rc = llama_decode(&ctx, batch);
-        llama_batch_free(batch);
-        if (rc != 0) {
-            return fail("decoding the calibration tokens failed (llama_decode returned " + std::to_string(rc) +
-                        "); the cache lost positions from " + std::to_string(p0));
-        }
-        for (auto & [il, t] : st->captured_q) {
-            auto & rows = q_rows[il];
-            const size_t off = rows.size();
-            rows.resize(off + ggml_nelements(t));
-            ggml_backend_tensor_get(t, rows.data() + off, 0, ggml_nbytes(t));
-        }
-    }
-    st->capturing = false;
-    st->captured_q.clear();
-    reset_graphs(ctx);
-    if (!progress(0.05f)) {
-        return fail("cancelled");
-    }
-
-    // 2. cluster each active layer's prefix keys where its cache lives
-    err = prefix_cells(*kv, seq_id, n_prefix, n_clustered, true, st->stream, st->cells);
+    err = capture_queries(ctx, *st, tokens, q_rows);
     if (!err.empty()) {
         return fail(err);
     }
-    const uint32_t kv_size = kv->get_size();
-    for (size_t ikv = 0, done = 0; ikv < kv->layers.size(); ++ikv) {
-        auto & L = st->layers[ikv];
-        if (!L.active) {
-            continue;
-        }
-        const auto & layer = kv->layers[ikv];
-        ggml_backend_t backend = backend_for(ctx, layer.k);
-        if (backend == nullptr) {
-            return fail("no backend of this context holds layer " + std::to_string(layer.il) + "'s cache");
-        }
-        L.n_cent = n_cent;
-        L.table.assign((size_t) L.n_head_kv*n_cent*(L.d + 1), 0.0f);
-        L.assign.assign((size_t) L.n_head_kv*n_clustered, 0);
-        // a chunk of heads at a time keeps the similarity matrix [n_cent, P, heads] f32 under ~1 GiB
-        const int64_t per_head = n_cent*n_clustered*(int64_t) sizeof(float);
-        const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(L.n_head_kv, (int64_t(1) << 30)/std::max<int64_t>(1, per_head)));
-        for (int64_t h0 = 0; h0 < L.n_head_kv; h0 += chunk) {
-            const int64_t n_h = std::min(chunk, L.n_head_kv - h0);
-            sparq_kmeans_result res;
-            err = sqp::cluster_heads(backend, layer.k, kv_size, st->stream, L.d, h0, n_h, st->cells, n_cent,
-                                     params.n_iter, res);
-            if (!err.empty()) {
-                return fail("layer " + std::to_string(layer.il) + ": " + err);
-            }
-            std::copy(res.table.begin(), res.table.end(), L.table.begin() + h0*n_cent*(L.d + 1));
-            std::copy(res.assignment.begin(), res.assignment.end(), L.assign.begin() + h0*n_clustered);
-        }
-        if (n_coarse > 0) {
-            err = sqp::cluster_coarse(backend, L, n_coarse, params.n_iter);
-            if (!err.empty()) {
-                return fail("layer " + std::to_string(layer.il) + " (coarse level): " + err);
-            }
-        }
-        if (!progress(0.05f + 0.85f*(float) ++done/(float) n_active)) {
-            return fail("cancelled");
-        }
+    if (!progress(0.05f)) {
+        return fail("cancelled");
     }
-
-    // 3. calibrate the thresholds on the captured queries
-    std::vector<sqp::calib_layer> cls;
-    for (size_t ikv = 0; ikv < kv->layers.size(); ++ikv) {
-        const auto & L = st->layers[ikv];
-        const uint32_t il = kv->layers[ikv].il;
-        if (!L.active) {
-            continue;
-        }
-        auto it = q_rows.find((int32_t) il);
-        if (it == q_rows.end() || st->captured_scale.count((int32_t) il) == 0) {
-            return fail("layer " + std::to_string(il) + "'s queries were not captured (its graph does not reach "
-                        "llama.cpp's KV attention)");
-        }
-        sqp::calib_layer cl;
-        cl.L      = &L;
-        cl.n_head = hp.n_head(il);
-        cl.scale  = st->captured_scale[(int32_t) il];
-        cl.q      = std::move(it->second);
-        if ((int64_t) cl.q.size() != (int64_t) n_calib*cl.n_head*L.d) {
-            return fail("layer " + std::to_string(il) + ": captured query rows have an unexpected size");
-        }
-        cls.push_back(std::move(cl));
+    err = cluster_layers(ctx, *kv, *st, n_cent, n_coarse, n_active, progress);
+    if (err.empty()) {
+        err = calibrate_layers(ctx, *kv, *st, q_rows, n_calib);
     }
-    st->kept_calib = sqp::calibrate_levels(cls, n_calib, params.group, params.levels, params.keep, params.keep_coarse,
-                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st->threshold,
-                                           &st->threshold_coarse);
-    st->captured_scale.clear();
-
-    // 4. the device tables
-    err = install(*kv, *st);
+    if (err.empty()) {
+        err = install(*kv, *st);
+    }
     if (!err.empty()) {
         return fail(err);
     }

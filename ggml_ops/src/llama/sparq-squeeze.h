@@ -8,6 +8,8 @@
 #include "sparq-llama-internal.h"
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -35,6 +37,14 @@ struct sparq_squeeze_access {
     static std::string prepare(llama_context & ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
                                const llama_squeeze_params & params);
     static std::string save(llama_context & ctx, const char * path);
+    // prepare's steps
+    static int select_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st);
+    static std::string capture_queries(llama_context & ctx, squeeze_kv_state & st, const int32_t * tokens,
+                                       std::map<int32_t, std::vector<float>> & q_rows);
+    static std::string cluster_layers(llama_context & ctx, llama_kv_cache & kv, squeeze_kv_state & st, int64_t n_cent,
+                                      int64_t n_coarse, int n_active, const std::function<bool(float)> & progress);
+    static std::string calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st,
+                                        std::map<int32_t, std::vector<float>> & q_rows, int32_t n_calib);
     static std::string load(llama_context & ctx, int32_t seq_id, const char * path, const int32_t * tokens,
                             int32_t n_tokens);
     static void clear(llama_context & ctx);
