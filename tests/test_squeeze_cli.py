@@ -85,6 +85,14 @@ def test_saved_prefix_loads_and_answers_the_same(smollm2_path, document, tmp_pat
     loaded, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state)
     assert "loaded a prepared prefix" in log and "evaluating the fixed prefix" not in log and "dropped" not in log
     assert loaded == prepared
+    # the Python API reads what the CLI saved (one format): same prefix, same settings
+    llm = Llama(str(smollm2_path), n_ctx=2048, flash_attn=True, n_threads=2, verbose=False, fixed_context=state)
+    try:
+        info = llm.fixed_context
+        n_prefix = int(re.search(r"loaded a prepared prefix of (\d+) tokens", log).group(1))
+        assert info.prepared and info.n_prefix == n_prefix and info.kept_calib == pytest.approx(0.3, abs=0.01)
+    finally:
+        llm.close()
 
 
 def test_missing_or_mismatched_files_fail(smollm2_path, document, tmp_path):
