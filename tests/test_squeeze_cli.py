@@ -105,3 +105,13 @@ def test_missing_or_mismatched_files_fail(smollm2_path, document, tmp_path):
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN[:-1], "256", "-p", QUESTION, "--squeeze",
                "--squeeze-prefix-file", document], timeout=120)
     assert res.returncode != 0 and "must leave room for the prompt" in res.stderr
+
+
+def test_with_sparq_the_prepared_prefix_decides(smollm2_path, document):
+    # --sparq and --squeeze together: the prepared prefix takes precedence in its layers, so the answer is the one
+    # --squeeze gives alone (and SparQ is on: its settings line is logged)
+    alone, _ = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3")
+    both, log = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3",
+                           "-v", "--sparq", "--k2", "64", "--sparq-min-kv", "0")
+    assert "SparQ on: k1 = 0 (head_dim/4), k2 = 64" in log and "dropped" not in log
+    assert both == alone
