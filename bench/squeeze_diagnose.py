@@ -15,16 +15,14 @@ Writes bench/results/squeeze_diagnose.json (every example's outputs, accuracy pe
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from cuda_common import provenance
 from sparq_llama import squeeze
 from sparq_llama.eval import tasks
-from sparq_llama.eval.engine import Engine, EngineConfig
-from sparq_llama.models import fetch
-from tqdm import tqdm
+from sparq_llama.eval.engine import Engine
+from squeeze_quality import accuracy, retrieval_setup, run_examples, write_record
 
 
 def run_setting(engine: Engine, ex: tasks.Example, mode: str, config: squeeze.SqueezeConfig) -> dict:
@@ -61,28 +59,13 @@ def main() -> int:
     for s in args.settings.split(","):
         mode, keep, *cent = s.split(":")
         settings.append((s, mode, squeeze.SqueezeConfig(keep=float(keep), centroids=float(cent[0]) if cent else 0.05)))
-    engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=args.length + 64, n_threads=args.threads))
-    depths = tuple(round(0.1 + 0.8 * i / max(1, args.n - 1), 3) for i in range(args.n))
-    examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
-                                        n_distractors=2, seed=0)
-    records, t0 = [], time.time()
-    for ex in tqdm(examples, desc="examples"):
-        engine.clear()
-        engine.prefill(ex.context)
-        rec = {"id": ex.id, "answer": ex.meta["answer"], "dense": tasks.score(engine, ex)}
-        for name, mode, config in settings:
-            rec[name] = run_setting(engine, ex, mode, config)
-        records.append(rec)
-        print(rec["answer"], {k: v["output"][:12].strip() for k, v in rec.items() if isinstance(v, dict)}, flush=True)
-    names = ["dense"] + [s[0] for s in settings]
-    acc = {n: sum(r[n]["correct"] for r in records) / len(records) for n in names}
-    for n in names:
-        print(f"{n:>16}: accuracy {acc[n]:.0%}")
-    record = {**provenance(), "model": "smollm2", "length": args.length, "n": len(records), "accuracy": acc,
-              "wall_s": round(time.time() - t0, 1), "examples": records}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    engine, examples = retrieval_setup(args.length, args.n, args.threads)
+    t0 = time.time()
+    records = run_examples(engine, examples, lambda ex: {name: run_setting(engine, ex, mode, config)
+                                                         for name, mode, config in settings})
+    acc = accuracy(records, ["dense"] + [s[0] for s in settings])
+    write_record(args.out, {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
+                            "accuracy": acc, "wall_s": round(time.time() - t0, 1), "examples": records})
     engine.close()
     return 0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cuda_common import provenance
@@ -23,6 +24,41 @@ from sparq_llama.eval import tasks
 from sparq_llama.eval.engine import Engine, EngineConfig
 from sparq_llama.models import fetch
 from tqdm import tqdm
+
+
+def retrieval_setup(length: int, n: int, threads: int) -> tuple[Engine, list[tasks.Example]]:
+    """SmolLM2 and n retrieval examples of `length` tokens, needles at depths spread over 0.1 .. 0.9."""
+    engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=length + 64, n_threads=threads))
+    depths = tuple(round(0.1 + 0.8 * i / max(1, n - 1), 3) for i in range(n))
+    return engine, tasks.retrieval_examples(engine, lengths=(length,), depths=depths, n_per_cell=1,
+                                            n_distractors=2, seed=0)
+
+
+def run_examples(engine: Engine, examples: list[tasks.Example],
+                 score_settings: Callable[[tasks.Example], dict[str, dict]]) -> list[dict]:
+    """Per example: the context prefilled densely once, dense's answer, then score_settings(ex)'s records (each
+    setting must leave the cache holding the context alone)."""
+    records = []
+    for ex in tqdm(examples, desc="examples"):
+        engine.clear()
+        engine.prefill(ex.context)
+        rec = {"id": ex.id, "depth": ex.meta["depth"], "answer": ex.meta["answer"], "dense": tasks.score(engine, ex)}
+        records.append({**rec, **score_settings(ex)})
+    return records
+
+
+def accuracy(records: list[dict], names: list[str]) -> dict[str, float]:
+    acc = {n: sum(r[n]["correct"] for r in records) / len(records) for n in names}
+    for n in names:
+        rel = f" ({acc[n] / acc['dense']:.0%} of dense)" if acc["dense"] else ""
+        print(f"{n:>16}: accuracy {acc[n]:.0%}{rel}")
+    return acc
+
+
+def write_record(out: Path, record: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
 
 
 def main() -> int:
@@ -43,33 +79,27 @@ def main() -> int:
         levels = int(rest[1]) if len(rest) > 1 else 1
         settings.append((spec if rest else f"keep{float(keep):g}-{group}",
                          squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels)))
-    engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=args.length + 64, n_threads=args.threads))
-    depths = tuple(round(0.1 + 0.8 * i / max(1, args.n - 1), 3) for i in range(args.n))
-    examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
-                                        n_distractors=2, seed=0)
-    records, t0 = [], time.time()
-    for ex in tqdm(examples, desc="examples"):
-        engine.clear()
-        engine.prefill(ex.context)
-        rec = {"id": ex.id, "depth": ex.meta["depth"], "answer": ex.meta["answer"], "dense": tasks.score(engine, ex)}
+    engine, examples = retrieval_setup(args.length, args.n, args.threads)
+
+    def score_settings(ex: tasks.Example) -> dict[str, dict]:
+        out = {}
         for name, config in settings:
             engine.truncate(len(ex.context))
             info = squeeze.prepare(engine.ctx, ex.context, config)
-            rec[name] = {**tasks.score(engine, ex), "kept_calib": info.kept_calib}
+            out[name] = {**tasks.score(engine, ex), "kept_calib": info.kept_calib}
             engine.truncate(len(ex.context))
             squeeze.clear(engine.ctx)
-        records.append(rec)
+        return out
+
+    t0 = time.time()
+    records = run_examples(engine, examples, score_settings)
     names = ["dense"] + [name for name, _ in settings]
-    acc = {n: sum(r[n]["correct"] for r in records) / len(records) for n in names}
+    acc = accuracy(records, names)
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
-    for n in names:
-        print(f"{n:>14}: accuracy {acc[n]:.0%}" + (f" ({rel[n]:.0%} of dense)" if rel[n] is not None else ""))
-    record = {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
-              "settings": {name: config.__dict__ for name, config in settings}, "threads": args.threads, "accuracy": acc, "relative_to_dense": rel,
-              "wall_s": round(time.time() - t0, 1), "examples": records}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
+                            "settings": {name: config.__dict__ for name, config in settings},
+                            "threads": args.threads, "accuracy": acc, "relative_to_dense": rel,
+                            "wall_s": round(time.time() - t0, 1), "examples": records})
     engine.close()
     return 0
 
