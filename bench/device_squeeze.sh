@@ -6,6 +6,8 @@
 #   bench/device_squeeze.sh opbench cluster  op vs flash attention (32k/64k prefix, keep 30/20/10%, Llama-2-7B heads);
 #                                            clustering time of a 32k prefix (32 layers x 32 KV heads, 5% clusters)
 #   bench/device_squeeze.sh clusterres       the clustering with each layer's keys already on the GPU
+#   bench/device_squeeze.sh build e2e        llama-bench with the KV on the GPU: a 32k / 64k prefix prepared at keep
+#                                            30/20/10% (5% clusters) vs dense, question prefill and decode (Llama-2 shape)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz) and the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels. Logs and results go
 # to $OUT; SPARQ_COMMIT names the commit for the records.
@@ -68,6 +70,16 @@ stage_cluster() {
 stage_clusterres() {  # the same with each layer's keys already on the GPU (no per-layer upload or backend start)
     python3 bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --resident \
         --out "$OUT/squeeze_cluster_cuda_resident.json" 2>&1 | tail -2
+}
+
+stage_e2e() {
+    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))") || return 1
+    for depth in 32768 65536; do
+        python3 bench/squeeze_llama_bench.py --bench "$BUILD/bin/llama-bench" --model "$m" --ngl 99 --fa 1 --depth $depth \
+            --keep 0,0.3,0.2,0.1 --centroids 0.05 --n-prompt 32 --n-gen 32 --reps 3 --tag "h100_llama2_$((depth / 1024))k" \
+            2>&1 | tee "$OUT/squeeze_e2e_$depth.log"
+        cp "bench/results/squeeze_llama_bench_h100_llama2_$((depth / 1024))k.json" "$OUT/" 2>/dev/null
+    done
 }
 
 setup_python

@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Median duration per kernel from `ncu --metrics gpu__time_duration.sum --csv` output (for bench notes)."""
+"""Median duration per kernel from `ncu --metrics gpu__time_duration.sum --csv` output (for bench notes).
+
+    python bench/ncu_summary.py FILE.csv            # name, count, median, in first-seen order
+    python bench/ncu_summary.py FILE.csv --total    # also the total per name, largest total first, and the sum
+"""
 from __future__ import annotations
 
 import collections
@@ -9,7 +13,7 @@ import sys
 SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 
 
-def main(path: str) -> int:
+def main(path: str, total: bool = False) -> int:
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if len(r) > 10]
     if not rows:
@@ -20,10 +24,14 @@ def main(path: str) -> int:
     times: dict[str, list[float]] = collections.defaultdict(list)
     for r in rows[1:]:
         times[r[ki].split("(")[0][:60]].append(float(r[vi].replace(",", "")) * SCALE.get(r[ui], 1.0))
-    for name, ts in times.items():
-        print(f"{name:60s} n={len(ts):3d} median={sorted(ts)[len(ts) // 2]:9.1f} us")
+    items = sorted(times.items(), key=lambda kv: -sum(kv[1])) if total else list(times.items())
+    for name, ts in items:
+        line = f"{name:60s} n={len(ts):4d} median={sorted(ts)[len(ts) // 2]:9.1f} us"
+        print(line + (f" total={sum(ts):10.1f} us" if total else ""))
+    if total:
+        print(f"{'all kernels':60s} n={sum(map(len, times.values())):4d} total={sum(map(sum, times.values())):10.1f} us")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--total" in sys.argv[2:]))

@@ -2,7 +2,7 @@
 """llama-bench's centroid-sparse sweep: the -d prefix prepared at each keep vs dense, question prefill and decode.
 
     python bench/squeeze_llama_bench.py --depth 8192 --keep 0,0.3,0.2,0.1            # SmolLM2, this machine
-    python bench/squeeze_llama_bench.py --model /tmp/models/llama2.gguf --ngl 99 --depth 65536
+    python bench/squeeze_llama_bench.py --model /tmp/models/llama2.gguf --ngl 99 --fa 1 --depth 65536
 
 Runs `llama-bench -d DEPTH -p N_PROMPT -n N_GEN -squeeze-keep KEEPS -o json` (the prefix is clustered once per test,
 untimed; every repetition removes only what follows it) and writes bench/results/squeeze_llama_bench[_TAG].json:
@@ -33,13 +33,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ngl", type=int, default=0)
+    ap.add_argument("--fa", default=None, help="llama-bench -fa (0 or 1; default: llama-bench's own)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
 
     model = args.model or str(fetch("smollm2"))
     cmd = [args.bench, "-m", model, "-d", str(args.depth), "-p", str(args.n_prompt), "-n", str(args.n_gen),
            "-r", str(args.reps), "-t", str(args.threads), "-ngl", str(args.ngl), "-squeeze-keep", args.keep,
-           "-squeeze-centroids", args.centroids, "-o", "json"]
+           "-squeeze-centroids", args.centroids, "-o", "json", *(["-fa", args.fa] if args.fa is not None else [])]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:

@@ -1184,6 +1184,11 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
                 }
             }
         } else if (!fast) {
+            if (a.timing && tid == 0) {
+                printf("S: exact fallback, row %lld: window %lld/%d, sinks %lld/%d, candidates %lld (need %lld..%lld)\n",
+                       (long long) (r0 + w), (long long) n_w, a.window, (long long) n_s, a.sinks, (long long) n_cand,
+                       (long long) a.n_top, (long long) a.cap);
+            }
             select_all_cells(a, s, w, c, hist, &sst);
         }
         __syncthreads();
