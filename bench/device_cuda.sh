@@ -5,7 +5,7 @@
 #   bench/device_cuda.sh build offload       partial offload and graph splits, dense vs SparQ
 #   bench/device_cuda.sh sanitize e2e        compute-sanitizer memcheck + racecheck, benchmark (b)
 #   bench/device_cuda.sh batched greedy      benchmark (c), greedy text CPU vs GPU on SmolLM2
-#   bench/device_cuda.sh build gap           where SparQ's end-to-end time goes beyond the op (Llama-2 shape)
+#   bench/device_cuda.sh build gap; gapncu   where SparQ's end-to-end time goes beyond the op (Llama-2 shape)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -253,6 +253,7 @@ stage_gap() {
     #   3. ncu of the op's kernels inside llama-bench's decode steps at 32k (vs bench/cuda_profile.py's);
     #   4. SPARQ_CUDA_TIMING at 64k: the tail phases and any exact-selection fallback of kernel S;
     #   5. ncu of every kernel of decode steps at depth 0 (the kernel inventory per step, dense vs SparQ).
+    # Parts 3-5 are stage gapncu (one device call each: gap after build, gapncu in the next, warm call).
     local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))") || return 1
     local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
     "${lb[@]}" -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -sparq-policy sparq,window -o json > "$OUT/gap_bench.json" 2> "$OUT/gap_bench.log" \
@@ -267,12 +268,18 @@ stage_gap() {
             > /dev/null 2> "$OUT/gap_compl_$mode.log" || echo "completion $mode failed"
         echo "completion $mode: $(grep -o 'prompt eval time = .*tokens' "$OUT/gap_compl_$mode.log" | tail -1 | sed 's/ *(.*//'); $(grep -o ' eval time = .*' "$OUT/gap_compl_$mode.log" | grep -v prompt | tail -1)"
     done
+}
+
+stage_gapncu() {  # parts 3-5 of stage_gap
+    local m=/tmp/models/random-llama2-7b-q8_0.gguf
+    [ -f "$m" ] || { echo "no $m: run stage gap first"; return 1; }
+    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 32768 -sparq 1 \
         > "$OUT/gap_ncu_sparq32k.csv" 2> "$OUT/gap_ncu_sparq32k.log"
     echo "ncu, op kernels in llama-bench decode at 32k:"; python3 bench/ncu_summary.py "$OUT/gap_ncu_sparq32k.csv"
     SPARQ_CUDA_TIMING=1 "${lb[@]}" -p 0 -n 2 -r 1 -d 65536 -sparq 1 > "$OUT/gap_timing64k.txt" 2>&1
     echo "timing at 64k: $(grep -c 'exact fallback' "$OUT/gap_timing64k.txt") fallback lines"; grep 'exact fallback' "$OUT/gap_timing64k.txt" | head -5
-    grep -E "^(P|S):" "$OUT/gap_timing64k.txt" | sed 's/[0-9]* cycles//' | sort | uniq -c | head -5
+    grep -E "^(P|S):" "$OUT/gap_timing64k.txt" | head -4
     for mode in dense sparq; do
         local sq=0; [ $mode = sparq ] && sq=1
         ncu --metrics gpu__time_duration.sum --csv "${lb[@]}" -p 0 -n 3 -r 1 -d 0 -sparq $sq > "$OUT/gap_ncu_all_$mode.csv" 2> /dev/null
