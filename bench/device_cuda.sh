@@ -254,7 +254,7 @@ stage_gap() {
     #   4. SPARQ_CUDA_TIMING at 64k: the tail phases and any exact-selection fallback of kernel S;
     #   5. ncu of every kernel of decode steps at depth 0 (the kernel inventory per step, dense vs SparQ).
     # Parts 3-5 are stage gapncu (one device call each: gap after build, gapncu in the next, warm call).
-    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))") || return 1
+    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1) || return 1
     local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
     "${lb[@]}" -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -sparq-policy sparq,window -o json > "$OUT/gap_bench.json" 2> "$OUT/gap_bench.log" \
         && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq-'+r['sparq_policy'] if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap_bench.json" \

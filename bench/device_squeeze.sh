@@ -73,7 +73,7 @@ stage_clusterres() {  # the same with each layer's keys already on the GPU (no p
 }
 
 stage_e2e() {
-    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))") || return 1
+    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1) || return 1
     for depth in 32768 65536; do
         python3 bench/squeeze_llama_bench.py --bench "$BUILD/bin/llama-bench" --model "$m" --ngl 99 --fa 1 --depth $depth \
             --keep 0,0.3,0.2,0.1 --centroids 0.05 --n-prompt 32 --n-gen 32 --reps 3 --tag "h100_llama2_$((depth / 1024))k" \
