@@ -21,10 +21,25 @@ namespace {
 // Per-graph inputs shared by all layers, created on first use and filled from the ubatch.
 class sparq_graph_input : public llm_graph_input_i {
 public:
-    sparq_graph_input(int64_t n_tokens, uint32_t n_seq_max) : n_tokens(n_tokens), n_seq_max(n_seq_max) {}
+    sparq_graph_input(int64_t n_tokens, uint32_t n_seq_max, bool one_seq_each) :
+        n_tokens(n_tokens), n_seq_max(n_seq_max), one_seq_each(one_seq_each) {}
 
     const int64_t  n_tokens;
     const uint32_t n_seq_max;
+    const bool     one_seq_each; // every token belongs to one sequence, no two to the same (a decode step)
+
+    // whether a ubatch is a decode step in the sense of one_seq_each
+    static bool one_seq_per_token(const llama_ubatch & ub) {
+        if (ub.n_tokens != ub.n_seqs_unq) {
+            return false;
+        }
+        for (uint32_t t = 0; t < ub.n_tokens; ++t) {
+            if (ub.n_seq_id[t] != 1) {
+                return false;
+            }
+        }
+        return true;
+    }
 
     // K^T scatter indices, one set per (cache, key width): derived from the cache's own k_idxs input, which
     // is set before this input (inputs are set in the order they were added)
@@ -75,8 +90,8 @@ public:
         return t;
     }
 
-    void ensure_seq_inputs(ggml_context * ctx, bool with_rows, bool with_future) {
-        if (onehot == nullptr) {
+    void ensure_seq_inputs(ggml_context * ctx, bool with_onehot, bool with_rows, bool with_future) {
+        if (with_onehot && onehot == nullptr) {
             onehot = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_tokens, n_seq_max);
             ggml_set_input(onehot);
         }
@@ -183,17 +198,18 @@ public:
     }
 
     bool can_reuse(const llm_graph_params & params) override {
-        return (int64_t) params.ubatch.n_tokens == n_tokens;
+        return (int64_t) params.ubatch.n_tokens == n_tokens && one_seq_per_token(params.ubatch) == one_seq_each;
     }
 };
 
-sparq_graph_input * sparq_input(llm_graph_result * res, int64_t n_tokens, uint32_t n_seq_max) {
+sparq_graph_input * sparq_input(llm_graph_result * res, const llama_ubatch & ubatch, uint32_t n_seq_max) {
     for (auto & inp : res->inputs) {
         if (auto * s = dynamic_cast<sparq_graph_input *>(inp.get())) {
             return s;
         }
     }
-    return static_cast<sparq_graph_input *>(res->add_input(std::make_unique<sparq_graph_input>(n_tokens, n_seq_max)));
+    return static_cast<sparq_graph_input *>(res->add_input(std::make_unique<sparq_graph_input>(
+        ubatch.n_tokens, n_seq_max, sparq_graph_input::one_seq_per_token(ubatch))));
 }
 
 // Whether a (view of a) cache tensor lives in host memory: the CPU's measured default applies there, the GPU's
@@ -238,7 +254,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     }
 
     const uint32_t n_seq_max = kv->get_n_seq_max();
-    sparq_graph_input * inp = sparq_input(res, n_tokens, n_seq_max);
+    sparq_graph_input * inp = sparq_input(res, ubatch, n_seq_max);
 
     const bool decode = ubatch.n_tokens == ubatch.n_seqs_unq;
     const bool select = decode || sp.prefill;
@@ -255,26 +271,40 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         const int64_t h   = hparams.n_head_kv(il);
         const int64_t f   = (d_v + 1)*h;
         const bool need_future = select && !decode;
-        inp->ensure_seq_inputs(ctx0, select, need_future);
+        inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select || inp->one_seq_each, need_future);
 
         // the sums take V as the cache stores it (rounded to its type), so a rebuild from the cache agrees
-        ggml_tensor * v3 = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
-        if (mctx_cur->type_v() != GGML_TYPE_F32) {
-            v3 = ggml_cast(ctx0, ggml_cast(ctx0, v3, mctx_cur->type_v()), GGML_TYPE_F32);
+        ggml_tensor * v3 = nullptr;
+        if (mctx_cur->type_v() == GGML_TYPE_F32) {
+            v3 = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+        } else {
+            ggml_tensor * src = ggml_is_contiguous(v_cur) ? v_cur : ggml_cont(ctx0, v_cur);
+            ggml_tensor * rounded = ggml_cast(ctx0, ggml_cast(ctx0, src, mctx_cur->type_v()), GGML_TYPE_F32);
+            v3 = ggml_reshape_3d(ctx0, rounded, d_v, h, n_tokens);
         }
         ggml_tensor * aug = ggml_concat(ctx0, v3, inp->get_ones(ctx0, h), 0);         // [d_v+1, h, n_tokens]
-        ggml_tensor * aug_t = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_2d(ctx0, aug, f, n_tokens)));
-
-        ggml_tensor * tab     = L->vsum;                                              // [f, n_seq_max]
-        ggml_tensor * tab_new = ggml_add(ctx0, tab, ggml_mul_mat(ctx0, aug_t, inp->onehot));
-        if (select) {
-            vsum_rows = ggml_get_rows(ctx0, tab_new, inp->seq_idx);
-            if (need_future) {
-                vsum_rows = ggml_sub(ctx0, vsum_rows, ggml_mul_mat(ctx0, aug_t, inp->future));
+        ggml_tensor * aug_2d = ggml_reshape_2d(ctx0, aug, f, n_tokens);
+        ggml_tensor * tab = L->vsum;                                                  // [f, n_seq_max]
+        if (inp->one_seq_each) {
+            // a decode step: each row is its sequence's sums plus its own value, and is the sequence's new row
+            // of the table (3 kernels where the general form below takes 6; the rows are distinct)
+            ggml_tensor * rows = ggml_add(ctx0, ggml_get_rows(ctx0, tab, inp->seq_idx), aug_2d);
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
+            vsum_rows = select ? rows : nullptr;
+        } else {
+            ggml_tensor * aug_t   = ggml_cont(ctx0, ggml_transpose(ctx0, aug_2d));
+            ggml_tensor * tab_new = ggml_add(ctx0, tab, ggml_mul_mat(ctx0, aug_t, inp->onehot));
+            if (select) {
+                vsum_rows = ggml_get_rows(ctx0, tab_new, inp->seq_idx);
+                if (need_future) {
+                    vsum_rows = ggml_sub(ctx0, vsum_rows, ggml_mul_mat(ctx0, aug_t, inp->future));
+                }
             }
+            ggml_build_forward_expand(gf, ggml_cpy(ctx0, tab_new, tab));
+        }
+        if (vsum_rows) {
             ggml_build_forward_expand(gf, vsum_rows);
         }
-        ggml_build_forward_expand(gf, ggml_cpy(ctx0, tab_new, tab));
     }
 
     if (!cparams.causal_attn) {
