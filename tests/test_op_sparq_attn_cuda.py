@@ -82,6 +82,31 @@ def test_long_sequences_match_reference_and_cpu(shape, mean):
     assert_close(got, cpu, "f16", shape)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("mean", ["on", "off"])
+def test_rows_whose_scores_underflow_to_zero_match_reference_and_cpu(group, mean):
+    # Three hot cells take all the approximate mass: the other cells' approximate logits are exactly 0, their
+    # group scores underflow to 0 in f32 and tie, and ties go to the lower cell, so the selection is the hot
+    # cells and the lowest other cells (kernel P's threshold at the zero score; kernel B lists only its first
+    # chunk's zero-score cells). The hot cells' other components cancel their exact logits, so every selected
+    # cell has an ordinary exact weight and a different choice among the tied cells changes the output.
+    rng = np.random.default_rng(31 + group)
+    n_head_kv, d, n_kv, n_q = 2, 64, 20000, 2
+    q_row = rng.standard_normal(d) * 0.3
+    q_row[0] = 60.0                                      # k1 = 1 picks component 0
+    q = np.broadcast_to(q_row, (1, n_head_kv * group, n_q, d)).copy()
+    k = rng.standard_normal((1, n_head_kv, n_kv, d))
+    k[..., 0] = 0.0
+    hot = rng.choice(np.arange(100, n_kv - 200), size=3, replace=False)
+    k[0, :, hot, 0] = 40.0
+    k[0, :, hot, 1:] = -np.sign(q_row[1:]) * (60.0 * 40.0 / np.abs(q_row[1:]).sum())
+    v = rng.standard_normal((1, n_head_kv, n_kv, d))
+    mask = make_mask(rng, "causal", n_q, n_kv)
+    got, cpu, want = both_backends(q, k, v, mask, "f32", k1=1, k2=64, mean=mean)
+    assert_close(got, want, "f32", dict(group=group, mean=mean))
+    assert_close(got, cpu, "f32", dict(group=group, mean=mean))
+
+
 def test_many_rows_run_in_waves_and_repeat_bit_for_bit():
     # a prefill-sized batch of query rows: more rows than one wave of scratch holds at this length
     rng = np.random.default_rng(21)

@@ -73,7 +73,7 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
 enum counter { CTR_N_W = 0, CTR_N_S = 1, CTR_N_CAND = 2, CTR_N_F = 3 };
-enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, RI_N_SEL = 5, N_RI = 8 };
+enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, RI_N_SEL = 5, RI_ZERO_FIRST = 6, N_RI = 8 };
 
 struct sparq_args {
     const char * q; const char * k; const char * kt; const char * v;
@@ -600,6 +600,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         info[RI_W_LO]  = p_max - a.window;   // window: position > w_lo
         info[RI_S_HI]  = p_min + a.sinks;    // sinks:  position < s_hi
         info[RI_THR]   = 1;                  // every candidate
+        info[RI_ZERO_FIRST] = 0;
     }
     SPARQ_TIMING_MARK(2);
     __syncthreads();  // rstat (global, this block) and info
@@ -661,6 +662,15 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         }
         __syncthreads();
     }
+    // A threshold at the zero score: the group scores of most cells underflowed to 0 (a peaked row), so every
+    // cell would pass it and kernel S would fall back to the exact selection over all cells (~1 ms at 32k).
+    // Zero-score cells tie, and ties go to the lower cell: only the first sweep chunk's zero-score cells can be
+    // needed, unless it holds fewer than the top needs, which kernel S sees (fewer than n_top candidates).
+    if (threadIdx.x == 0 && info[RI_KIND] == ROW_SPARSE && a.n_top > 0 && info[RI_THR] <= (int64_t) score_key(0.0f) &&
+        n_kv > B_CHUNK) {
+        info[RI_ZERO_FIRST] = 1;
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < N_RI; i += blockDim.x) {
         s.rinfo[w*N_RI + i] = info[i];
     }
@@ -974,6 +984,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
     const int64_t * ri = s.rinfo + w*N_RI;
     const int64_t kind = ri[RI_KIND], w_lo = ri[RI_W_LO], s_hi = ri[RI_S_HI];
     const uint32_t thr = (uint32_t) ri[RI_THR];
+    // zero-score candidates only from the first chunk (see kernel P)
+    const uint32_t thr_zero = ri[RI_ZERO_FIRST] && chunk > 0 ? score_key(0.0f) + 1u : thr;
     const float * lrow  = s.logits + w*G*n_kv;
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
@@ -1021,7 +1033,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
         }
         if (cand[u]) {
             const uint32_t key32 = score_key(score[u]);
-            if (key32 >= thr) {
+            if (key32 >= thr && key32 >= thr_zero) {
                 local[atomicAdd(&n_local, 1u)] = ((uint64_t) key32 << a.cell_bits) | (cmask - (uint64_t) j);
             }
         }
