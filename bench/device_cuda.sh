@@ -6,6 +6,7 @@
 #   bench/device_cuda.sh sanitize e2e        compute-sanitizer memcheck + racecheck, benchmark (b)
 #   bench/device_cuda.sh batched greedy      benchmark (c), greedy text CPU vs GPU on SmolLM2
 #   bench/device_cuda.sh build gap; gapncu   where SparQ's end-to-end time goes beyond the op (Llama-2 shape)
+#   bench/device_cuda.sh build recheck       op tests of the threshold paths, (b) at 32k/64k, squeeze prepare time
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -285,6 +286,25 @@ stage_gapncu() {  # parts 3-5 of stage_gap
         ncu --metrics gpu__time_duration.sum --csv "${lb[@]}" -p 0 -n 3 -r 1 -d 0 -sparq $sq > "$OUT/gap_ncu_all_$mode.csv" 2> /dev/null
         echo "ncu, every kernel, depth 0, $mode:"; python3 bench/ncu_summary.py "$OUT/gap_ncu_all_$mode.csv" --total | head -45
     done
+}
+
+stage_recheck() {
+    # After the session-8 changes (threshold at the zero score in kernels P and B; the decode step's V-sum upkeep):
+    # the CUDA op tests of the threshold paths, benchmark (b) at 32k and 64k, the centroid-sparse prepare time
+    # of a 32k prefix (Llama-2 shape), and the exact-selection fallbacks left at 64k.
+    python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py \
+        -k "underflow or long_sequences or window_and_sinks or waves or covering or empty" 2>&1 | tee "$OUT/test_recheck.log" | tail -3
+    python3 bench/cuda_e2e.py --bin "$BUILD/bin" --models /tmp/models --part b --depths 32768,65536 2>&1 \
+        | tee "$OUT/e2e_recheck.log" | grep -v "^running"
+    cp bench/results/cuda_e2e.json "$OUT/cuda_e2e_recheck.json" 2>/dev/null
+    local m=/tmp/models/random-llama2-7b-q8_0.gguf
+    "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 8 -r 1 -d 32768 -squeeze-keep 0.1 -o json \
+        > "$OUT/squeeze_prepare32k.json" 2> "$OUT/squeeze_prepare32k.log"
+    grep -E "prepared in|centroid-sparse prefix" "$OUT/squeeze_prepare32k.log" | head -3
+    SPARQ_CUDA_TIMING=1 "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 2 -r 1 -d 65536 -sparq 1 -k1 32 -k2 128 \
+        -sparq-min-kv 0 > "$OUT/timing64k_recheck.txt" 2>&1
+    echo "timing at 64k: $(grep -c 'exact fallback' "$OUT/timing64k_recheck.txt") fallback lines"
+    grep 'exact fallback' "$OUT/timing64k_recheck.txt" | head -3
 }
 
 setup_python
