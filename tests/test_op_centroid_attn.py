@@ -95,10 +95,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("keep", [0.1, 0.3])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_op_matches_reference(case: int, keep: float, backend: str) -> None:
+def case_inputs(case: int, keep: float):
+    """CASES[case] at `keep` (seeded by both): q, k, v, cent, sizes, cell, the gap threshold, mask, KV type and the
+    op's other keywords (softcap, group, coarse, threshold_coarse)."""
     ns, n_head, n_head_kv, d, d_v, n_kv, n_prefix, frac, kv, levels, masked, softcap, group = CASES[case]
     rng = np.random.default_rng(1000 * case + int(keep * 10))
     q, k, v, cent, sizes, cell, coarse = make_case(rng, ns=ns, n_head=n_head, n_head_kv=n_head_kv, d=d, d_v=d_v,
@@ -109,13 +108,28 @@ def test_op_matches_reference(case: int, keep: float, backend: str) -> None:
     fine, coarse_scores = all_scores(q, cent, sizes, scale, group, coarse)
     thr = gap_threshold(fine, keep)
     thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
-    got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, softcap=softcap, group=group, coarse=coarse,
-                            threshold_coarse=thr_c, kv_dtype=kv, backend=backend)
-    for s in range(ns):
-        want = centroid_attn(q[s], k[s], v[s], cent[s], sizes[s], cell[s], thr, None if mask is None else mask[s],
-                             softcap=softcap, group=group, threshold_coarse=thr_c,
-                             coarse=None if coarse is None else tuple(x[s] for x in coarse))
-        np.testing.assert_allclose(got[s], want, rtol=TOL[kv], atol=TOL[kv])
+    kw = {"softcap": softcap, "group": group, "coarse": coarse, "threshold_coarse": thr_c}
+    return q, k, v, cent, sizes, cell, thr, mask, kv, kw
+
+
+def reference_outputs(q, k, v, cent, sizes, cell, thr, mask, kw) -> np.ndarray:
+    """The float64 reference per stream, on case_inputs' values."""
+    coarse = kw["coarse"]
+    rest = {key: val for key, val in kw.items() if key != "coarse"}
+    return np.stack([centroid_attn(q[s], k[s], v[s], cent[s], sizes[s], cell[s], thr,
+                                   None if mask is None else mask[s],
+                                   coarse=None if coarse is None else tuple(x[s] for x in coarse), **rest)
+                     for s in range(q.shape[0])])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keep", [0.1, 0.3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_op_matches_reference(case: int, keep: float, backend: str) -> None:
+    q, k, v, cent, sizes, cell, thr, mask, kv, kw = case_inputs(case, keep)
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, backend=backend, **kw)
+    want = reference_outputs(q, k, v, cent, sizes, cell, thr, mask, kw)
+    np.testing.assert_allclose(got, want, rtol=TOL[kv], atol=TOL[kv])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -17,27 +17,19 @@ import sparq_llama
 from sparq_llama import ops
 from sparq_llama.reference import dense_attn
 from sparq_llama.reference_squeeze import centroid_attn, kmeans_cosine
-from test_op_centroid_attn import CASES, TOL, all_scores, gap_threshold, make_case
+from test_op_centroid_attn import (
+    CASES,
+    TOL,
+    all_scores,
+    case_inputs,
+    gap_threshold,
+    make_case,
+    reference_outputs,
+)
 from test_reference_squeeze import blobs
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
                                 reason="no CUDA device in this build (the GPU run is bench/device_squeeze.sh)")
-
-
-def case_inputs(case: int, keep: float):
-    """The CPU test's inputs for CASES[case] at `keep` (same seeds), with its gap thresholds."""
-    ns, n_head, n_head_kv, d, d_v, n_kv, n_prefix, frac, kv, levels, masked, softcap, group = CASES[case]
-    rng = np.random.default_rng(1000 * case + int(keep * 10))
-    q, k, v, cent, sizes, cell, coarse = make_case(rng, ns=ns, n_head=n_head, n_head_kv=n_head_kv, d=d, d_v=d_v,
-                                                   n_kv=n_kv, n_prefix=n_prefix, frac=frac, kv_dtype=kv, levels=levels)
-    q = q.astype(np.float32).astype(np.float64)
-    mask = rng.random((ns, q.shape[2], n_kv)) > 0.15 if masked else None
-    scale = 1.0 / math.sqrt(d)
-    fine, coarse_scores = all_scores(q, cent, sizes, scale, group, coarse)
-    thr = gap_threshold(fine, keep)
-    thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
-    kw = {"softcap": softcap, "group": group, "coarse": coarse, "threshold_coarse": thr_c}
-    return q, k, v, cent, sizes, cell, thr, mask, kv, kw
 
 
 @pytest.mark.parametrize("keep", [0.1, 0.3])
@@ -47,11 +39,8 @@ def test_op_matches_reference_and_cpu(case: int, keep: float) -> None:
     got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, backend="cuda", **kw)
     cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, n_threads=2, **kw)
     np.testing.assert_allclose(got, cpu, rtol=TOL[kv], atol=TOL[kv])
-    coarse = kw.pop("coarse")
-    for s in range(q.shape[0]):
-        want = centroid_attn(q[s], k[s], v[s], cent[s], sizes[s], cell[s], thr, None if mask is None else mask[s],
-                             coarse=None if coarse is None else tuple(x[s] for x in coarse), **kw)
-        np.testing.assert_allclose(got[s], want, rtol=TOL[kv], atol=TOL[kv])
+    want = reference_outputs(q, k, v, cent, sizes, cell, thr, mask, kw)
+    np.testing.assert_allclose(got, want, rtol=TOL[kv], atol=TOL[kv])
 
 
 # The case set's selections, cell by cell: V = I (d_v = n_kv) makes each output row the head's softmax weights.

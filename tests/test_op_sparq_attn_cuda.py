@@ -103,8 +103,8 @@ def test_rows_whose_scores_underflow_to_zero_match_reference_and_cpu(group, mean
     v = rng.standard_normal((1, n_head_kv, n_kv, d))
     mask = make_mask(rng, "causal", n_q, n_kv)
     got, cpu, want = both_backends(q, k, v, mask, "f32", k1=1, k2=64, mean=mean)
-    assert_close(got, want, "f32", dict(group=group, mean=mean))
-    assert_close(got, cpu, "f32", dict(group=group, mean=mean))
+    assert_close(got, want, "f32", {"group": group, "mean": mean})
+    assert_close(got, cpu, "f32", {"group": group, "mean": mean})
 
 
 def test_many_rows_run_in_waves_and_repeat_bit_for_bit():
