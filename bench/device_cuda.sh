@@ -294,6 +294,8 @@ stage_recheck() {
     # of a 32k prefix (Llama-2 shape), and the exact-selection fallbacks left at 64k.
     python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py \
         -k "underflow or long_sequences or window_and_sinks or waves or covering or empty" 2>&1 | tee "$OUT/test_recheck.log" | tail -3
+    python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py -k "matches_reference_and_cpu" 2>&1 \
+        | tee "$OUT/test_recheck_centroid.log" | tail -2
     python3 bench/cuda_e2e.py --bin "$BUILD/bin" --models /tmp/models --part b --depths 32768,65536 2>&1 \
         | tee "$OUT/e2e_recheck.log" | grep -v "^running"
     cp bench/results/cuda_e2e.json "$OUT/cuda_e2e_recheck.json" 2>/dev/null
