@@ -703,9 +703,19 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         return why;
     };
 
+    // phase_us: microseconds spent in capture, clustering, calibration and install (logged below)
+    int64_t phase_us[4] = { 0, 0, 0, 0 };
+    int64_t t_us = ggml_time_us();
+    auto phase_done = [&](int phase) {
+        const int64_t now = ggml_time_us();
+        phase_us[phase] = now - t_us;
+        t_us = now;
+    };
+
     kv->squeeze = st; // the graph hook captures the queries through it
     std::map<int32_t, std::vector<float>> q_rows; // il -> [n_calib][n_head][d]
     err = capture_queries(ctx, *st, tokens, q_rows);
+    phase_done(0);
     if (!err.empty()) {
         return fail(err);
     }
@@ -713,11 +723,14 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         return fail("cancelled");
     }
     err = cluster_layers(ctx, *kv, *st, n_cent, n_coarse, n_active, progress);
+    phase_done(1);
     if (err.empty()) {
         err = calibrate_layers(ctx, *kv, *st, q_rows, n_calib);
+        phase_done(2);
     }
     if (err.empty()) {
         err = install(*kv, *st);
+        phase_done(3);
     }
     if (!err.empty()) {
         return fail(err);
@@ -729,6 +742,9 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
             seq_id, n_prefix, n_clustered, (long long) n_cent, n_coarse ? (", " + std::to_string(n_coarse) + " coarse").c_str() : "",
             n_calib, n_active, (double) st->threshold,
             n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "", 100.0*st->kept_calib);
+    LLAMA_LOG_INFO("%s: centroid-sparse preparation phases: capture %.2f s, clustering %.2f s, calibration %.2f s "
+                   "(%d threads), install %.2f s\n", __func__, 1e-6*(double) phase_us[0], 1e-6*(double) phase_us[1],
+            1e-6*(double) phase_us[2], (int) ctx.cparams.n_threads_batch, 1e-6*(double) phase_us[3]);
     return "";
 }
 
