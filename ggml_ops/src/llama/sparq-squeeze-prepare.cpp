@@ -51,65 +51,152 @@ struct calib_sink {
     virtual void pair(float score, double weight) = 0;
 };
 
-// The group scores of one calibration row. coarse_pass: score the coarse level (two levels) instead of the fine.
-// With two levels and !coarse_pass, only fine clusters under coarse clusters kept at t_coarse are candidates.
-static void score_row(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass, float t_coarse,
-               std::vector<double> & buf, calib_sink & sink) {
+// ---- the scores of one (layer, KV head) ----------------------------------------------------------------------
+
+// out[r] = q_r . c for NR query rows q [NR][d], with 8 independent partial sums per row: one running sum is a
+// chain of dependent adds (one add per add latency); these vectorise and pipeline.
+template <int NR>
+static void dot_rows(const float * q, int64_t d, const float * c, float * out) {
+    int64_t e = 0;
+#if defined(__GNUC__)
+    // GCC and Clang vector extensions of 4 floats, the width every target has (SSE, NEON): the compiler keeps the
+    // sums in registers, which it does not do for a plain float array of them (nor for wider vectors on SSE)
+    typedef float f32x4 __attribute__((vector_size(16), aligned(4)));
+    f32x4 acc0[NR] = {}, acc1[NR] = {};
+    for (; e + 8 <= d; e += 8) {
+        const f32x4 c0 = *(const f32x4 *) (c + e), c1 = *(const f32x4 *) (c + e + 4);
+        for (int r = 0; r < NR; ++r) {
+            acc0[r] += *(const f32x4 *) (q + r*d + e)*c0;
+            acc1[r] += *(const f32x4 *) (q + r*d + e + 4)*c1;
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        const f32x4 a = acc0[r] + acc1[r];
+        out[r] = (a[0] + a[1]) + (a[2] + a[3]);
+    }
+#else
+    for (int r = 0; r < NR; ++r) {
+        out[r] = 0.0f;
+    }
+#endif
+    for (int r = 0; r < NR; ++r) {
+        float sum[8] = {};
+        for (int64_t f = e; f < d; ++f) {
+            sum[f % 8] += q[r*d + f]*c[f];
+        }
+        out[r] += ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+    }
+}
+
+// out[r*n + i] = scale * q_r . C_i for the query rows q [n_q][d] and the n rows of a table [n][d + 1]. Blocks of
+// 4 query rows: a centroid is read once per block, not once per row.
+static void table_logits(const float * q, int64_t n_q, const float * table, int64_t n, int64_t d, float scale,
+                         float * out) {
+    constexpr int NR = 4;
+    float dots[NR];
+    int64_t r = 0;
+    for (; r + NR <= n_q; r += NR) {
+        for (int64_t i = 0; i < n; ++i) {
+            dot_rows<NR>(q + r*d, d, table + i*(d + 1), dots);
+            for (int k = 0; k < NR; ++k) {
+                out[(r + k)*n + i] = scale*dots[k];
+            }
+        }
+    }
+    for (; r < n_q; ++r) {
+        for (int64_t i = 0; i < n; ++i) {
+            dot_rows<1>(q + r*d, d, table + i*(d + 1), dots);
+            out[r*n + i] = scale*dots[0];
+        }
+    }
+}
+
+// The logits of every calibration row of one (layer, KV head), row r = t*G + j (query row t, head j of the group).
+struct head_logits {
+    std::vector<float> q;     // [n_rows*G][d] the group's query rows
+    std::vector<float> top;   // [n_rows*G][n_top] against the top level (the coarse one with two levels)
+    std::vector<float> fine;  // [n_rows*G][n_f] against the fine level (two levels, fine pass only)
+};
+
+static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, bool coarse_pass, head_logits & hl) {
+    const squeeze_kv_layer & L = *cl.L;
+    const int64_t d = L.d, G = cl.n_head / L.n_head_kv, n_q = n_rows*G;
+    const bool two = L.n_coarse > 0;
+    hl.q.resize((size_t) n_q*d);
+    for (int64_t t = 0; t < n_rows; ++t) {
+        std::memcpy(hl.q.data() + t*G*d, cl.q.data() + (t*cl.n_head + h*G)*d, (size_t) G*d*sizeof(float));
+    }
+    const int64_t n_top = two ? L.n_coarse : L.n_cent;
+    const float * top = two ? L.coarse_table.data() + h*L.n_coarse*(d + 1) : L.table.data() + h*L.n_cent*(d + 1);
+    hl.top.resize((size_t) n_q*n_top);
+    table_logits(hl.q.data(), n_q, top, n_top, d, cl.scale, hl.top.data());
+    if (two && !coarse_pass) {
+        hl.fine.resize((size_t) n_q*L.n_cent);
+        table_logits(hl.q.data(), n_q, L.table.data() + h*L.n_cent*(d + 1), L.n_cent, d, cl.scale, hl.fine.data());
+    }
+}
+
+// The group scores of calibration row t into comb [n_c + n_f] (coarse clusters first; n_c = 0 with one level).
+// coarse_pass: score the coarse level only (two levels). Every score is normalised over the top level.
+static void group_scores(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass,
+                         const head_logits & hl, double * comb, double * top_exp) {
     const squeeze_kv_layer & L = *cl.L;
     const int64_t d = L.d, G = cl.n_head / L.n_head_kv;
+    const bool two = L.n_coarse > 0;
+    const int64_t n_c = two ? L.n_coarse : 0, n_f = L.n_cent, n_top = two ? n_c : n_f;
+    const float * top = two ? L.coarse_table.data() + h*n_c*(d + 1) : L.table.data() + h*n_f*(d + 1);
+    const float * fine = L.table.data() + h*n_f*(d + 1);
+    auto combine = [&](double & c, double s) { c = group == GGML_CENTROID_GROUP_MEAN ? c + s/G : std::max(c, s); };
+    for (int64_t j = 0; j < G; ++j) {
+        const float * lg = hl.top.data() + (t*G + j)*n_top;
+        double m = -INFINITY;
+        for (int64_t i = 0; i < n_top; ++i) {
+            if (top[i*(d + 1) + d] > 0.0f) {
+                m = std::max(m, (double) lg[i]);
+            }
+        }
+        // one exp per top-level cluster: the normaliser and the top level's scores share it
+        double z = 0.0;
+        for (int64_t i = 0; i < n_top; ++i) {
+            const float size = top[i*(d + 1) + d];
+            top_exp[i] = size > 0.0f ? std::exp((double) lg[i] - m) : 0.0;
+            z += size*top_exp[i];
+        }
+        for (int64_t i = 0; i < n_top; ++i) {
+            if (top[i*(d + 1) + d] > 0.0f) {
+                combine(comb[i], top_exp[i]/z);
+            }
+        }
+        if (two && !coarse_pass) {
+            const float * lf = hl.fine.data() + (t*G + j)*n_f;
+            for (int64_t i = 0; i < n_f; ++i) {
+                if (fine[i*(d + 1) + d] > 0.0f) {
+                    combine(comb[n_c + i], std::exp((double) lf[i] - m)/z);
+                }
+            }
+        }
+    }
+}
+
+// The candidates of one calibration row to the sink: the best one's weight as always kept, the others as (score,
+// weight). With two levels and !coarse_pass, only fine clusters under coarse clusters kept at t_coarse count.
+static void score_row(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass, float t_coarse,
+                      const head_logits & hl, std::vector<double> & buf, calib_sink & sink) {
+    const squeeze_kv_layer & L = *cl.L;
+    const int64_t d = L.d;
     const bool two = L.n_coarse > 0;
     const int64_t n_c = two ? L.n_coarse : 0;
     const int64_t n_f = L.n_cent;
     const float * coarse = two ? L.coarse_table.data() + h*n_c*(d + 1) : nullptr;
     const float * fine   = L.table.data() + h*n_f*(d + 1);
 
-    // buf: [G][n_c + n_f] logits, then the combined scores
-    buf.assign((size_t) (G + 1)*(n_c + n_f), 0.0);
-    double * comb = buf.data() + (size_t) G*(n_c + n_f);
+    // buf: [n_c + n_f] combined scores, then [n_top] exps
+    buf.assign((size_t) 2*(n_c + n_f), 0.0);
+    double * comb = buf.data();
+    group_scores(cl, h, t, group, coarse_pass, hl, comb, buf.data() + n_c + n_f);
     double n_total = 0.0;
     for (int64_t i = 0; i < n_f; ++i) {
         n_total += fine[i*(d + 1) + d];
-    }
-    for (int64_t j = 0; j < G; ++j) {
-        const float * qg = cl.q.data() + ((size_t) t*cl.n_head + h*G + j)*d;
-        double * lg = buf.data() + (size_t) j*(n_c + n_f);
-        auto dot = [&](const float * c) {
-            float acc = 0.0f;
-            for (int64_t e = 0; e < d; ++e) {
-                acc += qg[e]*c[e];
-            }
-            return (double) cl.scale*acc;
-        };
-        // the normaliser is over the top level (coarse with two levels)
-        const float * top = two ? coarse : fine;
-        const int64_t n_top = two ? n_c : n_f;
-        double m = -INFINITY;
-        for (int64_t i = 0; i < n_top; ++i) {
-            if (top[i*(d + 1) + d] > 0.0f) {
-                lg[i] = dot(top + i*(d + 1));
-                m = std::max(m, lg[i]);
-            }
-        }
-        double z = 0.0;
-        for (int64_t i = 0; i < n_top; ++i) {
-            if (top[i*(d + 1) + d] > 0.0f) {
-                z += top[i*(d + 1) + d]*std::exp(lg[i] - m);
-            }
-        }
-        const bool fine_scores = !coarse_pass;
-        for (int64_t i = 0; i < n_c + n_f; ++i) {
-            const bool is_coarse = i < n_c;
-            if (two && !is_coarse && !fine_scores) {
-                continue; // the coarse pass scores the coarse level only
-            }
-            const float * c = is_coarse ? coarse + i*(d + 1) : fine + (i - n_c)*(d + 1);
-            if (c[d] <= 0.0f) {
-                continue;
-            }
-            const double l = is_coarse || !two ? lg[i] : dot(c);
-            const double s = std::exp(l - m)/z;
-            comb[i] = group == GGML_CENTROID_GROUP_MEAN ? comb[i] + s/G : std::max(comb[i], s);
-        }
     }
     // candidates and the best of them (ties: the lower index)
     const int64_t lo = coarse_pass ? 0 : n_c, hi = coarse_pass ? n_c : n_c + n_f;
@@ -165,9 +252,12 @@ std::vector<Sink> score_all(const std::vector<calib_layer> & cls, int n_rows, in
     for (int w = 0; w < n_threads; ++w) {
         workers.emplace_back([&, w] {
             std::vector<double> buf;
+            head_logits hl;
             for (size_t i = w; i < items.size(); i += n_threads) {
+                const calib_layer & cl = cls[items[i].l];
+                compute_head_logits(cl, items[i].h, n_rows, coarse_pass, hl);
                 for (int t = 0; t < n_rows; ++t) {
-                    score_row(cls[items[i].l], items[i].h, t, group, coarse_pass, t_coarse, buf, sinks[w]);
+                    score_row(cl, items[i].h, t, group, coarse_pass, t_coarse, hl, buf, sinks[w]);
                 }
             }
         });
