@@ -7,7 +7,8 @@
 //   3. calibrate: one threshold T over all layers, KV heads and calibration rows such that the mean kept
 //      fraction of the clustered prefix reaches `keep` (the largest such T, as
 //      sparq_llama.reference_squeeze.calibrate_threshold): a histogram of the scores by their float bits, then
-//      an exact pass over the one bin where the target is crossed (O(n), no sort of every score);
+//      an exact pass over the one bin where the target is crossed (O(n), no sort of every score; that pass scores
+//      only the clusters near the bin, from the normalisers the first pass kept);
 //   4. install the tables on the device (sparq-squeeze-state.cpp).
 #include "sparq-squeeze.h"
 
@@ -43,140 +44,201 @@ struct calib_layer {
     float   scale  = 0.0f;
 };
 
-// Receives, per calibration row (layer, KV head, query row), the always-kept weight of its best candidate and
-// the (score, weight) of every other candidate. Weights are fractions of the clustered keys.
-struct calib_sink {
-    virtual ~calib_sink() = default;
-    virtual void row(double base) = 0;
-    virtual void pair(float score, double weight) = 0;
+// ---- the scores of one (layer, KV head) ----------------------------------------------------------------------
+
+// out[r] = q_r . c for NR query rows q [NR][d], with 8 independent partial sums per row: one running sum is a
+// chain of dependent adds (one add per add latency); these vectorise and pipeline.
+template <int NR>
+#if defined(__GNUC__)
+__attribute__((always_inline)) inline // into each build of table_logits
+#endif
+static void dot_rows(const float * q, int64_t d, const float * c, float * out) {
+    int64_t e = 0;
+#if defined(__GNUC__)
+    // GCC and Clang vector extensions of 4 floats, the width every target has (SSE, NEON): the compiler keeps the
+    // sums in registers, which it does not do for a plain float array of them (nor for wider vectors on SSE)
+    typedef float f32x4 __attribute__((vector_size(16), aligned(4), may_alias));
+    f32x4 acc0[NR] = {}, acc1[NR] = {};
+    for (; e + 8 <= d; e += 8) {
+        const f32x4 c0 = *(const f32x4 *) (c + e), c1 = *(const f32x4 *) (c + e + 4);
+        for (int r = 0; r < NR; ++r) {
+            acc0[r] += *(const f32x4 *) (q + r*d + e)*c0;
+            acc1[r] += *(const f32x4 *) (q + r*d + e + 4)*c1;
+        }
+    }
+    for (int r = 0; r < NR; ++r) {
+        const f32x4 a = acc0[r] + acc1[r];
+        out[r] = (a[0] + a[1]) + (a[2] + a[3]);
+    }
+#else
+    for (int r = 0; r < NR; ++r) {
+        out[r] = 0.0f;
+    }
+#endif
+    for (int r = 0; r < NR; ++r) {
+        float sum[8] = {};
+        for (int64_t f = e; f < d; ++f) {
+            sum[f % 8] += q[r*d + f]*c[f];
+        }
+        out[r] += ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
+    }
+}
+
+// out[r*n + i] = scale * q_r . C_i for the query rows q [n_q][d] and the n rows of a table [n][d + 1]. Blocks of
+// 4 query rows: a centroid is read once per block, not once per row.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+// most of the calibration's time: an FMA build besides the baseline one, chosen when the library loads
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+static void table_logits(const float * q, int64_t n_q, const float * table, int64_t n, int64_t d, float scale,
+                         float * out) {
+    constexpr int NR = 4;
+    float dots[NR];
+    int64_t r = 0;
+    for (; r + NR <= n_q; r += NR) {
+        for (int64_t i = 0; i < n; ++i) {
+            dot_rows<NR>(q + r*d, d, table + i*(d + 1), dots);
+            for (int k = 0; k < NR; ++k) {
+                out[(r + k)*n + i] = scale*dots[k];
+            }
+        }
+    }
+    for (; r < n_q; ++r) {
+        for (int64_t i = 0; i < n; ++i) {
+            dot_rows<1>(q + r*d, d, table + i*(d + 1), dots);
+            out[r*n + i] = scale*dots[0];
+        }
+    }
+}
+
+// One (layer, KV head)'s calibration work: the logits of every row r = t*G + j (query row t, head j of the group)
+// and the cluster sizes, read contiguously.
+struct head_logits {
+    std::vector<float> q;     // [n_rows*G][d] the group's query rows
+    std::vector<float> top;   // [n_rows*G][n_top] against the top level (the coarse one with two levels)
+    std::vector<float> fine;  // [n_rows*G][n_f] against the fine level (two levels, fine pass only)
+    std::vector<float> size;  // [n_c + n_f] cluster sizes, the coarse ones first (n_c = 0 with one level)
+    double n_total = 0.0;     // the head's clustered keys (the fine sizes' sum)
 };
 
-// The group scores of one calibration row. coarse_pass: score the coarse level (two levels) instead of the fine.
-// With two levels and !coarse_pass, only fine clusters under coarse clusters kept at t_coarse are candidates.
-static void score_row(const calib_layer & cl, int64_t h, int64_t t, int group, bool coarse_pass, float t_coarse,
-               std::vector<double> & buf, calib_sink & sink) {
+static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, bool coarse_pass, head_logits & hl) {
     const squeeze_kv_layer & L = *cl.L;
-    const int64_t d = L.d, G = cl.n_head / L.n_head_kv;
+    const int64_t d = L.d, G = cl.n_head / L.n_head_kv, n_q = n_rows*G;
     const bool two = L.n_coarse > 0;
-    const int64_t n_c = two ? L.n_coarse : 0;
-    const int64_t n_f = L.n_cent;
+    const int64_t n_c = two ? L.n_coarse : 0, n_f = L.n_cent;
     const float * coarse = two ? L.coarse_table.data() + h*n_c*(d + 1) : nullptr;
-    const float * fine   = L.table.data() + h*n_f*(d + 1);
-
-    // buf: [G][n_c + n_f] logits, then the combined scores
-    buf.assign((size_t) (G + 1)*(n_c + n_f), 0.0);
-    double * comb = buf.data() + (size_t) G*(n_c + n_f);
-    double n_total = 0.0;
-    for (int64_t i = 0; i < n_f; ++i) {
-        n_total += fine[i*(d + 1) + d];
+    const float * fine = L.table.data() + h*n_f*(d + 1);
+    hl.q.resize((size_t) n_q*d);
+    for (int64_t t = 0; t < n_rows; ++t) {
+        std::memcpy(hl.q.data() + t*G*d, cl.q.data() + (t*cl.n_head + h*G)*d, (size_t) G*d*sizeof(float));
     }
+    hl.size.resize((size_t) (n_c + n_f));
+    hl.n_total = 0.0;
+    for (int64_t i = 0; i < n_c + n_f; ++i) {
+        hl.size[i] = i < n_c ? coarse[i*(d + 1) + d] : fine[(i - n_c)*(d + 1) + d];
+        hl.n_total += i < n_c ? 0.0 : hl.size[i];
+    }
+    hl.top.resize((size_t) n_q*(two ? n_c : n_f));
+    table_logits(hl.q.data(), n_q, two ? coarse : fine, two ? n_c : n_f, d, cl.scale, hl.top.data());
+    if (two && !coarse_pass) {
+        hl.fine.resize((size_t) n_q*n_f);
+        table_logits(hl.q.data(), n_q, fine, n_f, d, cl.scale, hl.fine.data());
+    }
+}
+
+// A calibration row's scores are exp(l - m)/z per head of the group: m the largest logit of the top level, z the
+// top level's size-weighted sum of exp(l - m). The histogram pass keeps (m, z) and the best candidate of each
+// row so that the bin pass scores, bit for bit alike, only the clusters that may fall into its bin.
+struct row_norm { double m, z; };
+struct head_rows {
+    std::vector<row_norm> norm;  // [n_rows][G]
+    std::vector<int32_t>  best;  // [n_rows] the best candidate (comb index), -1: none
+};
+
+static void combine(int group, int64_t G, double & c, double s) {
+    c = group == GGML_CENTROID_GROUP_MEAN ? c + s/G : std::max(c, s);
+}
+
+// The group score of cluster i from its logits lg[j][i] and the row's normalisers.
+static double group_score(const float * const * lg, int64_t i, const row_norm * norm, int64_t G, int group) {
+    double c = 0.0;
     for (int64_t j = 0; j < G; ++j) {
-        const float * qg = cl.q.data() + ((size_t) t*cl.n_head + h*G + j)*d;
-        double * lg = buf.data() + (size_t) j*(n_c + n_f);
-        auto dot = [&](const float * c) {
-            float acc = 0.0f;
-            for (int64_t e = 0; e < d; ++e) {
-                acc += qg[e]*c[e];
-            }
-            return (double) cl.scale*acc;
-        };
-        // the normaliser is over the top level (coarse with two levels)
-        const float * top = two ? coarse : fine;
-        const int64_t n_top = two ? n_c : n_f;
+        combine(group, G, c, std::exp((double) lg[j][i] - norm[j].m)/norm[j].z);
+    }
+    return c;
+}
+
+// The group scores of calibration row t into comb [n_c + n_f] (coarse clusters first) and its normalisers into
+// norm [G]. coarse_pass: the coarse level only (two levels). top_exp: scratch [n_top].
+static void group_scores(const calib_layer & cl, int64_t t, int group, bool coarse_pass, const head_logits & hl,
+                         double * comb, double * top_exp, row_norm * norm) {
+    const squeeze_kv_layer & L = *cl.L;
+    const int64_t G = cl.n_head / L.n_head_kv;
+    const bool two = L.n_coarse > 0;
+    const int64_t n_c = two ? L.n_coarse : 0, n_f = L.n_cent, n_top = two ? n_c : n_f;
+    const float * size = hl.size.data();
+    for (int64_t j = 0; j < G; ++j) {
+        const float * lg = hl.top.data() + (t*G + j)*n_top;
         double m = -INFINITY;
         for (int64_t i = 0; i < n_top; ++i) {
-            if (top[i*(d + 1) + d] > 0.0f) {
-                lg[i] = dot(top + i*(d + 1));
-                m = std::max(m, lg[i]);
-            }
+            m = size[i] > 0.0f ? std::max(m, (double) lg[i]) : m;
         }
+        // one exp per top-level cluster: the normaliser and the top level's scores share it
         double z = 0.0;
         for (int64_t i = 0; i < n_top; ++i) {
-            if (top[i*(d + 1) + d] > 0.0f) {
-                z += top[i*(d + 1) + d]*std::exp(lg[i] - m);
+            top_exp[i] = size[i] > 0.0f ? std::exp((double) lg[i] - m) : 0.0;
+            z += size[i]*top_exp[i];
+        }
+        norm[j] = { m, z };
+        for (int64_t i = 0; i < n_top; ++i) {
+            if (size[i] > 0.0f) {
+                combine(group, G, comb[i], top_exp[i]/z);
             }
         }
-        const bool fine_scores = !coarse_pass;
-        for (int64_t i = 0; i < n_c + n_f; ++i) {
-            const bool is_coarse = i < n_c;
-            if (two && !is_coarse && !fine_scores) {
-                continue; // the coarse pass scores the coarse level only
+        if (two && !coarse_pass) {
+            const float * lf = hl.fine.data() + (t*G + j)*n_f;
+            for (int64_t i = 0; i < n_f; ++i) {
+                if (size[n_c + i] > 0.0f) {
+                    combine(group, G, comb[n_c + i], std::exp((double) lf[i] - m)/z);
+                }
             }
-            const float * c = is_coarse ? coarse + i*(d + 1) : fine + (i - n_c)*(d + 1);
-            if (c[d] <= 0.0f) {
-                continue;
-            }
-            const double l = is_coarse || !two ? lg[i] : dot(c);
-            const double s = std::exp(l - m)/z;
-            comb[i] = group == GGML_CENTROID_GROUP_MEAN ? comb[i] + s/G : std::max(comb[i], s);
-        }
-    }
-    // candidates and the best of them (ties: the lower index)
-    const int64_t lo = coarse_pass ? 0 : n_c, hi = coarse_pass ? n_c : n_c + n_f;
-    auto size_of = [&](int64_t i) { return i < n_c ? coarse[i*(d + 1) + d] : fine[(i - n_c)*(d + 1) + d]; };
-    std::vector<char> cand(hi - lo, 0);
-    if (two && !coarse_pass) {
-        int64_t best_c = -1;
-        for (int64_t c = 0; c < n_c; ++c) {
-            if (coarse[c*(d + 1) + d] > 0.0f && (best_c < 0 || comb[c] > comb[best_c])) {
-                best_c = c;
-            }
-        }
-        for (int64_t i = lo; i < hi; ++i) {
-            const int32_t p = L.parent[h*n_f + (i - n_c)];
-            cand[i - lo] = size_of(i) > 0.0f && (p == best_c || comb[p] >= t_coarse);
-        }
-    } else {
-        for (int64_t i = lo; i < hi; ++i) {
-            cand[i - lo] = size_of(i) > 0.0f;
-        }
-    }
-    int64_t best = -1;
-    for (int64_t i = lo; i < hi; ++i) {
-        if (cand[i - lo] && (best < 0 || comb[i] > comb[best])) {
-            best = i;
-        }
-    }
-    if (best < 0) {
-        return;
-    }
-    sink.row(size_of(best)/n_total);
-    for (int64_t i = lo; i < hi; ++i) {
-        if (cand[i - lo] && i != best) {
-            sink.pair((float) comb[i], size_of(i)/n_total);
         }
     }
 }
 
-// Runs score_row over every (layer, KV head, row) on n_threads threads, one sink per thread.
-template <typename Sink>
-std::vector<Sink> score_all(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass,
-                            float t_coarse, int n_threads, const Sink & proto) {
-    struct item { size_t l; int64_t h; };
-    std::vector<item> items;
-    for (size_t l = 0; l < cls.size(); ++l) {
-        for (int64_t h = 0; h < cls[l].L->n_head_kv; ++h) {
-            items.push_back({ l, h });
+// The candidates of a row's scored level (comb indices [lo, hi)) into cand [hi - lo]: live clusters, and with two
+// levels and !coarse_pass only fine clusters under a coarse cluster kept at t_coarse (or the best coarse one).
+static void candidates(const calib_layer & cl, int64_t h, bool coarse_pass, float t_coarse, const head_logits & hl,
+                       const double * comb, std::vector<char> & cand) {
+    const squeeze_kv_layer & L = *cl.L;
+    const int64_t n_c = L.n_coarse, n_f = L.n_cent;
+    const float * size = hl.size.data();
+    if (n_c == 0 || coarse_pass) {
+        const int64_t n = n_c == 0 ? n_f : n_c;
+        cand.resize(n);
+        for (int64_t i = 0; i < n; ++i) {
+            cand[i] = size[i] > 0.0f;
+        }
+        return;
+    }
+    int64_t best_c = -1;
+    for (int64_t c = 0; c < n_c; ++c) {
+        if (size[c] > 0.0f && (best_c < 0 || comb[c] > comb[best_c])) {
+            best_c = c;
         }
     }
-    n_threads = std::max(1, std::min<int>(n_threads, (int) items.size()));
-    std::vector<Sink> sinks(n_threads, proto);
-    std::vector<std::thread> workers;
-    for (int w = 0; w < n_threads; ++w) {
-        workers.emplace_back([&, w] {
-            std::vector<double> buf;
-            for (size_t i = w; i < items.size(); i += n_threads) {
-                for (int t = 0; t < n_rows; ++t) {
-                    score_row(cls[items[i].l], items[i].h, t, group, coarse_pass, t_coarse, buf, sinks[w]);
-                }
-            }
-        });
+    cand.resize(n_f);
+    for (int64_t i = 0; i < n_f; ++i) {
+        const int32_t p = L.parent[h*n_f + i];
+        cand[i] = size[n_c + i] > 0.0f && (p == best_c || comb[p] >= t_coarse);
     }
-    for (auto & th : workers) {
-        th.join();
-    }
-    return sinks;
 }
+
+struct hist_acc {
+    std::vector<double> hist = std::vector<double>(1u << 16, 0.0);
+    double base = 0.0, n_rows = 0.0;
+    float  max_score = 0.0f;
+};
 
 static uint32_t score_bin(float s) {
     uint32_t bits;
@@ -184,26 +246,148 @@ static uint32_t score_bin(float s) {
     return bits >> 16; // scores are >= 0: the float bits order them
 }
 
-struct hist_sink : calib_sink {
-    std::vector<double> hist = std::vector<double>(1u << 16, 0.0);
-    double base = 0.0, n_rows = 0.0;
-    float  max_score = 0.0f;
-    void row(double b) override { base += b; n_rows += 1.0; }
-    void pair(float s, double w) override { hist[score_bin(s)] += w; max_score = std::max(max_score, s); }
+// Histogram pass, one row: the best candidate's weight is always kept (base), the others' weights go to the bins
+// of their scores. Weights are fractions of the head's clustered keys.
+static void hist_row(const calib_layer & cl, int64_t t, int group, bool coarse_pass, float t_coarse, int64_t h,
+                     const head_logits & hl, std::vector<double> & buf, std::vector<char> & cand, head_rows & rows,
+                     hist_acc & acc) {
+    const int64_t G = cl.n_head / cl.L->n_head_kv, n = (int64_t) hl.size.size();
+    const int64_t lo = coarse_pass || cl.L->n_coarse == 0 ? 0 : cl.L->n_coarse;
+    buf.assign((size_t) 2*n, 0.0); // [n] combined scores, then [n_top] exps
+    double * comb = buf.data();
+    group_scores(cl, t, group, coarse_pass, hl, comb, buf.data() + n, rows.norm.data() + t*G);
+    candidates(cl, h, coarse_pass, t_coarse, hl, comb, cand);
+    int64_t best = -1;
+    for (int64_t i = 0; i < (int64_t) cand.size(); ++i) {
+        if (cand[i] && (best < 0 || comb[lo + i] > comb[lo + best])) {
+            best = i; // ties: the lower index
+        }
+    }
+    rows.best[t] = (int32_t) best;
+    if (best < 0) {
+        return;
+    }
+    acc.base += hl.size[lo + best]/hl.n_total;
+    acc.n_rows += 1.0;
+    for (int64_t i = 0; i < (int64_t) cand.size(); ++i) {
+        if (cand[i] && i != best) {
+            const float s = (float) comb[lo + i];
+            acc.hist[score_bin(s)] += hl.size[lo + i]/hl.n_total;
+            acc.max_score = std::max(acc.max_score, s);
+        }
+    }
+}
+
+struct bin_acc {
+    uint32_t bin = 0;
+    std::vector<std::pair<float, double>> pairs; // (score, weight) of the candidates in the bin
 };
 
-struct bin_sink : calib_sink {
-    uint32_t bin = 0;
-    std::vector<std::pair<float, double>> pairs;
-    void row(double) override {}
-    void pair(float s, double w) override { if (score_bin(s) == bin) { pairs.emplace_back(s, w); } }
-};
+// Bin pass, one row: the candidates whose score falls into acc.bin. Only clusters whose logits come within a
+// margin of the bin's edges (in log space, from the row's normalisers) are scored; the margin (1e-4) is far above
+// the rounding of that test, so no candidate of the bin is skipped, and the scores are the histogram pass's.
+static void bin_row(const calib_layer & cl, int64_t t, int group, bool coarse_pass, float t_coarse, int64_t h,
+                    const head_logits & hl, std::vector<double> & buf, std::vector<char> & cand, const head_rows & rows,
+                    bin_acc & acc) {
+    const squeeze_kv_layer & L = *cl.L;
+    const int64_t G = cl.n_head / L.n_head_kv, n_c = L.n_coarse, n_f = L.n_cent;
+    const bool fine_under_coarse = n_c > 0 && !coarse_pass;
+    const int64_t lo = fine_under_coarse ? n_c : 0, n_top = n_c > 0 ? n_c : n_f;
+    const row_norm * norm = rows.norm.data() + t*G;
+    const int32_t best = rows.best[t];
+    if (best < 0) {
+        return;
+    }
+    std::vector<const float *> top(G), scored(G);
+    for (int64_t j = 0; j < G; ++j) {
+        top[j] = hl.top.data() + (t*G + j)*n_top;
+        scored[j] = fine_under_coarse ? hl.fine.data() + (t*G + j)*n_f : top[j];
+    }
+    buf.assign((size_t) n_c, 0.0); // the coarse scores that choose the fine candidates
+    for (int64_t i = 0; fine_under_coarse && i < n_c; ++i) {
+        buf[i] = hl.size[i] > 0.0f ? group_score(top.data(), i, norm, G, group) : 0.0;
+    }
+    candidates(cl, h, coarse_pass, t_coarse, hl, buf.data(), cand);
+    // the bin's scores [s_lo, s_hi) as logits per head: l in [lo_j, hi_j); a mean over G heads is below s_hi only
+    // if every head's score is below G*s_hi
+    const uint32_t bits_lo = acc.bin << 16, bits_hi = (acc.bin + 1) << 16;
+    float s_lo, s_hi;
+    std::memcpy(&s_lo, &bits_lo, sizeof(s_lo));
+    std::memcpy(&s_hi, &bits_hi, sizeof(s_hi));
+    const double hi_factor = group == GGML_CENTROID_GROUP_MEAN ? (double) G : 1.0, margin = 1e-4;
+    std::vector<double> l_lo(G), l_hi(G);
+    for (int64_t j = 0; j < G; ++j) {
+        l_lo[j] = norm[j].m + std::log((double) s_lo*norm[j].z) - margin;
+        l_hi[j] = norm[j].m + std::log(hi_factor*s_hi*norm[j].z) + margin;
+    }
+    for (int64_t i = 0; i < (int64_t) cand.size(); ++i) {
+        if (!cand[i] || i == best) {
+            continue;
+        }
+        bool reaches_lo = false, below_hi = true;
+        for (int64_t j = 0; j < G; ++j) {
+            reaches_lo = reaches_lo || scored[j][i] >= l_lo[j];
+            below_hi = below_hi && scored[j][i] < l_hi[j];
+        }
+        if (!reaches_lo || !below_hi) {
+            continue;
+        }
+        const float s = (float) group_score(scored.data(), i, norm, G, group);
+        if (score_bin(s) == acc.bin) {
+            acc.pairs.emplace_back(s, hl.size[lo + i]/hl.n_total);
+        }
+    }
+}
+
+// Runs row(cl, t, h, hl, buf, cand, rows, acc) over every (layer, KV head, row) on n_threads threads, one
+// accumulator per thread; rows: one head_rows per (layer, KV head), in order.
+template <typename Acc, typename Row>
+std::vector<Acc> score_all(const std::vector<calib_layer> & cls, int n_rows, bool coarse_pass, int n_threads,
+                           const Acc & proto, std::vector<head_rows> & rows, const Row & row) {
+    struct item { size_t l; int64_t h; };
+    std::vector<item> items;
+    for (size_t l = 0; l < cls.size(); ++l) {
+        for (int64_t h = 0; h < cls[l].L->n_head_kv; ++h) {
+            items.push_back({ l, h });
+        }
+    }
+    rows.resize(items.size());
+    n_threads = std::max(1, std::min<int>(n_threads, (int) items.size()));
+    std::vector<Acc> accs(n_threads, proto);
+    std::vector<std::thread> workers;
+    for (int w = 0; w < n_threads; ++w) {
+        workers.emplace_back([&, w] {
+            std::vector<double> buf;
+            std::vector<char> cand;
+            head_logits hl;
+            for (size_t i = w; i < items.size(); i += n_threads) {
+                const calib_layer & cl = cls[items[i].l];
+                const int64_t G = cl.n_head / cl.L->n_head_kv;
+                compute_head_logits(cl, items[i].h, n_rows, coarse_pass, hl);
+                rows[i].norm.resize((size_t) n_rows*G);
+                rows[i].best.resize(n_rows);
+                for (int t = 0; t < n_rows; ++t) {
+                    row(cl, t, items[i].h, hl, buf, cand, rows[i], accs[w]);
+                }
+            }
+        });
+    }
+    for (auto & th : workers) {
+        th.join();
+    }
+    return accs;
+}
 
 // The largest threshold whose mean kept fraction is >= keep; *kept: that mean kept fraction.
 static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass, float t_coarse,
                 float keep, int n_threads, float * kept) {
-    hist_sink h;
-    for (auto & s : score_all(cls, n_rows, group, coarse_pass, t_coarse, n_threads, hist_sink())) {
+    std::vector<head_rows> rows;
+    hist_acc h;
+    auto hist = [&](const calib_layer & cl, int t, int64_t head, const head_logits & hl, std::vector<double> & buf,
+                    std::vector<char> & cand, head_rows & r, hist_acc & acc) {
+        hist_row(cl, t, group, coarse_pass, t_coarse, head, hl, buf, cand, r, acc);
+    };
+    for (auto & s : score_all(cls, n_rows, coarse_pass, n_threads, hist_acc(), rows, hist)) {
         for (size_t b = 0; b < h.hist.size(); ++b) {
             h.hist[b] += s.hist[b];
         }
@@ -236,10 +420,14 @@ static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int gro
         *kept = (float) ((h.base + cum)/h.n_rows);
         return 0.0f; // every candidate is needed
     }
-    bin_sink proto;
+    bin_acc proto;
     proto.bin = (uint32_t) bin;
+    auto in_bin = [&](const calib_layer & cl, int t, int64_t head, const head_logits & hl, std::vector<double> & buf,
+                      std::vector<char> & cand, head_rows & r, bin_acc & acc) {
+        bin_row(cl, t, group, coarse_pass, t_coarse, head, hl, buf, cand, r, acc);
+    };
     std::vector<std::pair<float, double>> pairs;
-    for (auto & s : score_all(cls, n_rows, group, coarse_pass, t_coarse, n_threads, proto)) {
+    for (auto & s : score_all(cls, n_rows, coarse_pass, n_threads, proto, rows, in_bin)) {
         pairs.insert(pairs.end(), s.pairs.begin(), s.pairs.end());
     }
     std::sort(pairs.begin(), pairs.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
@@ -703,9 +891,19 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         return why;
     };
 
+    // phase_us: microseconds spent in capture, clustering, calibration and install (logged below)
+    int64_t phase_us[4] = { 0, 0, 0, 0 };
+    int64_t t_us = ggml_time_us();
+    auto phase_done = [&](int phase) {
+        const int64_t now = ggml_time_us();
+        phase_us[phase] = now - t_us;
+        t_us = now;
+    };
+
     kv->squeeze = st; // the graph hook captures the queries through it
     std::map<int32_t, std::vector<float>> q_rows; // il -> [n_calib][n_head][d]
     err = capture_queries(ctx, *st, tokens, q_rows);
+    phase_done(0);
     if (!err.empty()) {
         return fail(err);
     }
@@ -713,11 +911,14 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
         return fail("cancelled");
     }
     err = cluster_layers(ctx, *kv, *st, n_cent, n_coarse, n_active, progress);
+    phase_done(1);
     if (err.empty()) {
         err = calibrate_layers(ctx, *kv, *st, q_rows, n_calib);
+        phase_done(2);
     }
     if (err.empty()) {
         err = install(*kv, *st);
+        phase_done(3);
     }
     if (!err.empty()) {
         return fail(err);
@@ -729,6 +930,9 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
             seq_id, n_prefix, n_clustered, (long long) n_cent, n_coarse ? (", " + std::to_string(n_coarse) + " coarse").c_str() : "",
             n_calib, n_active, (double) st->threshold,
             n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "", 100.0*st->kept_calib);
+    LLAMA_LOG_INFO("%s: centroid-sparse preparation phases: capture %.2f s, clustering %.2f s, calibration %.2f s "
+                   "(%d threads), install %.2f s\n", __func__, 1e-6*(double) phase_us[0], 1e-6*(double) phase_us[1],
+            1e-6*(double) phase_us[2], (int) ctx.cparams.n_threads_batch, 1e-6*(double) phase_us[3]);
     return "";
 }
 
