@@ -278,6 +278,53 @@ def test_save_then_load_gives_the_same_outputs(llm, smollm2_path, doc, questions
     assert_logits_agree(got[1], want[1], "loaded vs prepared", tol=TOL)
 
 
+def test_recalibrating_equals_preparing_at_that_keep(llm, smollm2_path, doc, questions, tmp_path):
+    at_03 = llm.prepare_fixed_context(doc, keep=0.3, **SETTINGS)
+    want_info = llm.prepare_fixed_context(doc, keep=0.1, **SETTINGS)
+    want = _greedy_after(llm, questions[0], 6)
+    llm.prepare_fixed_context(doc, keep=0.3, **SETTINGS)
+    _greedy_after(llm, questions[1], 2)
+    _back_to_prefix(llm, N_PREFIX)
+    info = llm.recalibrate_fixed_context(0.1)                # same clusters, new threshold
+    assert info.prepared and info.threshold == want_info.threshold and info.kept_calib == want_info.kept_calib
+    got = _greedy_after(llm, questions[0], 6)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1], want[1])           # the same op inputs: the same logits
+    # it survives a save and load (sidecar format 2 keeps the calibration queries), and goes back up
+    _back_to_prefix(llm, N_PREFIX)
+    path = str(tmp_path / "doc.state")
+    llm.save_fixed_context(path)
+    other = Llama(str(smollm2_path), n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False, fixed_context=path)
+    try:
+        assert other.fixed_context.threshold == want_info.threshold
+        back = other.recalibrate_fixed_context(0.3)
+        assert back.threshold == at_03.threshold and back.kept_calib == at_03.kept_calib
+    finally:
+        other.close()
+
+
+def test_recalibrating_fails_clearly(llm, doc, tmp_path):
+    info = llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    for keep in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="keep"):
+            llm.recalibrate_fixed_context(keep)
+    assert llm.fixed_context == info                         # a failed call leaves the thresholds
+    # a version-1 sidecar (no calibration queries: format 2 appends them) loads, but cannot recalibrate
+    path = tmp_path / "doc.squeeze"
+    squeeze_api.save(llm.ctx, str(path))
+    data = path.read_bytes()
+    per_layer = 4 + 4 + 8 + (N_PREFIX - info.n_clustered) * 9 * 64 * 4   # il, scale, length, [100][9 heads][64]
+    tail = 4 + info.n_layers * per_layer
+    assert struct.unpack("<I", data[len(data) - tail:len(data) - tail + 4])[0] == info.n_layers
+    path.write_bytes(data[:4] + struct.pack("<I", 1) + data[8:len(data) - tail])
+    assert squeeze_api.load(llm.ctx, str(path), doc).threshold == info.threshold
+    with pytest.raises(ValueError, match="version 1"):
+        llm.recalibrate_fixed_context(0.1)
+    llm.clear_fixed_context()
+    with pytest.raises(ValueError, match="no prepared prefix"):
+        llm.recalibrate_fixed_context(0.1)
+
+
 def test_preparation_is_deterministic(llm, doc, tmp_path):
     files = []
     for i in range(2):

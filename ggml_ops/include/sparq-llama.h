@@ -238,7 +238,7 @@ SPARQ_API const char * llama_squeeze_check(const struct llama_squeeze_params * p
 SPARQ_API int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_id, const int32_t * tokens,
                                         int32_t n_prefix, const struct llama_squeeze_params * params);
 
-// Writes the prepared prefix (clusters, assignments by position, thresholds, prefix tokens) to a sidecar file
+// Writes the prepared prefix (clusters, assignments by position, thresholds, prefix tokens, calibration queries) to a sidecar file
 // with a format version and the model's fingerprint. Save the KV state itself with llama_state_seq_save_file.
 SPARQ_API int32_t llama_squeeze_save(struct llama_context * ctx, const char * path);
 
@@ -247,6 +247,13 @@ SPARQ_API int32_t llama_squeeze_save(struct llama_context * ctx, const char * pa
 // (n_tokens >= the prefix length; only the prefix is compared). A version, model or token mismatch fails clearly.
 SPARQ_API int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path,
                                      const int32_t * tokens, int32_t n_tokens);
+
+// A new keep (and keep_coarse, two levels; 0: min(1, 2*keep)) for the prepared prefix: the thresholds are calibrated
+// again on the calibration queries kept since preparing (or loaded from a version-2 sidecar), with the same clusters,
+// so the result equals preparing at that keep. No decode, no clustering. Returns 0, or -1 with the reason (no prepared
+// prefix, a value out of range, a prefix loaded from a version-1 sidecar) in llama_squeeze_last_error(); on failure
+// the prefix keeps its thresholds.
+SPARQ_API int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float keep, float keep_coarse);
 
 // Drops the prepared prefix (dense attention over it again).
 SPARQ_API void llama_squeeze_clear(struct llama_context * ctx);

@@ -194,6 +194,13 @@ class Llama(_UpstreamLlama):
             raise ValueError(f"saving the KV state of the fixed context to {path} failed")
         _squeeze.save(self.ctx, _squeeze.sidecar_path(path))
 
+    def recalibrate_fixed_context(self, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
+        """Read a different fraction of the prepared fixed context: its threshold is calibrated again for `keep`
+        (and `keep_coarse` with two levels; 0: min(1, 2*keep)) on the calibration queries kept since preparing, with
+        the same clusters, as `prepare_fixed_context(..., keep=keep)` would. Takes milliseconds to a second. Works
+        after `load_fixed_context` for files saved by this version (sidecar format 2). ValueError on failure."""
+        return _squeeze.recalibrate(self.ctx, keep, keep_coarse)
+
     def load_fixed_context(self, path: str) -> SqueezeInfo:
         """Load a fixed context saved by `save_fixed_context` (KV state and clusters); replaces the cache."""
         sidecar = _squeeze.sidecar_path(path)

@@ -151,6 +151,8 @@ def _api() -> ctypes.CDLL:
     lib.llama_squeeze_save.restype = ctypes.c_int32
     lib.llama_squeeze_load.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p, ctypes.c_int32]
     lib.llama_squeeze_load.restype = ctypes.c_int32
+    lib.llama_squeeze_recalibrate.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
+    lib.llama_squeeze_recalibrate.restype = ctypes.c_int32
     lib.llama_squeeze_clear.argtypes = [ctypes.c_void_p]
     lib.llama_squeeze_clear.restype = None
     lib.llama_squeeze_get_info.argtypes = [ctypes.c_void_p]
@@ -214,6 +216,13 @@ def load(ctx: Any, path: str, tokens: Sequence[int] | None = None, *, seq_id: in
     n = len(tokens) if tokens is not None else 0
     if _api().llama_squeeze_load(_ctx_ptr(ctx), _int32("seq_id", seq_id), str(path).encode(), arr, n) != 0:
         raise _error("llama_squeeze_load")
+    return info(ctx)
+
+
+def recalibrate(ctx: Any, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
+    """llama_squeeze_recalibrate: the prepared prefix's thresholds for a new keep (same clusters). ValueError on failure."""
+    if _api().llama_squeeze_recalibrate(_ctx_ptr(ctx), float(keep), float(keep_coarse)) != 0:
+        raise _error("llama_squeeze_recalibrate")
     return info(ctx)
 
 

@@ -111,6 +111,11 @@ struct squeeze_kv_state {
     bool capturing = false;
     std::map<int32_t, ggml_tensor *> captured_q;
     std::map<int32_t, float>         captured_scale;
+
+    // the calibration queries of the active layers (il -> [n_calib][n_head][d]) and their logit scales, kept for
+    // llama_squeeze_recalibrate and the sidecar (a version-1 sidecar has none)
+    std::map<int32_t, std::vector<float>> calib_q;
+    std::map<int32_t, float>              calib_scale;
 };
 
 // The centroid-sparse attention of a layer for the current ubatch, or nullptr (dense / SparQ decides).

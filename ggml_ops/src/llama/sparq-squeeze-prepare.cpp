@@ -577,7 +577,7 @@ static bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_ca
 // ---- sidecar ------------------------------------------------------------------------------------------------
 
 constexpr char     SIDECAR_MAGIC[4] = { 'S', 'Q', 'Z', 'P' };
-constexpr uint32_t SIDECAR_VERSION  = 1;
+constexpr uint32_t SIDECAR_VERSION  = 2;  // 2: + the calibration queries (version 1 is still read)
 
 // What a saved prefix must match: the model's shape and description, and a hash of its first token embeddings.
 static std::string model_fingerprint(const llama_model & model) {
@@ -809,10 +809,11 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
     return "";
 }
 
-// Step 3: the thresholds from the captured queries (st.threshold, st.threshold_coarse, st.kept_calib).
-std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st,
-                                                   std::map<int32_t, std::vector<float>> & q_rows, int32_t n_calib) {
+// Step 3: the thresholds (st.threshold, st.threshold_coarse, st.kept_calib) from the calibration queries in
+// st.calib_q at st.params.keep (and keep_coarse).
+std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st) {
     const auto & hp = ctx.model.hparams;
+    const int32_t n_calib = st.n_prefix - st.n_clustered;
     std::vector<sqp::calib_layer> cls;
     for (size_t ikv = 0; ikv < kv.layers.size(); ++ikv) {
         const auto & L = st.layers[ikv];
@@ -820,16 +821,16 @@ std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const ll
         if (!L.active) {
             continue;
         }
-        auto it = q_rows.find((int32_t) il);
-        if (it == q_rows.end() || st.captured_scale.count((int32_t) il) == 0) {
+        auto it = st.calib_q.find((int32_t) il);
+        if (it == st.calib_q.end() || st.calib_scale.count((int32_t) il) == 0) {
             return "layer " + std::to_string(il) + "'s queries were not captured (its graph does not reach "
                    "llama.cpp's KV attention)";
         }
         sqp::calib_layer cl;
         cl.L      = &L;
         cl.n_head = hp.n_head(il);
-        cl.scale  = st.captured_scale[(int32_t) il];
-        cl.q      = std::move(it->second);
+        cl.scale  = st.calib_scale[(int32_t) il];
+        cl.q      = it->second;
         if ((int64_t) cl.q.size() != (int64_t) n_calib*cl.n_head*L.d) {
             return "layer " + std::to_string(il) + ": captured query rows have an unexpected size";
         }
@@ -838,7 +839,44 @@ std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const ll
     st.kept_calib = sqp::calibrate_levels(cls, n_calib, st.params.group, st.params.levels, st.params.keep, st.params.keep_coarse,
                                            std::max(1, (int) ctx.cparams.n_threads_batch), &st.threshold,
                                            &st.threshold_coarse);
-    st.captured_scale.clear();
+    return "";
+}
+
+std::string sparq_squeeze_access::recalibrate(llama_context & ctx, float keep, float keep_coarse) {
+    std::string err;
+    llama_kv_cache * kv = cache(ctx, err);
+    if (kv == nullptr) {
+        return err;
+    }
+    verify(*kv);
+    squeeze_kv_state * st = kv->squeeze.get();
+    if (st == nullptr || !st->ready) {
+        return "no prepared prefix to recalibrate";
+    }
+    if (st->calib_q.empty()) {
+        return "this prefix was loaded from a sidecar without its calibration queries (format version 1): prepare it "
+               "again, or save it with this build, to recalibrate";
+    }
+    llama_squeeze_params p = st->params;
+    p.keep        = keep;
+    p.keep_coarse = keep_coarse;
+    if (const char * msg = llama_squeeze_check(&p)) {
+        return msg;
+    }
+    const llama_squeeze_params before = st->params;
+    st->params = p;
+    err = calibrate_layers(ctx, *kv, *st);
+    if (!err.empty()) {
+        st->params = before;
+        return err;
+    }
+    // graphs carry the threshold: a new generation keeps them from being reused
+    st->generation = next_generation();
+    reset_graphs(ctx);
+    LLAMA_LOG_INFO("%s: centroid-sparse prefix recalibrated to keep %.3g: T = %.4g%s, kept on the calibration queries %.1f%%\n",
+                   __func__, (double) keep, (double) st->threshold,
+                   st->params.levels == 2 ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "",
+                   100.0*st->kept_calib);
     return "";
 }
 
@@ -901,11 +939,18 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     };
 
     kv->squeeze = st; // the graph hook captures the queries through it
-    std::map<int32_t, std::vector<float>> q_rows; // il -> [n_calib][n_head][d]
-    err = capture_queries(ctx, *st, tokens, q_rows);
+    err = capture_queries(ctx, *st, tokens, st->calib_q);
     phase_done(0);
     if (!err.empty()) {
         return fail(err);
+    }
+    st->calib_scale = std::move(st->captured_scale);
+    st->captured_scale.clear();
+    for (size_t ikv = 0; ikv < kv->layers.size(); ++ikv) {  // keep the active layers' queries only
+        if (!st->layers[ikv].active) {
+            st->calib_q.erase((int32_t) kv->layers[ikv].il);
+            st->calib_scale.erase((int32_t) kv->layers[ikv].il);
+        }
     }
     if (!progress(0.05f)) {
         return fail("cancelled");
@@ -913,7 +958,7 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     err = cluster_layers(ctx, *kv, *st, n_cent, n_coarse, n_active, progress);
     phase_done(1);
     if (err.empty()) {
-        err = calibrate_layers(ctx, *kv, *st, q_rows, n_calib);
+        err = calibrate_layers(ctx, *kv, *st);
         phase_done(2);
     }
     if (err.empty()) {
@@ -983,6 +1028,12 @@ std::string sparq_squeeze_access::save(llama_context & ctx, const char * path) {
         w.val(L.d); w.val(L.n_head_kv); w.val(L.n_cent); w.val(L.n_coarse);
         w.vec(L.table); w.vec(L.assign); w.vec(L.coarse_table); w.vec(L.parent);
     }
+    w.val<uint32_t>((uint32_t) st->calib_q.size());
+    for (const auto & [il, q] : st->calib_q) {
+        w.val<int32_t>(il);
+        w.val<float>(st->calib_scale.at(il));
+        w.vec(q);
+    }
     if (!w.ok || fflush(f.get()) != 0) {
         return std::string("writing ") + path + " failed";
     }
@@ -1007,8 +1058,8 @@ std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, cons
         return std::string(path) + " is not a centroid-sparse prefix file";
     }
     const uint32_t version = r.val<uint32_t>();
-    if (version != sqp::SIDECAR_VERSION) {
-        return std::string(path) + ": format version " + std::to_string(version) + ", this build reads version " +
+    if (version < 1 || version > sqp::SIDECAR_VERSION) {
+        return std::string(path) + ": format version " + std::to_string(version) + ", this build reads versions 1 to " +
                std::to_string(sqp::SIDECAR_VERSION);
     }
     if (r.str(1u << 20) != sqp::model_fingerprint(ctx.model)) {
@@ -1064,6 +1115,28 @@ std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, cons
                                              L.n_head_kv, L.n_coarse > 0)) {
             L.active = false;
             L.reason = "no ggml_centroid_attn kernel for this case on this device";
+        }
+    }
+    if (version >= 2) {
+        const uint32_t n_q = r.val<uint32_t>();
+        for (uint32_t i = 0; r.ok && i < n_q; ++i) {
+            const int32_t il = r.val<int32_t>();
+            const float scale = r.val<float>();
+            std::vector<float> q;
+            r.vec(q, uint64_t(1) << 36);
+            const squeeze_kv_layer * L = nullptr;
+            for (uint32_t ikv = 0; ikv < n_layers; ++ikv) {
+                L = (int32_t) kv->layers[ikv].il == il ? &st->layers[ikv] : L;
+            }
+            if (!r.ok || L == nullptr || il < 0 || (int64_t) q.size() !=
+                    (int64_t) (st->n_prefix - st->n_clustered)*hp.n_head(il)*L->d) {
+                return std::string(path) + " is truncated or damaged (calibration queries)";
+            }
+            st->calib_q[il] = std::move(q);
+            st->calib_scale[il] = scale;
+        }
+        if (!r.ok) {
+            return std::string(path) + " is truncated or damaged (calibration queries)";
         }
     }
     st->generation = next_generation();
@@ -1165,6 +1238,14 @@ int32_t llama_squeeze_save(struct llama_context * ctx, const char * path) {
         return squeeze_result(__func__, "ctx and path must not be NULL");
     }
     return squeeze_result(__func__, sparq_squeeze_access::save(*ctx, path));
+}
+
+int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float keep, float keep_coarse) {
+    if (ctx == nullptr) {
+        return squeeze_result(__func__, "ctx must not be NULL");
+    }
+    ctx->synchronize();
+    return squeeze_result(__func__, sparq_squeeze_access::recalibrate(*ctx, keep, keep_coarse));
 }
 
 int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path, const int32_t * tokens,

@@ -43,8 +43,9 @@ struct sparq_squeeze_access {
                                        std::map<int32_t, std::vector<float>> & q_rows);
     static std::string cluster_layers(llama_context & ctx, llama_kv_cache & kv, squeeze_kv_state & st, int64_t n_cent,
                                       int64_t n_coarse, int n_active, const std::function<bool(float)> & progress);
-    static std::string calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st,
-                                        std::map<int32_t, std::vector<float>> & q_rows, int32_t n_calib);
+    static std::string calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st);
+    // a new keep for a prepared prefix: the thresholds again from its kept calibration queries (no clustering)
+    static std::string recalibrate(llama_context & ctx, float keep, float keep_coarse);
     static std::string load(llama_context & ctx, int32_t seq_id, const char * path, const int32_t * tokens,
                             int32_t n_tokens);
     static void clear(llama_context & ctx);
