@@ -50,7 +50,8 @@ def test_help_lists_the_flags():
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-keep", "1.5"], "must be a number in (0, 1]"),
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-centroids", "x"], "must be a number in (0, 1]"),
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-levels", "3"], "must be 1 or 2"),
-    (["--squeeze", "--squeeze-load", "b.state", "--squeeze-keep", "0.2"], "--squeeze-keep applies when preparing"),
+    (["--squeeze", "--squeeze-load", "b.state", "--squeeze-centroids", "0.2"], "--squeeze-centroids applies when preparing"),
+    (["--squeeze", "--squeeze-load", "b.state", "--squeeze-keep", "0"], "must be a number in (0, 1]"),
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--prompt-cache", "c.bin"], "cannot be combined with --prompt-cache"),
 ])
 def test_bad_flags_fail_before_loading(args, message):
@@ -93,6 +94,24 @@ def test_saved_prefix_loads_and_answers_the_same(smollm2_path, document, tmp_pat
         assert info.prepared and info.n_prefix == n_prefix and info.kept_calib == pytest.approx(0.3, abs=0.01)
     finally:
         llm.close()
+
+
+def test_loaded_prefix_recalibrated_answers_as_prepared_at_that_keep(smollm2_path, document, tmp_path):
+    state = str(tmp_path / "doc.state")
+    completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3", "--squeeze-save", state)
+    at_1, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-keep", "1")
+    assert "recalibrated to keep 1 (threshold 0, kept on its calibration queries 100.0%)" in log
+    prepared_at_1, _ = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "1")
+    assert at_1 == prepared_at_1 and "48213" in at_1
+    # and back: the threshold of a preparation at 0.3, as the saved one has
+    llm = Llama(str(smollm2_path), n_ctx=2048, flash_attn=True, n_threads=2, verbose=False, fixed_context=state)
+    try:
+        saved = llm.fixed_context
+    finally:
+        llm.close()
+    _, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-keep", "0.3")
+    threshold = float(re.search(r"recalibrated to keep 0.3 \(threshold ([^,]+),", log).group(1))
+    assert threshold == pytest.approx(saved.threshold, rel=1e-5)
 
 
 def test_missing_or_mismatched_files_fail(smollm2_path, document, tmp_path):
