@@ -287,7 +287,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         ggml_tensor * tab = L->vsum;                                                  // [f, n_seq_max]
         if (inp->one_seq_each) {
             // a decode step: each row is its sequence's sums plus its own value, and is the sequence's new row
-            // of the table (3 kernels where the general form below takes 6; the rows are distinct)
+            // of the table (the rows are distinct): no one-hot product and no copy of the whole table
             ggml_tensor * rows = ggml_add(ctx0, ggml_get_rows(ctx0, tab, inp->seq_idx), aug_2d);
             ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
             vsum_rows = select ? rows : nullptr;
