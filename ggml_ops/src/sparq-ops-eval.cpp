@@ -13,7 +13,9 @@
 #include <cstdarg>
 #include <cstring>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
+#include <utility>
 
 namespace {
 
@@ -46,6 +48,32 @@ ggml_backend * open_backend(const char * device, int n_threads, ggml_backend_dev
     }
     *dev_out = dev;
     return backend;
+}
+
+// Runs the one op `out` of context c (no_alloc) on backend: checks that the device supports it, allocates c's
+// tensors, sets the inputs (a NULL tensor is skipped), computes, and copies the result to dst. 0, or 1 with err.
+int compute_op(ggml_backend * backend, ggml_backend_dev_t dev, ggml_context * c, ggml_tensor * out, const char * op_name,
+               std::initializer_list<std::pair<ggml_tensor *, const void *>> inputs, void * dst, char * err,
+               size_t err_size) {
+    if (!ggml_backend_supports_op(backend, out)) {
+        return fail(err, err_size, "device '%s' does not support %s with these types", ggml_backend_dev_name(dev), op_name);
+    }
+    ggml_cgraph * gf = ggml_new_graph(c);
+    ggml_build_forward_expand(gf, out);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend));
+    if (!buf) {
+        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    }
+    for (const auto & [t, data] : inputs) {
+        if (t) {
+            ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
+        }
+    }
+    if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
+        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
+    }
+    ggml_backend_tensor_get(out, dst, 0, ggml_nbytes(out));
+    return 0;
 }
 
 }  // namespace
@@ -82,36 +110,9 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (pos) {
         ggml_sparq_attn_set_pos(out, pos);
     }
-    if (!ggml_backend_supports_op(backend.get(), out)) {
-        return fail(err, err_size, "device '%s' does not support sparq_attn with these types",
-                    ggml_backend_dev_name(dev));
-    }
-    ggml_cgraph * gf = ggml_new_graph(c);
-    ggml_build_forward_expand(gf, out);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
-    }
-    ggml_backend_tensor_set(q, a->q, 0, ggml_nbytes(q));
-    ggml_backend_tensor_set(k, a->k, 0, ggml_nbytes(k));
-    if (kt) {
-        ggml_backend_tensor_set(kt, a->kt, 0, ggml_nbytes(kt));
-    }
-    ggml_backend_tensor_set(v, a->v, 0, ggml_nbytes(v));
-    if (mask) {
-        ggml_backend_tensor_set(mask, a->mask, 0, ggml_nbytes(mask));
-    }
-    if (pos) {
-        ggml_backend_tensor_set(pos, a->pos, 0, ggml_nbytes(pos));
-    }
-    if (vsum) {
-        ggml_backend_tensor_set(vsum, a->vsum, 0, ggml_nbytes(vsum));
-    }
-    if (ggml_backend_graph_compute(backend.get(), gf) != GGML_STATUS_SUCCESS) {
-        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
-    }
-    ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
-    return 0;
+    return compute_op(backend.get(), dev, c, out, "sparq_attn",
+                      { { q, a->q }, { k, a->k }, { kt, a->kt }, { v, a->v }, { mask, a->mask }, { pos, a->pos },
+                        { vsum, a->vsum } }, a->out, err, err_size);
 }
 
 int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * err, size_t err_size) {
@@ -148,29 +149,9 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_centroid_attn(c, q, k, v, mask, cent, cell, coarse, parent, *a->params);
-    if (!ggml_backend_supports_op(backend.get(), out)) {
-        return fail(err, err_size, "device '%s' does not support centroid_attn with these types",
-                    ggml_backend_dev_name(dev));
-    }
-    ggml_cgraph * gf = ggml_new_graph(c);
-    ggml_build_forward_expand(gf, out);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
-    }
-    const std::pair<ggml_tensor *, const void *> inputs[] = {
-        { q, a->q }, { k, a->k }, { v, a->v }, { mask, a->mask }, { cent, a->cent }, { cell, a->cell },
-        { coarse, a->coarse }, { parent, a->parent } };
-    for (const auto & [t, data] : inputs) {
-        if (t) {
-            ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
-        }
-    }
-    if (ggml_backend_graph_compute(backend.get(), gf) != GGML_STATUS_SUCCESS) {
-        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
-    }
-    ggml_backend_tensor_get(out, a->out, 0, ggml_nbytes(out));
-    return 0;
+    return compute_op(backend.get(), dev, c, out, "centroid_attn",
+                      { { q, a->q }, { k, a->k }, { v, a->v }, { mask, a->mask }, { cent, a->cent }, { cell, a->cell },
+                        { coarse, a->coarse }, { parent, a->parent } }, a->out, err, err_size);
 }
 
 int sparq_llama_eval_kmeans(const struct kmeans_eval_args * a, char * err, size_t err_size) {
