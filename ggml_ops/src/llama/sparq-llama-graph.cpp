@@ -271,7 +271,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         const int64_t h   = hparams.n_head_kv(il);
         const int64_t f   = (d_v + 1)*h;
         const bool need_future = select && !decode;
-        inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select || inp->one_seq_each, need_future);
+        inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);  // one_seq_each implies select
 
         // the sums take V as the cache stores it (rounded to its type), so a rebuild from the cache agrees
         ggml_tensor * v3 = nullptr;
@@ -290,7 +290,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
             // of the table (the rows are distinct): no one-hot product and no copy of the whole table
             ggml_tensor * rows = ggml_add(ctx0, ggml_get_rows(ctx0, tab, inp->seq_idx), aug_2d);
             ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
-            vsum_rows = select ? rows : nullptr;
+            vsum_rows = rows;
         } else {
             ggml_tensor * aug_t   = ggml_cont(ctx0, ggml_transpose(ctx0, aug_2d));
             ggml_tensor * tab_new = ggml_add(ctx0, tab, ggml_mul_mat(ctx0, aug_t, inp->onehot));

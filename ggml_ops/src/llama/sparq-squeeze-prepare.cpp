@@ -39,7 +39,7 @@ namespace sparq_squeeze_detail {
 // Per layer: the calibration queries and the tables the scores are taken against.
 struct calib_layer {
     const squeeze_kv_layer * L;
-    std::vector<float> q;  // [n_rows][n_head][d]
+    const float * q = nullptr;  // [n_rows][n_head][d], owned by the caller (the prepared state, or the eval's input)
     int64_t n_head = 0;
     float   scale  = 0.0f;
 };
@@ -130,7 +130,7 @@ static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, b
     const float * fine = L.table.data() + h*n_f*(d + 1);
     hl.q.resize((size_t) n_q*d);
     for (int64_t t = 0; t < n_rows; ++t) {
-        std::memcpy(hl.q.data() + t*G*d, cl.q.data() + (t*cl.n_head + h*G)*d, (size_t) G*d*sizeof(float));
+        std::memcpy(hl.q.data() + t*G*d, cl.q + (t*cl.n_head + h*G)*d, (size_t) G*d*sizeof(float));
     }
     hl.size.resize((size_t) (n_c + n_f));
     hl.n_total = 0.0;
@@ -829,9 +829,9 @@ std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const ll
         sqp::calib_layer cl;
         cl.L      = &L;
         cl.n_head = hp.n_head(il);
-        cl.scale  = st.calib_scale[(int32_t) il];
-        cl.q      = it->second;
-        if ((int64_t) cl.q.size() != (int64_t) n_calib*cl.n_head*L.d) {
+        cl.scale  = st.calib_scale.at((int32_t) il);
+        cl.q      = it->second.data();
+        if ((int64_t) it->second.size() != (int64_t) n_calib*cl.n_head*L.d) {
             return "layer " + std::to_string(il) + ": captured query rows have an unexpected size";
         }
         cls.push_back(std::move(cl));
@@ -1328,7 +1328,7 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         cls[l].L = &L;
         cls[l].n_head = a->n_head;
         cls[l].scale = a->scale;
-        cls[l].q.assign(a->q + l*nq, a->q + (l + 1)*nq);
+        cls[l].q = a->q + l*nq;
     }
     *a->kept = sqp::calibrate_levels(cls, (int) a->n_rows, a->group, two ? 2 : 1, a->keep, a->keep_coarse,
                                      std::max(1, a->n_threads), a->threshold, a->threshold_coarse);
