@@ -89,6 +89,10 @@ PY
     done
 }
 
+llama2_model() {  # prints the path of the random-weight Llama-2-7B-shape Q8_0 model, made on first use
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1
+}
+
 make_small_model() {  # random-weight Llama-2 layout, 4 layers (bench/random_gguf.py)
     [ -f /tmp/models/small.gguf ] && return
     python3 - <<'PYEOF'
@@ -255,7 +259,7 @@ stage_gap() {
     #   4. SPARQ_CUDA_TIMING at 64k: the tail phases and any exact-selection fallback of kernel S;
     #   5. ncu of every kernel of decode steps at depth 0 (the kernel inventory per step, dense vs SparQ).
     # Parts 3-5 are stage gapncu (one device call each: gap after build, gapncu in the next, warm call).
-    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1) || return 1
+    local m; m=$(llama2_model) || return 1
     local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
     "${lb[@]}" -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -sparq-policy sparq,window -o json > "$OUT/gap_bench.json" 2> "$OUT/gap_bench.log" \
         && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq-'+r['sparq_policy'] if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap_bench.json" \
@@ -272,8 +276,7 @@ stage_gap() {
 }
 
 stage_gapncu() {  # parts 3-5 of stage_gap
-    local m=/tmp/models/random-llama2-7b-q8_0.gguf
-    [ -f "$m" ] || { echo "no $m: run stage gap first"; return 1; }
+    local m; m=$(llama2_model) || return 1
     local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 32768 -sparq 1 \
         > "$OUT/gap_ncu_sparq32k.csv" 2> "$OUT/gap_ncu_sparq32k.log"
@@ -294,7 +297,7 @@ stage_recheck() {
     # and 64k, and the centroid-sparse prepare of a 32k prefix with its phase times. Sized for ~150 s after a build.
     python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py -k "underflow or window_and_sinks" 2>&1 \
         | tee "$OUT/test_recheck.log" | tail -2
-    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1) || return 1
+    local m; m=$(llama2_model) || return 1
     "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -k1 32 -k2 128 \
         -sparq-min-kv 0 -o json > "$OUT/recheck_bench.json" 2> "$OUT/recheck_bench.log" \
         && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq' if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/recheck_bench.json" \
