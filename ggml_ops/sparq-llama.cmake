@@ -7,12 +7,12 @@ set(SPARQ_OPS_DIR "${CMAKE_CURRENT_LIST_DIR}")
 target_include_directories(ggml-base PUBLIC "${SPARQ_OPS_DIR}/include")
 target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c" "${SPARQ_OPS_DIR}/src/ggml-centroid.c")
 target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/centroid-attn-cpu.cpp"
-                               "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp")
+                               "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/sparq-vsum-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
 if (GGML_CUDA)
     # the kernel includes ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our header
     target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
-                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu")
+                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu" "${SPARQ_OPS_DIR}/src/cuda/sparq-vsum.cu")
     target_include_directories(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda" "${SPARQ_LLAMA_TREE}/ggml/src/ggml-cuda")
 endif()
 

@@ -19,6 +19,7 @@ from test_op_sparq_attn import (
     make_mask,
     run_both,
 )
+from test_op_vsum_rows import VSUM_CASES, expected, vsum_case
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
                                 reason="no CUDA device in this build (the GPU run is bench/device_cuda.sh)")
@@ -150,3 +151,14 @@ def test_empty_rows_give_zeros_and_vsum_is_used():
     vsum[..., :64] *= 2
     wrong = ops.sparq_attn(q, k, v, mask, k1=8, k2=64, mean="on", vsum=vsum, backend="cuda")
     assert np.abs(wrong - without).max() > 1e-3
+
+
+@pytest.mark.parametrize("case", VSUM_CASES + [(64, 8, 128, 64, 160, "f16"), (33, 8, 128, 33, None, "bf16")],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_vsum_rows_equals_reference_and_cpu_bit_for_bit(case):
+    n_seq, n_head_kv, d_v, n_tokens, v_ld, v_dtype = case
+    rng = np.random.default_rng(n_seq * 1000 + d_v)
+    table, v, idx = vsum_case(rng, n_seq, n_head_kv, d_v, n_tokens)
+    got = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, backend="cuda")
+    np.testing.assert_array_equal(got, expected(table, v, idx, v_dtype))
+    np.testing.assert_array_equal(got, ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2))

@@ -3,9 +3,13 @@
 
     python3 vendor/make_patch.py vendor/patches/0003-llama-sparq-hooks.patch src/llama-graph.cpp ...
 
-Each FILE (relative to the llama.cpp root) is diffed against the pristine sdist copy. Patches of the series
-must touch disjoint files: a file is compared with the sdist, not with the series before it. Regenerate the
-patch before building, or the configure-time fetch (which sees a changed series) would not match the tree.
+    python3 vendor/make_patch.py --base DIR vendor/patches/0010-x.patch ggml/src/ggml.c ...
+
+Each FILE (relative to the llama.cpp root) is diffed against the pristine sdist copy, or with --base against
+DIR/FILE: a copy of the file as the earlier patches of the series leave it (copy the files out of
+vendor/llama.cpp before editing them), for a patch that touches a file an earlier patch already changes.
+Regenerate the patch before building, or the configure-time fetch (which sees a changed series) would not
+match the tree.
 """
 from __future__ import annotations
 
@@ -34,11 +38,18 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
+    base = None
+    if argv[0] == "--base":
+        base, argv = Path(argv[1]), argv[2:]
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
     out, files = Path(argv[0]), argv[1:]
     tree = fetch.DEFAULT_DEST
     chunks = []
     for rel in sorted(files):
-        old = pristine_text(rel).splitlines(keepends=True)
+        old_text = (base / rel).read_text() if base else pristine_text(rel)
+        old = old_text.splitlines(keepends=True)
         new = (tree / rel).read_text().splitlines(keepends=True)
         diff = list(difflib.unified_diff(old, new, f"a/{rel}", f"b/{rel}", n=3))
         if not diff:

@@ -76,6 +76,28 @@ GGML_API struct ggml_tensor * ggml_sparq_attn(
 // which cells are recent. Call right after ggml_sparq_attn; aborts on a shape or type mismatch.
 GGML_API void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos);
 
+// ggml_sparq_vsum_rows: one decode step's running V sums (the vsum rows ggml_sparq_attn takes), in one node.
+//   table  [(d_v+1)*n_head_kv, n_seq] f32 with contiguous rows: per sequence, per KV head the sum of V over the
+//          sequence's cells followed by their count
+//   v      [d_v, n_head_kv, n_tokens] f32 with contiguous components (any row strides): the tokens' new values
+//   idx    [n_tokens] i32: each token's table row, in [0, n_seq); rows are read, never written
+//   v_type f32, f16 or bf16: the type the cache stores V as; each component is rounded to it first, so the sums
+//          equal sums over the cache
+//   result [(d_v+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [round(v[:, h, t]), 1]
+// The caller writes the result back (ggml_set_rows(table, result, idx)) when no two tokens share a row (a decode
+// step); the sum is table + value (one float addition per component, as ggml_add of the same operands).
+GGML_API const char * ggml_sparq_vsum_rows_check(
+        const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
+        enum ggml_type v_type);
+
+// Builds the op; aborts with ggml_sparq_vsum_rows_check's message on invalid arguments.
+GGML_API struct ggml_tensor * ggml_sparq_vsum_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * table,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * idx,
+        enum ggml_type        v_type);
+
 // Resolved parameters stored in the op (window, mean and scale made explicit), for backends.
 struct ggml_sparq_op_params {
     int32_t k1, k2, window, sinks;

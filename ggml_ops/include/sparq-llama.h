@@ -50,6 +50,21 @@ struct sparq_eval_args {
 // 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).
 SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, char * err, size_t err_size);
 
+// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows): table [n_seq][(d_v + 1)*n_head_kv] f32,
+// v [n_tokens][n_head_kv][v_ld] f32 (the op sees the first d_v of each v_ld components: a strided view),
+// idx [n_tokens] i32, v_type a ggml_type (f32, f16, bf16); out [n_tokens][(d_v + 1)*n_head_kv] f32.
+struct vsum_rows_eval_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          v_type;
+    int64_t      d_v, n_head_kv, n_tokens, n_seq, v_ld;
+    const float * table;
+    const float * v;
+    const int32_t * idx;
+    float       * out;
+};
+SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
+
 struct ggml_centroid_params;
 
 // One evaluation of ggml_centroid_attn over host arrays (sparq_llama.ops.centroid_attn). Arrays are

@@ -16,13 +16,26 @@
 
 static SPARQ_THREAD_LOCAL char g_sparq_msg[512];
 
+static const char * sparq_vfail(const char * op, const char * fmt, va_list args) {
+    int n = snprintf(g_sparq_msg, sizeof(g_sparq_msg), "%s: ", op);
+    vsnprintf(g_sparq_msg + n, sizeof(g_sparq_msg) - n, fmt, args);
+    return g_sparq_msg;
+}
+
 static const char * sparq_fail(const char * fmt, ...) {
     va_list args;
     va_start(args, fmt);
-    int n = snprintf(g_sparq_msg, sizeof(g_sparq_msg), "ggml_sparq_attn: ");
-    vsnprintf(g_sparq_msg + n, sizeof(g_sparq_msg) - n, fmt, args);
+    const char * msg = sparq_vfail("ggml_sparq_attn", fmt, args);
     va_end(args);
-    return g_sparq_msg;
+    return msg;
+}
+
+static const char * vsum_fail(const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    const char * msg = sparq_vfail("ggml_sparq_vsum_rows", fmt, args);
+    va_end(args);
+    return msg;
 }
 
 struct ggml_sparq_params ggml_sparq_default_params(void) {
@@ -181,4 +194,51 @@ void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos) 
     GGML_ASSERT(pos->ne[0] == op->src[1]->ne[1] && pos->ne[1] == 1 && pos->ne[2] == 1);
     GGML_ASSERT(pos->ne[3] == op->src[1]->ne[3] || pos->ne[3] == 1);
     op->src[6] = pos;
+}
+
+const char * ggml_sparq_vsum_rows_check(
+        const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
+        enum ggml_type v_type) {
+    if (!table || !v || !idx) {
+        return vsum_fail("table, v and idx are required");
+    }
+    const int64_t d_v = v->ne[0], n_head_kv = v->ne[1], n_tokens = v->ne[2];
+    if (v->type != GGML_TYPE_F32 || v->ne[3] != 1 || v->nb[0] != sizeof(float)) {
+        return vsum_fail("v must be f32 [d_v, n_head_kv, n_tokens] with contiguous components");
+    }
+    if (table->type != GGML_TYPE_F32 || table->ne[0] != (d_v + 1)*n_head_kv || table->ne[1] < 1 ||
+        table->ne[2] != 1 || table->ne[3] != 1 || table->nb[0] != sizeof(float)) {
+        return vsum_fail("table must be f32 [(d_v+1)*n_head_kv=%lld, n_seq >= 1] with "
+                          "contiguous rows, got %s [%lld, %lld, %lld, %lld]", (long long) ((d_v + 1)*n_head_kv),
+                          ggml_type_name(table->type), (long long) table->ne[0], (long long) table->ne[1],
+                          (long long) table->ne[2], (long long) table->ne[3]);
+    }
+    if (idx->type != GGML_TYPE_I32 || idx->ne[0] != n_tokens || idx->ne[1] != 1 || idx->ne[2] != 1 ||
+        idx->ne[3] != 1 || idx->nb[0] != sizeof(int32_t)) {
+        return vsum_fail("idx must be i32 [n_tokens=%lld]", (long long) n_tokens);
+    }
+    if (v_type != GGML_TYPE_F32 && v_type != GGML_TYPE_F16 && v_type != GGML_TYPE_BF16) {
+        return vsum_fail("v_type must be f32, f16 or bf16, got %s", ggml_type_name(v_type));
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_sparq_vsum_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * table,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * idx,
+        enum ggml_type        v_type) {
+    const char * err = ggml_sparq_vsum_rows_check(table, v, idx, v_type);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, table->ne[0], v->ne[2]);
+    const int32_t op_params[1] = { (int32_t) v_type };
+    ggml_set_op_params(result, op_params, sizeof(op_params));
+    result->op     = GGML_OP_SPARQ_VSUM_ROWS;
+    result->src[0] = table;
+    result->src[1] = v;
+    result->src[2] = idx;
+    return result;
 }

@@ -115,6 +115,39 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
                         { vsum, a->vsum } }, a->out, err, err_size);
 }
 
+int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err, size_t err_size) {
+    if (!a || !a->table || !a->v || !a->idx || !a->out) {
+        return fail(err, err_size, "table, v, idx and out are required");
+    }
+    if (a->d_v < 1 || a->n_head_kv < 1 || a->n_tokens < 1 || a->n_seq < 1 || a->v_ld < a->d_v) {
+        return fail(err, err_size, "need d_v, n_head_kv, n_tokens, n_seq >= 1 and v_ld >= d_v");
+    }
+    for (int64_t t = 0; t < a->n_tokens; ++t) {  // the kernels trust idx (as ggml_get_rows): check it here
+        if (a->idx[t] < 0 || a->idx[t] >= a->n_seq) {
+            return fail(err, err_size, "idx[%lld] = %d is not a table row (n_seq = %lld)", (long long) t, a->idx[t],
+                        (long long) a->n_seq);
+        }
+    }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, (a->d_v + 1)*a->n_head_kv, a->n_seq);
+    ggml_tensor * v_full = ggml_new_tensor_3d(c, GGML_TYPE_F32, a->v_ld, a->n_head_kv, a->n_tokens);
+    ggml_tensor * v      = ggml_view_3d(c, v_full, a->d_v, a->n_head_kv, a->n_tokens, v_full->nb[1], v_full->nb[2], 0);
+    ggml_tensor * idx    = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
+    if (const char * msg = ggml_sparq_vsum_rows_check(table, v, idx, (ggml_type) a->v_type)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    ggml_tensor * out = ggml_sparq_vsum_rows(c, table, v, idx, (ggml_type) a->v_type);
+    return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
+                      { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size);
+}
+
 int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * err, size_t err_size) {
     if (!a || !a->q || !a->k || !a->v || !a->cent || !a->cell || !a->out || !a->params) {
         return fail(err, err_size, "q, k, v, cent, cell, out and params are required");

@@ -168,6 +168,58 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     return y[0] if single else y
 
 
+class VsumRowsEvalArgs(ctypes.Structure):
+    """struct vsum_rows_eval_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("v_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d_v", "n_head_kv", "n_tokens", "n_seq", "v_ld")] + \
+        [(n, ctypes.c_void_p) for n in ("table", "v", "idx", "out")]
+
+
+def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str = "f16", v_ld: int | None = None,
+              n_threads: int | None = None, backend: str = "cpu") -> np.ndarray:
+    """ggml_sparq_vsum_rows on a backend: a decode step's V sums. table [n_seq, n_head_kv, d_v + 1] (per sequence
+    and KV head the sum of V, then the count), v [n_tokens, n_head_kv, d_v] (the tokens' values, rounded to v_dtype
+    by the op, as the cache stores them), idx [n_tokens] (each token's table row). With v_ld the op reads v
+    through a strided view (v_ld >= d_v components per row). Returns [n_tokens, n_head_kv, d_v + 1] float32:
+    table[idx] + [round(v), 1]; `vsum_rows_reference` is the float64 oracle."""
+    tab = np.ascontiguousarray(table, dtype=np.float32)
+    vv = np.asarray(v, dtype=np.float32)
+    ix = np.ascontiguousarray(idx, dtype=np.int32)
+    if tab.ndim != 3 or vv.ndim != 3 or ix.ndim != 1:
+        raise ValueError("table must be [n_seq, n_head_kv, d_v + 1], v [n_tokens, n_head_kv, d_v], idx [n_tokens]")
+    n_seq, n_head_kv, width = tab.shape
+    n_tokens, _, d_v = vv.shape
+    if vv.shape[1] != n_head_kv or width != d_v + 1 or ix.shape[0] != n_tokens:
+        raise ValueError(f"shapes do not agree: table {tab.shape}, v {vv.shape}, idx {ix.shape}")
+    if v_dtype not in _GGML_TYPES:
+        raise ValueError(f"v_dtype must be one of {sorted(_GGML_TYPES)}, got {v_dtype!r}")
+    ld = d_v if v_ld is None else int(v_ld)
+    padded = np.zeros((n_tokens, n_head_kv, max(ld, d_v)), dtype=np.float32)
+    padded[..., :d_v] = vv
+    padded[..., d_v:] = np.nan  # never read: a kernel that reads past d_v turns its sums into NaN
+    out = np.zeros((n_tokens, n_head_kv, d_v + 1), dtype=np.float32)
+    args = VsumRowsEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
+                            v_type=_GGML_TYPES[v_dtype], d_v=d_v, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
+                            v_ld=ld, table=tab.ctypes.data, v=padded.ctypes.data, idx=ix.ctypes.data,
+                            out=out.ctypes.data)
+    fn = libllama().sparq_llama_eval_vsum_rows
+    fn.argtypes = [ctypes.POINTER(VsumRowsEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
+    return out
+
+
+def vsum_rows_reference(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str = "f16") -> np.ndarray:
+    """float64 oracle of `vsum_rows`: table[idx] + [kv_round(v), 1] per KV head."""
+    tab = np.asarray(table, dtype=np.float32).astype(np.float64)
+    aug = np.concatenate([kv_round(np.asarray(v, dtype=np.float32), v_dtype),
+                          np.ones(np.shape(v)[:2] + (1,))], axis=-1)
+    return tab[np.asarray(idx)] + aug
+
+
 class SparqBenchArgs(ctypes.Structure):
     """struct sparq_bench_args (sparq-llama.h)."""
 

@@ -226,6 +226,58 @@ void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
     }
 }
 
+// The running V sums (table [(d_v + 1)*n_head_kv, n_seq_max]) take this ubatch's values; returns the sums
+// each row sees (NULL unless select), after adding the graph's nodes that write the table back. The sums take V
+// as the cache stores it (rounded to its type), so a rebuild from the cache agrees.
+ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, sparq_graph_input * inp, ggml_tensor * tab,
+                                ggml_tensor * v_cur, ggml_type type_v, int64_t d_v, int64_t h, bool select,
+                                bool need_future) {
+    const int64_t n_tokens = inp->n_tokens;
+    const bool plain_type = v_cur->type == GGML_TYPE_F32 &&
+                            (type_v == GGML_TYPE_F32 || type_v == GGML_TYPE_F16 || type_v == GGML_TYPE_BF16);
+    if (inp->one_seq_each && plain_type) {
+        // a decode step: each row is its sequence's sums plus its own value, and is the sequence's new row of
+        // the table (the rows are distinct): one node, then the write back
+        ggml_tensor * v3 = v_cur->nb[0] == sizeof(float) && ggml_n_dims(v_cur) == 3 && v_cur->ne[0] == d_v &&
+                           v_cur->ne[1] == h ? v_cur : ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+        ggml_tensor * rows = ggml_sparq_vsum_rows(ctx0, tab, v3, inp->seq_idx, type_v);
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
+        ggml_build_forward_expand(gf, rows);
+        return rows;
+    }
+
+    ggml_tensor * v3 = nullptr;
+    if (type_v == GGML_TYPE_F32) {
+        v3 = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+    } else {
+        ggml_tensor * src = ggml_is_contiguous(v_cur) ? v_cur : ggml_cont(ctx0, v_cur);
+        ggml_tensor * rounded = ggml_cast(ctx0, ggml_cast(ctx0, src, type_v), GGML_TYPE_F32);
+        v3 = ggml_reshape_3d(ctx0, rounded, d_v, h, n_tokens);
+    }
+    ggml_tensor * aug = ggml_concat(ctx0, v3, inp->get_ones(ctx0, h), 0);         // [d_v+1, h, n_tokens]
+    ggml_tensor * aug_2d = ggml_reshape_2d(ctx0, aug, (d_v + 1)*h, n_tokens);
+    ggml_tensor * rows = nullptr;
+    if (inp->one_seq_each) {
+        // a decode step with a quantized V cache: get_rows + add + set_rows (no one-hot product, no table copy)
+        rows = ggml_add(ctx0, ggml_get_rows(ctx0, tab, inp->seq_idx), aug_2d);
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
+    } else {
+        ggml_tensor * aug_t   = ggml_cont(ctx0, ggml_transpose(ctx0, aug_2d));
+        ggml_tensor * tab_new = ggml_add(ctx0, tab, ggml_mul_mat(ctx0, aug_t, inp->onehot));
+        if (select) {
+            rows = ggml_get_rows(ctx0, tab_new, inp->seq_idx);
+            if (need_future) {
+                rows = ggml_sub(ctx0, rows, ggml_mul_mat(ctx0, aug_t, inp->future));
+            }
+        }
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, tab_new, tab));
+    }
+    if (rows) {
+        ggml_build_forward_expand(gf, rows);
+    }
+    return rows;
+}
+
 } // namespace
 
 ggml_tensor * llm_graph_context::build_attn_sparq(
@@ -267,44 +319,10 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
 
     ggml_tensor * vsum_rows = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
     if (v_cur && L->vsum) {
-        const int64_t d_v = hparams.n_embd_head_v(il);
-        const int64_t h   = hparams.n_head_kv(il);
-        const int64_t f   = (d_v + 1)*h;
         const bool need_future = select && !decode;
         inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);  // one_seq_each implies select
-
-        // the sums take V as the cache stores it (rounded to its type), so a rebuild from the cache agrees
-        ggml_tensor * v3 = nullptr;
-        if (mctx_cur->type_v() == GGML_TYPE_F32) {
-            v3 = ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
-        } else {
-            ggml_tensor * src = ggml_is_contiguous(v_cur) ? v_cur : ggml_cont(ctx0, v_cur);
-            ggml_tensor * rounded = ggml_cast(ctx0, ggml_cast(ctx0, src, mctx_cur->type_v()), GGML_TYPE_F32);
-            v3 = ggml_reshape_3d(ctx0, rounded, d_v, h, n_tokens);
-        }
-        ggml_tensor * aug = ggml_concat(ctx0, v3, inp->get_ones(ctx0, h), 0);         // [d_v+1, h, n_tokens]
-        ggml_tensor * aug_2d = ggml_reshape_2d(ctx0, aug, f, n_tokens);
-        ggml_tensor * tab = L->vsum;                                                  // [f, n_seq_max]
-        if (inp->one_seq_each) {
-            // a decode step: each row is its sequence's sums plus its own value, and is the sequence's new row
-            // of the table (the rows are distinct): no one-hot product and no copy of the whole table
-            ggml_tensor * rows = ggml_add(ctx0, ggml_get_rows(ctx0, tab, inp->seq_idx), aug_2d);
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
-            vsum_rows = rows;
-        } else {
-            ggml_tensor * aug_t   = ggml_cont(ctx0, ggml_transpose(ctx0, aug_2d));
-            ggml_tensor * tab_new = ggml_add(ctx0, tab, ggml_mul_mat(ctx0, aug_t, inp->onehot));
-            if (select) {
-                vsum_rows = ggml_get_rows(ctx0, tab_new, inp->seq_idx);
-                if (need_future) {
-                    vsum_rows = ggml_sub(ctx0, vsum_rows, ggml_mul_mat(ctx0, aug_t, inp->future));
-                }
-            }
-            ggml_build_forward_expand(gf, ggml_cpy(ctx0, tab_new, tab));
-        }
-        if (vsum_rows) {
-            ggml_build_forward_expand(gf, vsum_rows);
-        }
+        vsum_rows = build_vsum_upkeep(ctx0, gf, inp, L->vsum, v_cur, mctx_cur->type_v(), hparams.n_embd_head_v(il),
+                                      hparams.n_head_kv(il), select, need_future);
     }
 
     if (!cparams.causal_attn) {

@@ -1,0 +1,86 @@
+"""ggml_sparq_vsum_rows (a decode step's running V sums in one node) against its float64 oracle.
+
+The op's column t is table[idx[t]] + [round(v[t]), 1] per KV head, with v rounded to the cache's type; each
+component is one float32 addition of two float32 values, so the float64 oracle rounded to float32 is exact and
+the comparison is bit for bit. The CUDA kernel runs the same cases in tests/test_op_sparq_attn_cuda.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sparq_llama import ops
+
+VSUM_CASES = [
+    # (n_seq, n_head_kv, d_v, n_tokens, v_ld, v_dtype)
+    (1, 1, 64, 1, None, "f16"),
+    (4, 8, 128, 4, None, "f16"),
+    (3, 4, 64, 3, 200, "f16"),      # v as a strided view (a fused QKV projection's V part)
+    (16, 2, 80, 16, None, "bf16"),
+    (5, 3, 256, 2, 300, "bf16"),
+    (2, 32, 128, 2, None, "f32"),
+    (7, 1, 1, 5, 4, "f16"),
+    (9, 5, 96, 9, None, "f16"),
+]
+
+
+def vsum_case(rng: np.random.Generator, n_seq: int, n_head_kv: int, d_v: int, n_tokens: int):
+    """A table of running sums (large values, integer counts), values spread over several binades (so the
+    rounding to f16 / bf16 matters), and each token's own row (a decode step: distinct rows)."""
+    table = rng.normal(0.0, 300.0, (n_seq, n_head_kv, d_v + 1)).astype(np.float32)
+    table[..., d_v] = rng.integers(0, 50000, (n_seq, n_head_kv))
+    v = (rng.normal(0.0, 1.0, (n_tokens, n_head_kv, d_v)) * np.exp2(rng.integers(-8, 8, (n_tokens, n_head_kv, d_v))))
+    idx = rng.permutation(n_seq)[:n_tokens].astype(np.int32)
+    return table, v.astype(np.float32), idx
+
+
+def expected(table, v, idx, v_dtype):
+    return ops.vsum_rows_reference(table, v, idx, v_dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", VSUM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_vsum_rows_equals_reference_bit_for_bit(case):
+    n_seq, n_head_kv, d_v, n_tokens, v_ld, v_dtype = case
+    rng = np.random.default_rng(n_seq * 1000 + d_v)
+    table, v, idx = vsum_case(rng, n_seq, n_head_kv, d_v, n_tokens)
+    got = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2)
+    np.testing.assert_array_equal(got, expected(table, v, idx, v_dtype))
+
+
+def test_rounding_follows_the_cache_type():
+    # values between two f16 (and bf16) numbers: the sums must take the rounded value, not the float32 one
+    table = np.zeros((1, 1, 5), dtype=np.float32)
+    v = np.array([[[1.0 + 2.0**-12, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-9, -3.0 - 2.0**-12]]], dtype=np.float32)
+    idx = np.array([0], dtype=np.int32)
+    f16 = ops.vsum_rows(table, v, idx, v_dtype="f16")
+    np.testing.assert_array_equal(f16[0, 0, :3], [1.0, 1.0 + 2.0**-9, 1.0 + 2.0**-9])  # ties to even, exact
+    bf16 = ops.vsum_rows(table, v, idx, v_dtype="bf16")
+    np.testing.assert_array_equal(bf16[0, 0, :3], [1.0, 1.0, 1.0])
+    f32 = ops.vsum_rows(table, v, idx, v_dtype="f32")
+    np.testing.assert_array_equal(f32[0, 0, :3], v[0, 0, :3])
+    for out in (f16, bf16, f32):
+        assert out[0, 0, 4] == 1.0  # the count
+
+
+def test_repeated_rows_read_the_same_table_row():
+    # the op only reads the table: two tokens of one row both see the row as it was (the caller's set_rows
+    # is what needs distinct rows)
+    rng = np.random.default_rng(7)
+    table, v, _ = vsum_case(rng, 3, 2, 64, 4)
+    idx = np.array([1, 1, 0, 1], dtype=np.int32)
+    got = ops.vsum_rows(table, v, idx, v_dtype="f16", n_threads=2)
+    np.testing.assert_array_equal(got, expected(table, v, idx, "f16"))
+
+
+def test_bad_arguments_fail_clearly():
+    rng = np.random.default_rng(3)
+    table, v, idx = vsum_case(rng, 2, 2, 8, 2)
+    with pytest.raises(ValueError, match="not a table row"):
+        ops.vsum_rows(table, v, np.array([0, 2], dtype=np.int32))
+    with pytest.raises(ValueError, match="not a table row"):
+        ops.vsum_rows(table, v, np.array([-1, 0], dtype=np.int32))
+    with pytest.raises(ValueError, match="shapes do not agree"):
+        ops.vsum_rows(table[..., :-1], v, idx)
+    with pytest.raises(ValueError, match="v_dtype"):
+        ops.vsum_rows(table, v, idx, v_dtype="q8_0")
+    with pytest.raises(ValueError, match="v_ld"):
+        ops.vsum_rows(table, v, idx, v_ld=4)
