@@ -7,6 +7,7 @@
 #   bench/device_cuda.sh batched greedy      benchmark (c), greedy text CPU vs GPU on SmolLM2
 #   bench/device_cuda.sh build gap; gapncu   where SparQ's end-to-end time goes beyond the op (Llama-2 shape)
 #   bench/device_cuda.sh build recheck       op tests of the threshold paths, (b) at 32k/64k, squeeze prepare time
+#   bench/device_cuda.sh build fused test centroidtest   session 9: fused V-sum upkeep measured, all CUDA op tests
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -264,15 +265,35 @@ stage_gap() {
     "${lb[@]}" -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -sparq-policy sparq,window -o json > "$OUT/gap_bench.json" 2> "$OUT/gap_bench.log" \
         && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq-'+r['sparq_policy'] if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap_bench.json" \
         || { echo "gap bench failed"; tail -5 "$OUT/gap_bench.log"; }
+    completion_32k "$m" gap
+}
+
+completion_32k() {  # MODEL TAG: llama-completion after a ~32k-token prompt, dense / SparQ / SparQ without the mean
+    local m=$1 tag=$2
     python3 -c "import random; random.seed(1); w=open('README.md').read().split(); print(' '.join(random.choice(w) for _ in range(13500)))" > /tmp/prompt32k.txt
     for mode in dense sparq sparq_mean_off; do
         local extra=()
         [ $mode != dense ] && extra=(--sparq --k1 32 --k2 128 --sparq-min-kv 0)
         [ $mode = sparq_mean_off ] && extra+=(--sparq-mean off)
         "$BUILD/bin/llama-completion" -m "$m" -ngl 99 -fa on -c 40960 -n 96 --temp 0 -no-cnv --ignore-eos -f /tmp/prompt32k.txt "${extra[@]}" \
-            > /dev/null 2> "$OUT/gap_compl_$mode.log" || echo "completion $mode failed"
-        echo "completion $mode: $(grep -o 'prompt eval time = .*tokens' "$OUT/gap_compl_$mode.log" | tail -1 | sed 's/ *(.*//'); $(grep -o ' eval time = .*' "$OUT/gap_compl_$mode.log" | grep -v prompt | tail -1)"
+            > /dev/null 2> "$OUT/${tag}_compl_$mode.log" || echo "completion $mode failed"
+        echo "completion $mode: $(grep -o 'prompt eval time = .*tokens' "$OUT/${tag}_compl_$mode.log" | tail -1 | sed 's/ *(.*//'); $(grep -o ' eval time = .*' "$OUT/${tag}_compl_$mode.log" | grep -v prompt | tail -1)"
     done
+}
+
+tg_llama2() {  # MODEL TAG: llama-bench tg32 at 32k and 64k, dense vs SparQ (Llama-2 shape, benchmark (b)'s settings)
+    local m=$1 tag=$2
+    "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -k1 32 -k2 128 \
+        -sparq-min-kv 0 -o json > "$OUT/${tag}_bench.json" 2> "$OUT/${tag}_bench.log" \
+        && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq' if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/${tag}_bench.json" \
+        || { echo "$tag bench failed"; tail -5 "$OUT/${tag}_bench.log"; }
+}
+
+squeeze_prepare_32k() {  # MODEL TAG: centroid-sparse prepare of a 32k prefix (random tokens), its phase times
+    local m=$1 tag=$2
+    "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 4 -r 1 -d 32768 -squeeze-keep 0.1 -o json -v \
+        > "$OUT/${tag}_squeeze_prepare32k.json" 2> "$OUT/${tag}_squeeze_prepare32k.log"
+    grep -E "prepared in|preparation phases" "$OUT/${tag}_squeeze_prepare32k.log" | head -3
 }
 
 stage_gapncu() {  # parts 3-5 of stage_gap
@@ -298,13 +319,24 @@ stage_recheck() {
     python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py -k "underflow or window_and_sinks" 2>&1 \
         | tee "$OUT/test_recheck.log" | tail -2
     local m; m=$(llama2_model) || return 1
-    "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -k1 32 -k2 128 \
-        -sparq-min-kv 0 -o json > "$OUT/recheck_bench.json" 2> "$OUT/recheck_bench.log" \
-        && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq' if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/recheck_bench.json" \
-        || { echo "recheck bench failed"; tail -5 "$OUT/recheck_bench.log"; }
-    "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 0 -n 4 -r 1 -d 32768 -squeeze-keep 0.1 -o json -v \
-        > "$OUT/squeeze_prepare32k.json" 2> "$OUT/squeeze_prepare32k.log"
-    grep -E "prepared in|preparation phases" "$OUT/squeeze_prepare32k.log" | head -3
+    tg_llama2 "$m" recheck
+    squeeze_prepare_32k "$m" recheck
+}
+
+stage_fused() {
+    # Session 9: the decode step's V-sum upkeep as one op (ggml_sparq_vsum_rows) and the clustering's larger head
+    # chunks: the op's CUDA tests, then (b) at 32k/64k, llama-completion's upkeep cost (SparQ vs mean off), and
+    # the centroid-sparse prepare phases of a 32k prefix.
+    python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py -k vsum 2>&1 | tee "$OUT/test_vsum.log" | tail -2
+    local m; m=$(llama2_model) || return 1
+    tg_llama2 "$m" fused
+    completion_32k "$m" fused
+    squeeze_prepare_32k "$m" fused
+}
+
+stage_centroidtest() {
+    python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 \
+        | tee "$OUT/test_centroid_cuda.log" | tail -3
 }
 
 setup_python

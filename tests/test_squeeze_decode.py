@@ -347,6 +347,8 @@ def test_mismatched_sidecar_fails_clearly(llm, doc, tmp_path):
     cases = {
         "not a centroid-sparse prefix file": b"XXXX" + good[4:],
         "format version 99": good[:4] + struct.pack("<I", 99) + good[8:],
+        # the numbers in the other byte order (a file from a big-endian machine, read here)
+        "other byte order": good[:4] + good[4:8][::-1] + good[8:],
         "different model": good[:16] + bytes([good[16] ^ 1]) + good[17:],
         "truncated": good[:len(good) // 2],
     }

@@ -467,6 +467,20 @@ struct galloc_free { void operator()(ggml_gallocr * g) const { ggml_gallocr_free
 
 // k-means of one layer's clustered prefix keys, heads [h0, h0 + n_h) of the stream, into res (table and
 // assignment for those heads). The keys are gathered from the cache on `backend` (cells given by position).
+// Bytes the k-means similarity matrix of one chunk of heads may take: 1 GiB on the CPU; on a GPU a quarter of
+// its free memory, within [1, 8] GiB (a 7B-shaped 32k prefix then clusters a layer's 32 KV heads at once
+// instead of 7 chunks of 5, each chunk being a gather, a graph and an allocation).
+static int64_t similarity_budget(ggml_backend_t backend) {
+    const int64_t gib = int64_t(1) << 30;
+    ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+    if (dev == nullptr || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+        return gib;
+    }
+    size_t free_bytes = 0, total_bytes = 0;
+    ggml_backend_dev_memory(dev, &free_bytes, &total_bytes);
+    return std::clamp<int64_t>((int64_t) (free_bytes/4), gib, 8*gib);
+}
+
 static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, uint32_t kv_size, uint32_t stream,
                           int64_t d, int64_t h0, int64_t n_h, const std::vector<uint32_t> & cells, int64_t n_cent,
                           int n_iter, sparq_kmeans_result & res) {
@@ -484,10 +498,17 @@ static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, 
     ggml_backend_tensor_set(idx, rows.data(), 0, ggml_nbytes(idx));
 
     ggml_cgraph * gf = ggml_new_graph(ctx.get());
-    ggml_tensor * ks = ggml_view_2d(ctx.get(), k_cache, n_embd, kv_size, k_cache->nb[1], k_cache->nb[1]*kv_size*stream);
-    ggml_tensor * kr = ggml_get_rows(ctx.get(), ks, idx);                                   // [n_embd, P] f32
+    GGML_ASSERT((h0 + n_h)*d <= n_embd);
+    // only the chunk's heads of each cell ([d*n_h] of the row's n_embd components) where the type's blocks
+    // allow a view from head h0, else whole rows
+    const int64_t blck = ggml_blck_size(k_cache->type);
+    const bool narrow = (d*h0) % blck == 0 && (d*n_h) % blck == 0;
+    const int64_t c0 = narrow ? d*h0 : 0;
+    ggml_tensor * ks = ggml_view_2d(ctx.get(), k_cache, narrow ? d*n_h : n_embd, kv_size, k_cache->nb[1],
+                                    k_cache->nb[1]*kv_size*stream + ggml_row_size(k_cache->type, c0));
+    ggml_tensor * kr = ggml_get_rows(ctx.get(), ks, idx);                                   // [d*n_h or n_embd, P] f32
     ggml_tensor * kh = ggml_view_3d(ctx.get(), kr, d, n_h, P, ggml_row_size(kr->type, d), kr->nb[1],
-                                    ggml_row_size(kr->type, d*h0));                          // [d, n_h, P]
+                                    ggml_row_size(kr->type, d*h0 - c0));                     // [d, n_h, P]
     ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_permute(ctx.get(), kh, 0, 2, 1, 3), x));
     std::unique_ptr<ggml_gallocr, galloc_free> galloc(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)));
     if (!ggml_gallocr_alloc_graph(galloc.get(), gf) || ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
@@ -782,9 +803,9 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
         L.n_cent = n_cent;
         L.table.assign((size_t) L.n_head_kv*n_cent*(L.d + 1), 0.0f);
         L.assign.assign((size_t) L.n_head_kv*n_clustered, 0);
-        // a chunk of heads at a time keeps the similarity matrix [n_cent, P, heads] f32 under ~1 GiB
+        // a chunk of heads at a time keeps the similarity matrix [n_cent, P, heads] f32 within the budget
         const int64_t per_head = n_cent*n_clustered*(int64_t) sizeof(float);
-        const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(L.n_head_kv, (int64_t(1) << 30)/std::max<int64_t>(1, per_head)));
+        const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(L.n_head_kv, sqp::similarity_budget(backend)/std::max<int64_t>(1, per_head)));
         for (int64_t h0 = 0; h0 < L.n_head_kv; h0 += chunk) {
             const int64_t n_h = std::min(chunk, L.n_head_kv - h0);
             sparq_kmeans_result res;
@@ -1058,6 +1079,12 @@ std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, cons
         return std::string(path) + " is not a centroid-sparse prefix file";
     }
     const uint32_t version = r.val<uint32_t>();
+    const uint32_t swapped = ((version & 0xFFu) << 24) | ((version & 0xFF00u) << 8) | ((version >> 8) & 0xFF00u) |
+                             (version >> 24);
+    if ((version < 1 || version > sqp::SIDECAR_VERSION) && swapped >= 1 && swapped <= sqp::SIDECAR_VERSION) {
+        // the file holds its numbers in the writer's byte order (as llama.cpp's state files do)
+        return std::string(path) + " was written on a machine of the other byte order; prepare the prefix again here";
+    }
     if (version < 1 || version > sqp::SIDECAR_VERSION) {
         return std::string(path) + ": format version " + std::to_string(version) + ", this build reads versions 1 to " +
                std::to_string(sqp::SIDECAR_VERSION);
