@@ -334,6 +334,11 @@ stage_fused() {
     squeeze_prepare_32k "$m" fused
 }
 
+stage_prepare() {  # the centroid-sparse prepare of a 32k prefix and its phase times
+    local m; m=$(llama2_model) || return 1
+    squeeze_prepare_32k "$m" prepare
+}
+
 stage_centroidtest() {
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 \
         | tee "$OUT/test_centroid_cuda.log" | tail -3
