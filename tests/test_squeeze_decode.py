@@ -11,6 +11,7 @@ Logit tolerances are test_sparq_decode's (this Q4_1 model amplifies rounding; se
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import struct
 
@@ -407,3 +408,57 @@ def test_with_sparq_the_prefix_takes_precedence(llm, doc, questions):
         llm.set_sparq(dataclasses.replace(llm.sparq, enabled=False))
     assert got[0] == want[0]
     assert_logits_agree(got[1], want[1], "prefix + SparQ vs prefix alone", tol=TOL)
+
+
+def test_a_copy_into_another_stream_keeps_the_prefix(llm, doc, questions):
+    """With one stream per sequence, seq_cp across streams overwrites the destination stream's buffers: the
+    prepared prefix survives a copy out of its stream (its keys are untouched; the question's answer is the same
+    bits as before the copy) and is dropped by a copy into its stream."""
+    p = lc.llama_context_default_params()
+    p.n_ctx, p.n_batch, p.n_ubatch = 2 * N_CTX, 512, 512
+    p.n_seq_max, p.kv_unified = 2, False
+    p.n_threads = p.n_threads_batch = 1
+    p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    ctx = Ctx.__new__(Ctx)
+    ctx.ctx, ctx._owned, ctx.n_batch, ctx.n_vocab = lc.llama_init_from_model(llm.model, p), True, 512, llm.n_vocab()
+    assert ctx.ctx
+    try:
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
+        want = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        ctx.prefill(questions[1], seq=1)                       # stream 1 holds another sequence
+        lc.llama_memory_seq_cp(ctx.mem, 0, 1, -1, -1)          # stream 0 -> stream 1 (at the next decode)
+        got = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+        assert squeeze_api.info(ctx.ctx).prepared, "a copy out of the prefix's stream dropped it"
+        np.testing.assert_array_equal(got, want)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        lc.llama_memory_seq_cp(ctx.mem, 1, 0, -1, -1)          # stream 1 -> stream 0: the prefix's keys go
+        ctx.prefill(questions[1], pos0=N_PREFIX, seq=1)
+        assert not squeeze_api.info(ctx.ctx).prepared
+    finally:
+        ctx.close()
+
+
+def test_a_state_load_of_another_sequence_keeps_the_prefix(llm, doc, questions):
+    """llama_state_seq_set_data of another sequence writes only that sequence's cells: the prefix stays prepared
+    and answers with the same bits; a load of the prefix's own sequence drops it."""
+    with Ctx(llm.model, n_seq_max=2, kv_unified=True) as ctx:
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
+        want = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        ctx.prefill(questions[1], seq=1)
+        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
+        buf = (ctypes.c_uint8 * size)()
+        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
+        lc.llama_memory_seq_rm(ctx.mem, 1, -1, -1)
+        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        assert squeeze_api.info(ctx.ctx).prepared, "a state load of sequence 1 dropped sequence 0's prefix"
+        np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True), want)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        size0 = lc.llama_state_seq_get_size(ctx.ctx, 0)
+        buf0 = (ctypes.c_uint8 * size0)()
+        assert lc.llama_state_seq_get_data(ctx.ctx, buf0, size0, 0) == size0
+        assert lc.llama_state_seq_set_data(ctx.ctx, buf0, size0, 0) == size0
+        assert not squeeze_api.info(ctx.ctx).prepared

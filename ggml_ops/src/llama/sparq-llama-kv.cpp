@@ -130,10 +130,13 @@ void llama_kv_cache::sparq_disable() {
     sparq.reset();
 }
 
-void llama_kv_cache::sparq_invalidate(bool kt, bool vsum) {
+void llama_kv_cache::sparq_invalidate(bool kt, bool vsum, int32_t keys_stream, llama_seq_id keys_seq) {
     if (squeeze) {
-        if (kt) {
-            // K itself changed (K-shift, a stream copy, a state load): the clusters no longer describe it
+        const bool prefix_keys = (keys_stream < 0 || keys_stream == (int32_t) squeeze->stream) &&
+                                 (keys_seq < 0 || keys_seq == squeeze->seq_id);
+        if (kt && prefix_keys) {
+            // the prefix's K itself may have changed (K-shift, a copy into its stream, a state load of its
+            // sequence): the clusters no longer describe it
             sparq_squeeze_access::drop(*this, "the cache's keys changed (shift, stream copy or state load)");
         } else {
             squeeze->check = true; // cells may have been removed or copied: verified before the next graph
