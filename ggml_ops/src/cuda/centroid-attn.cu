@@ -36,9 +36,10 @@ constexpr int      S_WARPS      = S_THREADS / WARP_SIZE;
 constexpr int      S_CLUSTERS   = 64;    // level-1 clusters per block of kernel S1
 constexpr int      A_THREADS    = 256;   // kernel A
 constexpr int      A_WARPS      = A_THREADS / WARP_SIZE;
-constexpr int      A_MAX_TILES  = 16;    // kernel A: tiles of A_THREADS cells per chunk (a flag bit per tile)
+constexpr int      A_MAX_TILES  = 32;    // kernel A: tiles of A_THREADS cells per chunk (a flag bit per tile)
 constexpr int      A_ACC_MAX    = 1024;  // kernel A: heads per pass x components per cell group (merge floats per warp)
-constexpr int      A_BLOCKS_SM  = 4;     // kernel A: blocks per SM the chunk size aims at
+constexpr int      A_BLOCKS_SM  = 3;     // kernel A: blocks resident per SM (~78 registers a thread: 3 x 256 threads)
+constexpr int      A_CNT_LANE   = (A_MAX_TILES*A_WARPS + WARP_SIZE - 1) / WARP_SIZE;  // scan: counts per lane
 constexpr int      M_THREADS    = 128;   // kernel M
 constexpr int      MAX_HEAD_DIM = 512;
 constexpr int      MAX_G        = 128;
@@ -390,12 +391,12 @@ __global__ void __launch_bounds__(A_THREADS) centroid_attend(const centroid_args
         }
     }
     __syncthreads();
-    if (warp == 0) {  // exclusive scan of the <= 128 counts, four per lane; the total after them
+    if (warp == 0) {  // exclusive scan of the <= A_MAX_TILES*A_WARPS counts, A_CNT_LANE per lane; the total after them
         const int n_cnt = n_tiles*A_WARPS;
-        int v[4], sum = 0;
+        int v[A_CNT_LANE], sum = 0;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int idx = lane*4 + k;
+        for (int k = 0; k < A_CNT_LANE; ++k) {
+            const int idx = lane*A_CNT_LANE + k;
             v[k] = idx < n_cnt ? cnt[idx] : 0;
             sum += v[k];
         }
@@ -409,8 +410,8 @@ __global__ void __launch_bounds__(A_THREADS) centroid_attend(const centroid_args
         }
         int run = incl - sum;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int idx = lane*4 + k;
+        for (int k = 0; k < A_CNT_LANE; ++k) {
+            const int idx = lane*A_CNT_LANE + k;
             if (idx < n_cnt) {
                 cnt[idx] = run;
             }
@@ -760,11 +761,11 @@ void ggml_cuda_centroid_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst)
 
     const int64_t n_rows = a.n_head_kv * a.n_q * a.ns;
     const int64_t W0 = std::max<int64_t>(1, std::min<int64_t>({ n_rows, 65535 / a.n_pass, 8192 }));
-    // cells per block of kernel A: about A_BLOCKS_SM blocks per SM over a wave, whole tiles, at most A_MAX_TILES
+    // cells per block of kernel A: the wave's blocks fill the resident slots (A_BLOCKS_SM per SM) once, without a
+    // second, partial wave (whole tiles, at most A_MAX_TILES: long rows may still take more blocks)
     const int64_t n_sm = ggml_cuda_info().devices[ctx.device].nsm;
     const int64_t max_chunks = (a.n_kv + A_THREADS - 1) / A_THREADS;
-    const int64_t want = std::max<int64_t>(1, std::min<int64_t>(max_chunks,
-                                           (A_BLOCKS_SM*n_sm + W0*a.n_pass - 1) / (W0*a.n_pass)));
+    const int64_t want = std::max<int64_t>(1, std::min<int64_t>(max_chunks, A_BLOCKS_SM*n_sm / (W0*a.n_pass)));
     int64_t chunk = (a.n_kv + want - 1) / want;
     chunk = std::min<int64_t>((chunk + A_THREADS - 1) / A_THREADS * A_THREADS, A_MAX_TILES*A_THREADS);
     a.chunk = (int32_t) chunk;
