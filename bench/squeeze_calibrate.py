@@ -15,18 +15,13 @@ import os
 import time
 
 import numpy as np
+from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
-
-SHAPES = {  # layers, query heads, KV heads, head dim
-    "llama2-7b": (32, 32, 32, 128),
-    "llama3-8b": (32, 32, 8, 128),
-    "smollm2": (30, 9, 3, 64),
-}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=SHAPES, default="llama2-7b")
+    ap.add_argument("--shape", choices=sorted(HEAD_SHAPES), default="llama2-7b")
     ap.add_argument("--prefix", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=0, help="layers to time (default: the shape's)")
     ap.add_argument("--calib", type=int, default=100)
@@ -38,7 +33,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    n_layer_shape, n_head, n_head_kv, d = SHAPES[args.shape]
+    hs = HEAD_SHAPES[args.shape]
+    n_layer_shape, n_head, n_head_kv, d = hs.n_layer, hs.n_head, hs.n_head_kv, hs.d
     n_layer = args.layers or n_layer_shape
     n_cent = max(1, round(args.centroids * (args.prefix - args.calib)))
     rng = np.random.default_rng(0)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from cuda_common import provenance
+from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
 
@@ -57,16 +58,11 @@ def bench_resident(backend: str, threads: int | None, d: int, P: int, H: int, n:
     return list(layer_s), list(iters_out)
 
 
-SHAPES = {  # layers, KV heads, head dim
-    "smollm2": (30, 3, 64),
-    "llama2-7b": (32, 32, 128),
-    "llama3-8b": (32, 8, 128),
-}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--shape", choices=sorted(HEAD_SHAPES), default="smollm2")
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--calib", type=int, default=100)
     ap.add_argument("--centroids", type=float, default=0.05, help="clusters as a fraction of the clustered cells")
@@ -77,7 +73,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_cluster.json")
     args = ap.parse_args()
 
-    n_layer, n_head_kv, d = SHAPES[args.shape]
+    hs = HEAD_SHAPES[args.shape]
+    n_layer, n_head_kv, d = hs.n_layer, hs.n_head_kv, hs.d
     P = args.prefix - args.calib
     n = max(1, round(args.centroids * P))
     per_layer, iters = [], []

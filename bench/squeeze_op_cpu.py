@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 from cuda_common import provenance
+from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
-
-SHAPES = {"smollm2": {"d": 64, "n_head": 9, "n_head_kv": 3}, "llama2-7b": {"d": 128, "n_head": 32, "n_head_kv": 32}}
 
 
 def transfer_ratio(d: int, n_kv: int, n_prefix: int, n_clusters: int, kept: float, kv_bytes: int = 2) -> float:
@@ -29,7 +28,7 @@ def transfer_ratio(d: int, n_kv: int, n_prefix: int, n_clusters: int, kept: floa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--shape", choices=sorted(HEAD_SHAPES), default="smollm2")
     ap.add_argument("--prefix", type=int, default=8192)
     ap.add_argument("--question", type=int, default=64, help="unclustered cells after the prefix")
     ap.add_argument("--centroids", type=float, default=0.05)
@@ -39,7 +38,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_op_cpu.json")
     args = ap.parse_args()
 
-    shape = SHAPES[args.shape]
+    shape = HEAD_SHAPES[args.shape].op_args()
     n_kv = args.prefix + args.question
     n_clusters = max(1, round(args.centroids * args.prefix))
     rows = []

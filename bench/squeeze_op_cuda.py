@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 from cuda_common import provenance
+from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
-from squeeze_op_cpu import SHAPES, transfer_ratio
+from squeeze_op_cpu import transfer_ratio
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
+    ap.add_argument("--shape", choices=sorted(HEAD_SHAPES), default="llama2-7b")
     ap.add_argument("--prefixes", default="32768,65536")
     ap.add_argument("--question", type=int, default=64, help="unclustered cells after the prefix")
     ap.add_argument("--centroids", type=float, default=0.05)
@@ -33,7 +34,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_op_cuda.json")
     args = ap.parse_args()
 
-    shape = SHAPES[args.shape]
+    shape = HEAD_SHAPES[args.shape].op_args()
     rows = []
     for prefix in (int(x) for x in args.prefixes.split(",")):
         n_kv = prefix + args.question
