@@ -1,6 +1,7 @@
-"""What every CUDA benchmark record holds: the GPU and driver, the commit, the command, the build."""
+"""What every benchmark record holds (the machine and GPU, the commit, the command, the build), and writing it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,3 +32,10 @@ def provenance() -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k.startswith("SPARQ_CUDA")}  # kernel variant switches
     return {"machine": machine(), "gpu": gpu(), "git": commit, "command": " ".join([sys.executable, *sys.argv]),
             "env": env, "build": build_info()}
+
+
+def write_record(out: Path, record: dict[str, Any]) -> None:
+    """The record as indented JSON at out (its folder made), and a line saying so."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_common import provenance  # noqa: E402
+from cuda_common import provenance, write_record  # noqa: E402
 from random_gguf import SHAPES, write_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -127,12 +127,10 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.part in ("b", "both"):
         res = part_b(args.bin, args.models, [int(x) for x in args.depths.split(",")], args.reps, dev)
-        (RESULTS / "cuda_e2e.json").write_text(json.dumps(dict(prov, **res), indent=1) + "\n")
-        print("wrote", RESULTS / "cuda_e2e.json", flush=True)
+        write_record(RESULTS / "cuda_e2e.json", dict(prov, **res))
     if args.part in ("c", "both"):
         res = part_c(args.bin, args.models, [int(x) for x in args.batches.split(",")], dev)
-        (RESULTS / "cuda_batched.json").write_text(json.dumps(dict(prov, **res), indent=1) + "\n")
-        print("wrote", RESULTS / "cuda_batched.json", flush=True)
+        write_record(RESULTS / "cuda_batched.json", dict(prov, **res))
     return 0
 
 

@@ -20,7 +20,7 @@ from sparq_llama import ops
 from sparq_llama.sparq import transfer_elements, transfer_ratio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_common import provenance  # noqa: E402
+from cuda_common import provenance, write_record  # noqa: E402
 
 HEADS = dict(d=128, n_head=32, n_head_kv=32)
 
@@ -78,9 +78,7 @@ def main() -> int:
                           "measured": target["speedup"] if target else None,
                           "met": bool(target and target["speedup"] >= 6.0)},
                   rows=rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_record(args.out, result)
     return 0
 
 

@@ -10,7 +10,6 @@ paper's data-transfer ratio and writes bench/results/op_cpu.json (machine, commi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -20,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import sparq_llama
+from cuda_common import write_record
+from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from sparq_llama.reference import transfer_ratio
 from tqdm import tqdm
 
-SHAPES = {"llama2-7b": dict(d=128, n_head=32, n_head_kv=32), "smollm2": dict(d=64, n_head=9, n_head_kv=3)}
+SHAPES = ("llama2-7b", "smollm2")
 
 
 def machine() -> dict:
@@ -65,7 +66,7 @@ def main() -> int:
     rows = []
     print(f"{'shape':10s} {'S':>6s} {'thr':>3s} {'sparq ms':>9s} {'flash ms':>9s} {'speedup':>8s} {'theory':>7s}")
     for shape, n_kv, threads in tqdm(configs, desc="op_cpu", leave=False):
-        sh = SHAPES[shape]
+        sh = HEAD_SHAPES[shape].op_args()
         k1, k2 = sh["d"] // 4, 128
         sparq_us, flash_us = ops.bench_attn(**sh, n_kv=n_kv, k1=k1, k2=k2, n_runs=args.runs, n_threads=threads,
                                             layout=args.layout)
@@ -80,9 +81,7 @@ def main() -> int:
     result = {"bench": "op_cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
               "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "machine": machine(),
               "build": sparq_llama.build_info(), "runs": args.runs, "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_record(args.out, result)
     return 0
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import time
 from pathlib import Path
 
 import numpy as np
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
@@ -101,9 +100,7 @@ def main() -> int:
               "keys": "random Gaussian pool, on the backend (--resident)" if args.resident else "random Gaussian",
               "resident": args.resident,
               "total_s": total, "per_layer_s": per_layer}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, record)
     return 0
 
 

@@ -11,12 +11,11 @@ repetitions (the cache is cut back to the prefix between them); the ratios are t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from sparq_llama import Llama, squeeze, texts
 from sparq_llama.models import fetch
 from tqdm import tqdm
@@ -110,9 +109,7 @@ def main() -> int:
     record = {**provenance(), "model": "smollm2", "prefix": len(prefix), "question_tokens": len(question),
               "threads": args.threads, "centroids": args.centroids, "prefix_eval_s": prefill_s, "steps": args.steps,
               "reps": args.reps, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, record)
     llm.close()
     return 0
 

@@ -18,11 +18,11 @@ import argparse
 import time
 from pathlib import Path
 
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from sparq_llama import squeeze
 from sparq_llama.eval import tasks
 from sparq_llama.eval.engine import Engine
-from squeeze_quality import accuracy, retrieval_setup, run_examples, write_record
+from squeeze_quality import accuracy, retrieval_setup, run_examples
 
 
 def run_setting(engine: Engine, ex: tasks.Example, mode: str, config: squeeze.SqueezeConfig) -> dict:

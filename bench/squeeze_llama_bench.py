@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from sparq_llama.models import fetch
 
 
@@ -58,9 +58,7 @@ def main() -> int:
     out = Path(__file__).parent / "results" / f"squeeze_llama_bench{'_' + args.tag if args.tag else ''}.json"
     record = {**provenance(), "bench_command": cmd, "depth": args.depth, "speedups": speedups, "rows": rows,
               "stderr_tail": res.stderr[-6000:], "wall_s": round(time.time() - t0, 1)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {out}")
+    write_record(out, record)
     return 0
 
 

@@ -10,11 +10,10 @@ V row; the op reads the centroids, the cell map (4 bytes a cell) and the K and V
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
@@ -54,9 +53,7 @@ def main() -> int:
               f"{row['flash_us']:.0f} us, {row['speedup']:.2f}x (transfer ratio {row['transfer_ratio']:.2f}x)")
     record = {**provenance(), "shape": args.shape, **shape, "n_kv": n_kv, "prefix": args.prefix,
               "clusters": n_clusters, "threads": args.threads, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, record)
     return 0
 
 

@@ -12,11 +12,10 @@ centroid table (f32, d + 1 per cluster), the cell map (4 bytes a cell) and the K
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from squeeze_op_cpu import transfer_ratio
@@ -52,9 +51,7 @@ def main() -> int:
                   f"flash {row['flash_us']:.1f} us, {row['speedup']:.2f}x (transfer ratio {ratio:.2f}x)", flush=True)
     record = {**provenance(), "shape": args.shape, **shape, "kv_type": "f16", "question": args.question,
               "centroids": args.centroids, "backend": args.backend, "runs": args.runs, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, record)
     return 0
 
 

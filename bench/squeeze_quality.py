@@ -13,12 +13,11 @@ greedily through the op; dense is the same with no prepared prefix. Writes bench
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cuda_common import provenance
+from cuda_common import provenance, write_record
 from sparq_llama import squeeze
 from sparq_llama.eval import tasks
 from sparq_llama.eval.engine import Engine, EngineConfig
@@ -53,12 +52,6 @@ def accuracy(records: list[dict], names: list[str]) -> dict[str, float]:
         rel = f" ({acc[n] / acc['dense']:.0%} of dense)" if acc["dense"] else ""
         print(f"{n:>16}: accuracy {acc[n]:.0%}{rel}")
     return acc
-
-
-def write_record(out: Path, record: dict) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {out}")
 
 
 def main() -> int:
