@@ -17,7 +17,6 @@ may stop earlier), so the time is an upper bound for that count. The last --cali
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 from pathlib import Path
 
@@ -26,37 +25,6 @@ from cuda_common import provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
-
-
-class KmeansBenchArgs(ctypes.Structure):
-    """struct kmeans_bench_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
-        [("n_iter", ctypes.c_int), ("n_layers", ctypes.c_int), ("layer_s", ctypes.POINTER(ctypes.c_double)),
-         ("iters_out", ctypes.POINTER(ctypes.c_int))]
-
-
-def bench_resident(backend: str, threads: int | None, d: int, P: int, H: int, n: int, iters: int,
-                   n_layer: int) -> tuple[list[float], list[int]]:
-    """Per-layer clustering seconds and iterations with the keys already on the backend."""
-    import os
-
-    from sparq_llama._lib import libllama
-    from sparq_llama.ops import _device_name
-
-    layer_s, iters_out = (ctypes.c_double * n_layer)(), (ctypes.c_int * n_layer)()
-    args = KmeansBenchArgs(device=_device_name(backend), n_threads=int(threads or os.cpu_count() or 1), d=d, P=P,
-                           H=H, n_clusters=n, n_iter=iters, n_layers=n_layer, layer_s=layer_s, iters_out=iters_out)
-    fn = libllama().sparq_llama_bench_kmeans
-    fn.argtypes = [ctypes.POINTER(KmeansBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
-    return list(layer_s), list(iters_out)
-
-
 
 
 def main() -> int:
@@ -78,7 +46,8 @@ def main() -> int:
     n = max(1, round(args.centroids * P))
     per_layer, iters = [], []
     if args.resident:
-        per_layer, iters = bench_resident(args.backend, args.threads, d, P, n_head_kv, n, args.iters, n_layer)
+        per_layer, iters = ops.bench_kmeans(d=d, P=P, H=n_head_kv, n_clusters=n, n_iter=args.iters, n_layers=n_layer,
+                                            n_threads=args.threads, backend=args.backend)
     else:
         rng = np.random.default_rng(0)
         keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)

@@ -66,11 +66,15 @@ def _device_name(backend: str) -> bytes | None:
     return name.encode()
 
 
-def _eval_fn():
-    fn = libllama().sparq_llama_eval_sparq_attn
-    fn.argtypes = [ctypes.POINTER(SparqEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
+def _call(entry: str, args: ctypes.Structure) -> None:
+    """Calls one of libllama's `int entry(const struct *args, char *err, size_t err_size)` functions (the eval and
+    bench entries of sparq-llama.h); ValueError with its message when it returns nonzero."""
+    fn = getattr(libllama(), entry)
+    fn.argtypes = [ctypes.POINTER(type(args)), ctypes.c_char_p, ctypes.c_size_t]
     fn.restype = ctypes.c_int
-    return fn
+    err = ctypes.create_string_buffer(1024)
+    if fn(ctypes.byref(args), err, len(err)) != 0:
+        raise ValueError(err.value.decode())
 
 
 def _to_kv(x: np.ndarray, kv_dtype: str) -> np.ndarray:
@@ -161,9 +165,7 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
                          mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
                          pos=ptr(pos_dev))
-    err = ctypes.create_string_buffer(1024)
-    if _eval_fn()(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_eval_sparq_attn", args)
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
 
@@ -203,12 +205,7 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
                             v_type=_GGML_TYPES[v_dtype], d_v=d_v, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
                             v_ld=ld, table=tab.ctypes.data, v=padded.ctypes.data, idx=ix.ctypes.data,
                             out=out.ctypes.data)
-    fn = libllama().sparq_llama_eval_vsum_rows
-    fn.argtypes = [ctypes.POINTER(VsumRowsEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_eval_vsum_rows", args)
     return out
 
 
@@ -235,9 +232,6 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
                backend: str = "cpu", n_seq: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Decode-step times (µs) of ggml_sparq_attn and ggml_flash_attn_ext on the same random cache of
     `n_seq` sequences of `n_kv` cells, `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us)."""
-    fn = libllama().sparq_llama_bench_attn
-    fn.argtypes = [ctypes.POINTER(SparqBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
     params = _params(k1=k1, k2=k2, mean=mean)
     sparq_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
@@ -245,9 +239,7 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
                           kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
                           sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq))
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_bench_attn", args)
     return np.array(sparq_us[:]), np.array(flash_us[:])
 
 
@@ -341,12 +333,7 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
                             n_coarse=0 if coarse_dev is None else coarse_dev.shape[2], q=ptr(q32), k=ptr(k_dev),
                             v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
                             coarse=ptr(coarse_dev), parent=ptr(parent), params=ctypes.pointer(params), out=ptr(out))
-    fn = libllama().sparq_llama_eval_centroid_attn
-    fn.argtypes = [ctypes.POINTER(CentroidEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_eval_centroid_attn", args)
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
 
@@ -384,15 +371,32 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threa
     args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
                           n_clusters=int(n_clusters), n_iter=int(n_iter), x=x.ctypes.data, table=table.ctypes.data,
                           assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run))
-    fn = libllama().sparq_llama_eval_kmeans
-    fn.argtypes = [ctypes.POINTER(KmeansEvalArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_eval_kmeans", args)
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
                     assignment[h].astype(np.int64), n_run.value) for h in range(H)]
     return out[0] if single else out
+
+
+class KmeansBenchArgs(ctypes.Structure):
+    """struct kmeans_bench_args (sparq-llama.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
+        [("n_iter", ctypes.c_int), ("n_layers", ctypes.c_int), ("layer_s", ctypes.POINTER(ctypes.c_double)),
+         ("iters_out", ctypes.POINTER(ctypes.c_int))]
+
+
+def bench_kmeans(*, d: int, P: int, H: int, n_clusters: int, n_iter: int, n_layers: int,
+                 n_threads: int | None = None, backend: str = "cpu") -> tuple[list[float], list[int]]:
+    """The clustering of a fixed prefix with its keys already on the backend (sparq_llama_bench_kmeans): per layer
+    of n_layers, H problems of P random rows of d components clustered into n_clusters (n_iter iterations at
+    most). Returns (seconds per layer, iterations each layer ran)."""
+    layer_s, iters_out = (ctypes.c_double * n_layers)(), (ctypes.c_int * n_layers)()
+    args = KmeansBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P,
+                           H=H, n_clusters=n_clusters, n_iter=n_iter, n_layers=n_layers, layer_s=layer_s,
+                           iters_out=iters_out)
+    _call("sparq_llama_bench_kmeans", args)
+    return list(layer_s), list(iters_out)
 
 
 class CentroidBenchArgs(ctypes.Structure):
@@ -417,12 +421,7 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
                              kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                              n_prefix=n_prefix, n_clusters=n_clusters, keep=float(keep), n_runs=n_runs,
                              centroid_us=centroid_us, flash_us=flash_us, kept_out=ctypes.pointer(kept))
-    fn = libllama().sparq_llama_bench_centroid
-    fn.argtypes = [ctypes.POINTER(CentroidBenchArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_bench_centroid", args)
     return np.array(centroid_us[:]), np.array(flash_us[:]), kept.value
 
 
@@ -466,10 +465,5 @@ def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: f
                             group={"max": 0, "mean": 1}[group], keep=float(keep), keep_coarse=float(keep_coarse),
                             n_threads=int(n_threads or os.cpu_count() or 1), threshold=ctypes.pointer(t),
                             threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept))
-    fn = libllama().sparq_llama_eval_squeeze_calibrate
-    fn.argtypes = [ctypes.POINTER(SqueezeCalibArgs), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
-        raise ValueError(err.value.decode())
+    _call("sparq_llama_eval_squeeze_calibrate", args)
     return t.value, tc.value, kept.value
