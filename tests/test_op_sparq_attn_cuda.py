@@ -108,6 +108,65 @@ def test_rows_whose_scores_underflow_to_zero_match_reference_and_cpu(group, mean
     assert_close(got, cpu, "f32", {"group": group, "mean": mean})
 
 
+# The MHA chain (group 1, kernels A' and S'): each chunk of 2048 cells lists its own top k2, kernel S' merges the
+# lists and checks that no cell left out could beat the row's boundary (else the exact selection over all cells).
+# These rows are built so that each of its branches decides the output.
+
+@pytest.mark.parametrize("n_distinct", [3, 40])
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_mha_rows_with_tied_scores_across_chunks_match_reference_and_cpu(n_distinct, dtype):
+    # keys drawn from a few distinct rows: every chunk holds many cells of each logit, so the chunk lists cut
+    # through ties (the lower cell wins) and left-out cells tie with the boundary, which sends rows to the
+    # fallback; V differs per cell, so any other choice among the tied cells changes the output
+    rng = np.random.default_rng(700 + n_distinct)
+    n_head_kv, d, n_kv, n_q = 2, 64, 10000, 2
+    q, _, v = make_case(rng, n_head_kv=n_head_kv, group=1, n_q=n_q, n_kv=n_kv, d=d, d_v=d)
+    rows = rng.standard_normal((n_head_kv, n_distinct, d))
+    k = np.stack([rows[h][rng.integers(0, n_distinct, size=n_kv)] for h in range(n_head_kv)])[None]
+    mask = make_mask(rng, "causal", n_q, n_kv)
+    got, cpu, want = both_backends(q, k, v, mask, dtype, k1=16, k2=64, sinks=2)
+    assert_close(got, want, dtype, {"n_distinct": n_distinct})
+    assert_close(got, cpu, dtype, {"n_distinct": n_distinct})
+
+
+@pytest.mark.parametrize("layout", ["kt", "default"])
+def test_mha_rows_whose_chunk_tops_hold_the_forced_cells_match_reference_and_cpu(layout):
+    # the window's and the sinks' cells score highest, so they fill part of their chunks' lists (at most
+    # window + sinks of a chunk's top k2 are forced, which the list size allows for); positions are a permutation,
+    # so the forced cells are spread over several chunks
+    rng = np.random.default_rng(91)
+    n_head_kv, d, n_kv, n_q = 2, 128, 9000, 1
+    q, k, v = make_case(rng, n_head_kv=n_head_kv, group=1, n_q=n_q, n_kv=n_kv, d=d, d_v=d)
+    pos = rng.permutation(n_kv).astype(np.int32)[None]
+    window, sinks = 24, 4
+    forced = np.concatenate([np.argsort(pos[0])[:sinks], np.argsort(pos[0])[-window:]])
+    k[0][:, forced] = 3.0 * q[0, :, 0][:, None, :]  # high scores on every component
+    kw = dict(k1=32, k2=64, window=window, sinks=sinks)
+    got = ops.sparq_attn(q, k, v, None, kv_dtype="f16", pos=pos, backend="cuda", layout=layout, **kw)
+    cpu = ops.sparq_attn(q, k, v, None, kv_dtype="f16", pos=pos, n_threads=2, layout=layout, **kw)
+    want = reference.sparq_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], "f16"),
+                                ops.kv_round(v[0], "f16"), None, pos=pos[0], **kw)
+    assert_close(got[0], want, "f16", kw)
+    assert_close(got, cpu, "f16", kw)
+
+
+def test_mha_rows_with_hidden_chunks_match_reference_and_cpu():
+    # whole chunks hidden by the mask list nothing; a chunk with fewer than k2 visible cells lists all of them;
+    # one row sees fewer than k2 cells in all (a dense row through the lists)
+    rng = np.random.default_rng(17)
+    n_head_kv, d, n_kv, n_q = 2, 64, 12000, 3
+    q, k, v = make_case(rng, n_head_kv=n_head_kv, group=1, n_q=n_q, n_kv=n_kv, d=d, d_v=d)
+    mask = np.ones((n_q, n_kv), dtype=bool)
+    mask[:, 2048:6144] = False                 # chunks 1 and 2 hidden
+    mask[:, 6144:8192] = False
+    mask[:, 6144:6144 + 40] = True             # chunk 3: 40 visible cells (< k2)
+    mask[1, :] = False
+    mask[1, rng.choice(n_kv, size=50, replace=False)] = True   # row 1: 50 cells, fewer than k2
+    got, cpu, want = both_backends(q, k, v, mask, "f16", k1=16, k2=96, mean="on")
+    assert_close(got, want, "f16", "hidden chunks")
+    assert_close(got, cpu, "f16", "hidden chunks")
+
+
 def test_many_rows_run_in_waves_and_repeat_bit_for_bit():
     # a prefill-sized batch of query rows: more rows than one wave of scratch holds at this length
     rng = np.random.default_rng(21)

@@ -96,6 +96,7 @@ struct sparq_args {
     bool vec_kt, vec_kv, vec_logits;
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
+    bool mha_list;                 // the MHA chain: Q, A' (lists), S', LV (v7)
 };
 
 struct sparq_scratch {
@@ -113,6 +114,8 @@ struct sparq_scratch {
     int32_t  * forced;   // [W][k2]: the forced cells of sparse rows, unordered (kernel B, bucket_sel)
     int32_t  * i2;       // [W][k2]: I2 in cell order (kernel S)
     float    * alpha;    // [W][G]: approximate probability mass of I2 (kernel S)
+    uint2    * clist;    // [W][n_chunks_a][k2]: (logit bits, cell) of each chunk's top (kernel A', mha_list)
+    float    * cex;      // [W][n_chunks_a]: the largest logit a chunk left out (kernel A', mha_list)
 };
 
 // ---- loads -----------------------------------------------------------------------------------------
@@ -367,6 +370,7 @@ __device__ int block_exclusive_scan(int v, int * total, int * red) {
 // items): its index, the items in higher buckets and the items in it. Lanes of a warp that hit one bucket are
 // merged first (equal keys of a degenerate list do not pile up on one shared address). hist: n_bins shared words.
 constexpr int BUCKETS_PER_THREAD = 8;
+constexpr int BND_CAP = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 struct bucket_state {
     uint32_t bin, above, count;
 };
@@ -547,24 +551,15 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
     __syncthreads();
 }
 
-// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
-__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
-    long long t_marks[5];
-    t_marks[0] = t_start;
-    __shared__ uint32_t skey[2*SAMPLE];
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ int64_t info[N_RI];
-    __shared__ int red[32];
-    __shared__ uint32_t red3[96];
-    __shared__ bucket_state bst;
-    const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
-    __shared__ float rst[2*MAX_G];
-    __shared__ int64_t redl[96];
+// Merges one row's chunk statistics (kernel A's): the softmax max M_g and 1/Z_g of each head into rst (shared)
+// and rstat (global), and the row's kind, visible count and window / sinks bounds into info (shared). Kernels P
+// and S' (the MHA chain). redl: 96 shared int64.
+__device__ void merge_chunk_stats(const sparq_args & a, const sparq_scratch & s, int64_t w, float * rst, int64_t * info,
+                                  int64_t * redl) {
+    const int64_t G = a.group, nA = a.n_chunks_a;
     float * rstat = s.rstat + w*2*G;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    SPARQ_TIMING_MARK(1);
-    // merge the chunks' softmax statistics: a warp per head, lanes across chunks (one round of loads)
+    // the chunks' softmax statistics: a warp per head, lanes across chunks (one round of loads)
     for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
         const float * cm = s.cmax + (w*G + g)*nA;
         const float * cs = s.csum + (w*G + g)*nA;
@@ -601,9 +596,28 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         info[RI_S_HI]  = p_min + a.sinks;    // sinks:  position < s_hi
         info[RI_THR]   = 1;                  // every candidate
         info[RI_ZERO_FIRST] = 0;
+        info[RI_N_SEL] = 0;
     }
+    __syncthreads();  // rst and info
+}
+
+// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
+__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
+    long long t_marks[5];
+    t_marks[0] = t_start;
+    __shared__ uint32_t skey[2*SAMPLE];
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ int64_t info[N_RI];
+    __shared__ int red[32];
+    __shared__ uint32_t red3[96];
+    __shared__ bucket_state bst;
+    const int64_t G = a.group, n_kv = a.n_kv;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int64_t redl[96];
+    SPARQ_TIMING_MARK(1);
+    merge_chunk_stats(a, s, w, rst, info, redl);
     SPARQ_TIMING_MARK(2);
-    __syncthreads();  // rstat (global, this block) and info
     if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
         // threshold: the sample's value at the rank that leaves ~4 * n_top cells above it
         const int64_t stride = max((int64_t) 1, n_kv / SAMPLE);
@@ -678,7 +692,102 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     SPARQ_TIMING_PRINT("P: start, merge, sample, select", w, 5);
 }
 
-template <typename T, int POL, int NG>
+// ---- the MHA chain: kernels A' (kernel A with LIST) and S' ---------------------------------------------
+// For MHA rows (group 1) the ranking needs no normaliser across chunks: a cell's score exp(l - M) / Z grows with
+// its logit l. So each kernel-A block lists its chunk's top k2 visible cells by (l desc, cell asc) and the largest
+// logit it leaves out; the row's top n_top (forced cells aside, at most window + sinks of a chunk's top) lies in the
+// union unless the rounded scores tie across the cut, which kernel S' checks (falling back to the exact selection
+// over all cells). Kernels P and B do not run: four kernels per wave (Q, A', S', LV). bench/notes_cuda.md, v7.
+
+// Order-preserving unsigned key of a float (larger float, larger key; 0 only for a NaN pattern).
+__device__ __forceinline__ uint32_t float_order_key(float x) {
+    const uint32_t b = __float_as_uint(x);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+
+// Kernel A' tail for one chunk of an MHA row: the chunk's listed cells as (logit bits, cell) at
+// clist[(w*n_chunks_a + chunk)*k2 ...) (unordered; min(visible, k2) of them) and the largest logit of the visible
+// cells left out (-inf: none) at cex[w*n_chunks_a + chunk]. l: this thread's A_CELLS logits (cells j0 + u).
+__device__ void chunk_top_list(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t chunk, int64_t j0,
+                               uint32_t vis, const float (&l)[A_CELLS]) {
+    __shared__ uint32_t skey[A_CHUNK];
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ uint32_t red3[96];
+    __shared__ int red[32];
+    __shared__ float redf[32];
+    __shared__ bucket_state bst;
+    __shared__ select_state sst;
+    __shared__ uint64_t bnd[BND_CAP];
+    __shared__ uint32_t n_bnd, n_out;
+    __shared__ uint64_t thr_boundary;
+    const int tid = threadIdx.x;
+    const uint32_t k2 = (uint32_t) a.p.k2;
+    // the 64-bit key of local cell i: (logit order key, lower cell first); distinct
+    auto key64 = [](uint32_t k32, int i) { return ((uint64_t) k32 << 32) | (uint64_t) (A_CHUNK - 1 - i); };
+    uint32_t key[A_CELLS];
+    uint32_t n_vis = 0, kmin = UINT32_MAX, kmax = 0;
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        key[u] = (vis >> u) & 1 ? float_order_key(l[u]) : 0u;
+        skey[tid*A_CELLS + u] = key[u];
+        n_vis += key[u] != 0;
+        kmin = key[u] != 0 ? min(kmin, key[u]) : kmin;
+        kmax = max(kmax, key[u]);
+    }
+    if (tid == 0) {
+        n_bnd = 0;
+        n_out = 0;
+    }
+    block_sum_min_max(n_vis, kmin, kmax, red3);  // its barriers also publish skey and the counters
+    uint64_t thr = 1;  // every visible cell
+    if (n_vis > k2) {
+        const int shift = bucket_shift(kmin, kmax);
+        const bucket_state b = bucket_find(A_CHUNK, k2, kmin, shift, [&](int64_t i) { return skey[i]; }, hist, red, &bst);
+        if (b.count <= BND_CAP) {
+            // the boundary bucket's keys, ranked pairwise: the (k2 - above)-th is the threshold
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                if (key[u] != 0 && ((key[u] - kmin) >> shift) == b.bin) {
+                    bnd[atomicAdd(&n_bnd, 1u)] = key64(key[u], tid*A_CELLS + u);
+                }
+            }
+            __syncthreads();
+            const uint32_t need = k2 - b.above;
+            for (uint32_t t = tid; t < b.count; t += blockDim.x) {
+                const uint64_t kt = bnd[t];
+                uint32_t rk = 0;
+                for (uint32_t v = 0; v < b.count; ++v) {
+                    rk += bnd[v] > kt;
+                }
+                if (rk == need - 1) {
+                    thr_boundary = kt;
+                }
+            }
+            __syncthreads();
+            thr = thr_boundary;
+        } else {
+            thr = block_select(A_CHUNK, k2, 56, [&](int64_t i) { return skey[i] ? key64(skey[i], (int) i) : 0; }, hist, &sst);
+        }
+    }
+    uint2 * out = s.clist + (w*a.n_chunks_a + chunk)*a.p.k2;
+    float l_ex = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        if (key[u] != 0) {
+            if (key64(key[u], tid*A_CELLS + u) >= thr) {
+                out[atomicAdd(&n_out, 1u)] = make_uint2(__float_as_uint(l[u]), (uint32_t) (j0 + u));
+            } else {
+                l_ex = fmaxf(l_ex, l[u]);
+            }
+        }
+    }
+    l_ex = block_reduce(l_ex, op_max(), -INFINITY, redf);
+    if (tid == 0) {
+        s.cex[w*a.n_chunks_a + chunk] = l_ex;
+    }
+}
+
+template <typename T, int POL, int NG, bool LIST>
 __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float redf[32];
@@ -835,6 +944,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
                     s.csum[(w*G + g0 + g)*a.n_chunks_a + chunk] = sum;
                 }
             }
+            if constexpr (LIST) {  // NG = G = 1: one pass
+                chunk_top_list(a, s, w, chunk, j0, vis, acc[0]);
+            }
         }
     } else if (threadIdx.x < G) {
         for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
@@ -966,7 +1078,6 @@ __host__ __device__ inline smem_s_layout smem_s_plan(int64_t cap, int64_t k2) {
     l.total = l.uni + (k2 <= LIST_MAX_K2 ? k2*sizeof(int32_t) : 0);
     return l;
 }
-constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 
 // Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
 // lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing). Masks and positions
@@ -1066,150 +1177,90 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
     }
 }
 
-// Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
-// cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
-__global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    long long t_marks[5];
-    t_marks[0] = clock64();
-    extern __shared__ __align__(16) unsigned char sms[];  // smem_s_layout
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ float rst[2*MAX_G];
-    __shared__ int red[32];
-    __shared__ uint32_t red3[96];
-    __shared__ uint64_t bnd[BND_CAP];
-    __shared__ bucket_state bst;
-    __shared__ uint32_t n_uni, n_bnd;
-    pdl_wait();
-    pdl_release();
-    const int64_t w = blockIdx.x;
-    const row_coords c = coords_of(a, r0 + w);
-    const int64_t G = a.group, k2 = a.p.k2, n_kv = a.n_kv;
-    const smem_s_layout L = smem_s_plan(a.cap, k2);
-    uint64_t * keys = (uint64_t *) (sms + L.keys);
-    int32_t  * i2   = (int32_t *)  (sms + L.i2);
-    int32_t  * uni  = (int32_t *)  (sms + L.uni);  // I2 unordered (list path)
-    int64_t  * ri   = s.rinfo + w*N_RI;
-    const int64_t kind = ri[RI_KIND];
-    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    if (kind == ROW_EMPTY) {
+// Appends to uni the cells of the exact top `need` of keys[0..n) ((32-bit score key << cell_bits) | (cmask - cell),
+// distinct; kmin / kmax: the smallest and largest score key among them): one bucket pass over their score keys,
+// the keys of the boundary bucket ranked pairwise (radix select when it holds more than BND_CAP). Returns the
+// smallest score key selected when want_min (else 0). Kernels S and S'.
+struct top_scratch {
+    uint32_t * hist; int * red; uint32_t * red3; uint64_t * bnd; uint32_t * n_bnd; bucket_state * bst; select_state * sst;
+};
+__device__ uint32_t append_top(const sparq_args & a, const uint64_t * keys, int64_t n, uint32_t need, uint32_t kmin,
+                               uint32_t kmax, int32_t * uni, uint32_t * n_uni, const top_scratch & t, bool want_min) {
+    const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+    const int tid = threadIdx.x;
+    uint32_t sel_min = UINT32_MAX;
+    const int shift = bucket_shift(kmin, kmax);
+    auto key32_of = [&](int64_t i) { return (uint32_t) (keys[i] >> a.cell_bits); };
+    const bucket_state b = bucket_find(n, need, kmin, shift, key32_of, t.hist, t.red, t.bst);
+    if (b.count <= BND_CAP) {
         if (tid == 0) {
-            ri[RI_N_SEL] = 0;
-        }
-        return;
-    }
-    for (int64_t i = tid; i < 2*G; i += blockDim.x) {
-        rst[i] = s.rstat[w*2*G + i];
-    }
-    uint32_t * bm = s.bitmap + w*a.n_words;
-    bool from_list = false;
-    int n_sel = 0;
-    if (kind == ROW_SPARSE) {
-        const uint32_t * ctr = s.counters + w*N_CTR;
-        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND], n_f = ctr[CTR_N_F];
-        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
-                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
-        from_list = a.bucket_sel && fast && k2 <= LIST_MAX_K2 && n_f == n_w + n_s && n_f + a.n_top <= k2;
-        if (from_list) {
-            // I2 unordered: the forced cells (kernel B's list), then the exact top of the candidates: one bucket
-            // pass over their 32-bit scores; the keys of the boundary bucket ranked pairwise by (score, cell)
-            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-            const int32_t * fl = s.forced + w*k2;
-            if (tid == 0) {
-                n_uni = (uint32_t) n_f;
-                n_bnd = 0;
-            }
-            for (int64_t i = tid; i < n_f; i += blockDim.x) {
-                uni[i] = fl[i];
-            }
-            if (a.n_top > 0) {
-                const uint64_t * cl = s.cand + w*a.cap;
-                uint32_t dummy = 0, kmin = UINT32_MAX, kmax = 0;
-#pragma unroll 4
-                for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                    const uint64_t key = cl[i];
-                    keys[i] = key;
-                    const uint32_t k32 = (uint32_t) (key >> a.cell_bits);
-                    kmin = min(kmin, k32);
-                    kmax = max(kmax, k32);
-                }
-                block_sum_min_max(dummy, kmin, kmax, red3);
-                const int shift = bucket_shift(kmin, kmax);
-                auto key32_of = [&](int64_t i) { return (uint32_t) (keys[i] >> a.cell_bits); };
-                const bucket_state b = bucket_find(n_cand, (uint32_t) a.n_top, kmin, shift, key32_of, hist, red, &bst);
-                if (b.count <= BND_CAP) {
-                    for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                        const uint64_t key = keys[i];
-                        const uint32_t bin = (key32_of(i) - kmin) >> shift;
-                        if (bin > b.bin) {
-                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
-                        } else if (bin == b.bin) {
-                            bnd[atomicAdd(&n_bnd, 1u)] = key;
-                        }
-                    }
-                    __syncthreads();
-                    const uint32_t need = (uint32_t) a.n_top - b.above;
-                    for (uint32_t t = tid; t < b.count; t += blockDim.x) {
-                        const uint64_t key = bnd[t];
-                        uint32_t rk = 0;
-                        for (uint32_t u = 0; u < b.count; ++u) {
-                            rk += bnd[u] > key;
-                        }
-                        if (rk < need) {
-                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
-                        }
-                    }
-                } else {
-                    const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
-                                                      [&](int64_t i) { return keys[i]; }, hist, &sst);
-                    for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                        if (keys[i] >= thr) {
-                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
-                        }
-                    }
-                }
-            }
-            __syncthreads();
-            // I2 in cell order: each cell's rank among the (distinct) cells of the list
-            n_sel = (int) n_uni;
-            for (int t = tid; t < n_sel; t += blockDim.x) {
-                const int32_t cell = uni[t];
-                int rk = 0;
-                for (int u = 0; u < n_sel; ++u) {
-                    rk += uni[u] < cell;
-                }
-                i2[rk] = cell;
-            }
-        } else if (fast && a.n_top > 0) {
-            const uint64_t * cl = s.cand + w*a.cap;
-#pragma unroll 4
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                keys[i] = cl[i];
-            }
-            __syncthreads();
-            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
-                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                if (keys[i] >= thr) {
-                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
-                }
-            }
-        } else if (!fast) {
-            if (a.timing && tid == 0) {
-                printf("S: exact fallback, row %lld: window %lld/%d, sinks %lld/%d, candidates %lld (need %lld..%lld)\n",
-                       (long long) (r0 + w), (long long) n_w, a.window, (long long) n_s, a.sinks, (long long) n_cand,
-                       (long long) a.n_top, (long long) a.cap);
-            }
-            select_all_cells(a, s, w, c, hist, &sst);
+            *t.n_bnd = 0;
         }
         __syncthreads();
+        for (int64_t i = tid; i < n; i += blockDim.x) {
+            const uint64_t key = keys[i];
+            const uint32_t bin = (key32_of(i) - kmin) >> shift;
+            if (bin > b.bin) {
+                uni[atomicAdd(n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
+                sel_min = min(sel_min, key32_of(i));
+            } else if (bin == b.bin) {
+                t.bnd[atomicAdd(t.n_bnd, 1u)] = key;
+            }
+        }
+        __syncthreads();
+        const uint32_t need_b = need - b.above;
+        for (uint32_t i = tid; i < b.count; i += blockDim.x) {
+            const uint64_t key = t.bnd[i];
+            uint32_t rk = 0;
+            for (uint32_t u = 0; u < b.count; ++u) {
+                rk += t.bnd[u] > key;
+            }
+            if (rk < need_b) {
+                uni[atomicAdd(n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
+                sel_min = min(sel_min, (uint32_t) (key >> a.cell_bits));
+            }
+        }
+    } else {
+        const uint64_t thr = block_select(n, need, top_shift_for(31 + a.cell_bits), [&](int64_t i) { return keys[i]; },
+                                          t.hist, t.sst);
+        for (int64_t i = tid; i < n; i += blockDim.x) {
+            if (keys[i] >= thr) {
+                uni[atomicAdd(n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
+                sel_min = min(sel_min, key32_of(i));
+            }
+        }
     }
-    SPARQ_TIMING_MARK(1);
+    if (!want_min) {
+        __syncthreads();
+        return 0;
+    }
+    uint32_t dummy = 0, dummy_hi = 0;
+    block_sum_min_max(dummy, sel_min, dummy_hi, t.red3);  // its barriers also publish uni
+    return sel_min;
+}
 
-    if (!from_list) {
-        // I2 in cell order from the bitmap: each thread counts a run of words (loaded at once), a block scan
-        // places them
+// The end of kernels S and S': I2 in cell order into scratch with its size (from uni[0..n_uni), distinct cells,
+// when from_list; else from the row's bitmap), and alpha_g, the approximate probability mass of I2, for sparse rows
+// with the mean on. i2: k2 shared ints; rst: the row's statistics in shared memory.
+__device__ void write_selection(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t kind, bool from_list,
+                                const int32_t * uni, int n_uni, int32_t * i2, const float * rst, int * red) {
+    const int64_t G = a.group, k2 = a.p.k2, n_kv = a.n_kv;
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const uint32_t * bm = s.bitmap + w*a.n_words;
+    int n_sel = 0;
+    if (from_list) {
+        // each cell's rank among the cells of the list
+        n_sel = n_uni;
+        for (int t = tid; t < n_sel; t += blockDim.x) {
+            const int32_t cell = uni[t];
+            int rk = 0;
+            for (int u = 0; u < n_sel; ++u) {
+                rk += uni[u] < cell;
+            }
+            i2[rk] = cell;
+        }
+    } else {
+        // each thread counts a run of words (loaded at once), a block scan places them
         constexpr int WORDS_IN_REGS = 16;
         const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
         const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
@@ -1246,12 +1297,10 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
         s.i2[w*k2 + i] = i2[i];
     }
     if (tid == 0) {
-        ri[RI_N_SEL] = n_sel;
+        s.rinfo[w*N_RI + RI_N_SEL] = n_sel;
     }
-    SPARQ_TIMING_MARK(2);
-
-    // alpha_g = the approximate probability mass of I2 (one warp per head), for sparse rows with the mean on
     if (kind == ROW_SPARSE && a.p.mean_on) {
+        // one warp per head
         const float * lrow = s.logits + w*G*n_kv;
         for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
             float sum = 0.0f;
@@ -1265,8 +1314,296 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
             }
         }
     }
-    SPARQ_TIMING_MARK(3);
-    SPARQ_TIMING_PRINT("S: select, I2, alpha", w, 4);
+}
+
+// Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
+// cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
+__global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    long long t_marks[3];
+    t_marks[0] = clock64();
+    extern __shared__ __align__(16) unsigned char sms[];  // smem_s_layout
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int red[32];
+    __shared__ uint32_t red3[96];
+    __shared__ uint64_t bnd[BND_CAP];
+    __shared__ bucket_state bst;
+    __shared__ uint32_t n_uni, n_bnd;
+    pdl_wait();
+    pdl_release();
+    const int64_t w = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, k2 = a.p.k2;
+    const smem_s_layout L = smem_s_plan(a.cap, k2);
+    uint64_t * keys = (uint64_t *) (sms + L.keys);
+    int32_t  * i2   = (int32_t *)  (sms + L.i2);
+    int32_t  * uni  = (int32_t *)  (sms + L.uni);  // I2 unordered (list path)
+    int64_t  * ri   = s.rinfo + w*N_RI;
+    const int64_t kind = ri[RI_KIND];
+    const int tid = threadIdx.x;
+    if (kind == ROW_EMPTY) {
+        if (tid == 0) {
+            ri[RI_N_SEL] = 0;
+        }
+        return;
+    }
+    for (int64_t i = tid; i < 2*G; i += blockDim.x) {
+        rst[i] = s.rstat[w*2*G + i];
+    }
+    uint32_t * bm = s.bitmap + w*a.n_words;
+    bool from_list = false;
+    if (tid == 0) {
+        n_uni = 0;
+    }
+    if (kind == ROW_SPARSE) {
+        const uint32_t * ctr = s.counters + w*N_CTR;
+        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND], n_f = ctr[CTR_N_F];
+        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
+                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
+        from_list = a.bucket_sel && fast && k2 <= LIST_MAX_K2 && n_f == n_w + n_s && n_f + a.n_top <= k2;
+        if (from_list) {
+            // I2 unordered: the forced cells (kernel B's list), then the exact top of the candidates
+            const int32_t * fl = s.forced + w*k2;
+            __syncthreads();  // n_uni
+            if (tid == 0) {
+                n_uni = (uint32_t) n_f;
+            }
+            for (int64_t i = tid; i < n_f; i += blockDim.x) {
+                uni[i] = fl[i];
+            }
+            if (a.n_top > 0) {
+                const uint64_t * cl = s.cand + w*a.cap;
+                uint32_t dummy = 0, kmin = UINT32_MAX, kmax = 0;
+#pragma unroll 4
+                for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                    const uint64_t key = cl[i];
+                    keys[i] = key;
+                    const uint32_t k32 = (uint32_t) (key >> a.cell_bits);
+                    kmin = min(kmin, k32);
+                    kmax = max(kmax, k32);
+                }
+                block_sum_min_max(dummy, kmin, kmax, red3);
+                const top_scratch t = { hist, red, red3, bnd, &n_bnd, &bst, &sst };
+                append_top(a, keys, n_cand, (uint32_t) a.n_top, kmin, kmax, uni, &n_uni, t, false);
+            }
+        } else if (fast && a.n_top > 0) {
+            const uint64_t * cl = s.cand + w*a.cap;
+#pragma unroll 4
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                keys[i] = cl[i];
+            }
+            __syncthreads();
+            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
+                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                if (keys[i] >= thr) {
+                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
+                }
+            }
+        } else if (!fast) {
+            if (a.timing && tid == 0) {
+                printf("S: exact fallback, row %lld: window %lld/%d, sinks %lld/%d, candidates %lld (need %lld..%lld)\n",
+                       (long long) (r0 + w), (long long) n_w, a.window, (long long) n_s, a.sinks, (long long) n_cand,
+                       (long long) a.n_top, (long long) a.cap);
+            }
+            select_all_cells(a, s, w, c, hist, &sst);
+        }
+    }
+    __syncthreads();
+    SPARQ_TIMING_MARK(1);
+    write_selection(a, s, w, kind, from_list, uni, (int) n_uni, i2, rst, red);
+    SPARQ_TIMING_MARK(2);
+    SPARQ_TIMING_PRINT("S: select, I2 and alpha", w, 3);
+}
+
+// The approximate probability of an MHA row's cell, exp(l - M) / Z: group_scores' value for a group of one
+// (fma(x, y, 0) rounds as x * y), so that kernel S' ranks exactly as kernels B and S and the CPU.
+__device__ __forceinline__ float mha_score(float l, const float * rst) { return __expf(l - rst[0]) * rst[1]; }
+
+// Kernel S''s shared memory (dynamic part), in bytes from the start: the candidate keys, I2, I2 unordered, and per
+// chunk its listed count and (compacted) the chunks that hold forced cells.
+struct smem_m_layout {
+    size_t keys, i2, uni, n_listed, reach, total;
+};
+__host__ __device__ inline smem_m_layout smem_m_plan(int64_t n_chunks, int64_t k2) {
+    smem_m_layout l;
+    l.keys     = 0;
+    l.i2       = n_chunks*k2*sizeof(uint64_t);
+    l.uni      = l.i2 + k2*sizeof(int32_t);
+    l.n_listed = l.uni + k2*sizeof(int32_t);
+    l.reach    = l.n_listed + n_chunks*sizeof(int32_t);
+    l.total    = l.reach + n_chunks*sizeof(int32_t);
+    return l;
+}
+
+// Kernel S' (the MHA chain's P, B and S), one block per row: merges kernel A''s statistics, lists the forced cells
+// from the chunks whose visible positions reach the window or the sinks, then selects:
+// - the exact top n_top of the listed cells that are not forced, and checks that no cell a chunk left out can
+//   beat its boundary (a left-out logit scoring at or above the boundary's score, a rounding tie across the cut,
+//   sends the row to the exact selection over all cells);
+// - or, when fewer than n_top listed cells score above zero (the zero score is the boundary), those cells and the
+//   lowest visible zero-score cells (ties go to the lower cell): every cell scoring above zero is listed, since a
+//   chunk that left a cell out lists k2 cells above it, at least n_top of them not forced.
+// Then I2 and alpha as kernel S.
+__global__ void __launch_bounds__(B_THREADS) sparq_select_lists(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ __align__(16) unsigned char sms[];  // smem_m_layout
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ bucket_state bst;
+    __shared__ float rst[2];
+    __shared__ int64_t info[N_RI];
+    __shared__ int64_t redl[96];
+    __shared__ int red[32];
+    __shared__ uint32_t red3[96];
+    __shared__ uint64_t bnd[BND_CAP];
+    __shared__ uint32_t n_uni, n_cand, n_bnd, n_w, n_s, n_reach;
+    __shared__ int fallback;
+    pdl_wait();
+    pdl_release();
+    const int64_t w = blockIdx.x, nA = a.n_chunks_a, k2 = a.p.k2, n_kv = a.n_kv;
+    const row_coords c = coords_of(a, r0 + w);
+    const smem_m_layout L = smem_m_plan(nA, k2);
+    uint64_t * keys   = (uint64_t *) (sms + L.keys);
+    int32_t  * i2     = (int32_t *)  (sms + L.i2);
+    int32_t  * uni    = (int32_t *)  (sms + L.uni);
+    int32_t  * listed = (int32_t *)  (sms + L.n_listed);
+    int32_t  * reach  = (int32_t *)  (sms + L.reach);
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        n_uni = n_cand = n_w = n_s = n_reach = 0;
+        fallback = 0;
+    }
+    for (int64_t ch = tid; ch < nA; ch += blockDim.x) {
+        listed[ch] = (int32_t) min((int64_t) s.cvis[(w*nA + ch)*3], k2);
+    }
+    merge_chunk_stats(a, s, w, rst, info, redl);  // ends with a barrier
+    const int64_t kind = info[RI_KIND], w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
+    for (int i = tid; i < N_RI; i += blockDim.x) {
+        s.rinfo[w*N_RI + i] = info[i];
+    }
+    const uint16_t * m  = mask_row(a, c);
+    const int32_t  * pr = pos_row(a, c);
+    const uint2 * cl = s.clist + w*nA*k2;
+    if (kind == ROW_DENSE) {
+        // every visible cell is listed (no chunk holds more than k2)
+        for (int64_t e = tid; e < nA*k2; e += blockDim.x) {
+            if (e % k2 < listed[e / k2]) {
+                uni[atomicAdd(&n_uni, 1u)] = (int32_t) cl[e].y;
+            }
+        }
+    } else if (kind == ROW_SPARSE) {
+        // the forced cells, from the chunks whose visible positions reach the window or the sinks
+        for (int64_t ch = tid; ch < nA; ch += blockDim.x) {
+            const int32_t * cv = s.cvis + (w*nA + ch)*3;
+            if (cv[0] > 0 && (cv[2] > w_lo || cv[1] < s_hi)) {
+                reach[atomicAdd(&n_reach, 1u)] = (int32_t) ch;
+            }
+        }
+        __syncthreads();
+        for (uint32_t r = 0; r < n_reach; ++r) {
+            const int64_t ch = reach[r];
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                const int64_t j = ch*A_CHUNK + u*blockDim.x + tid;
+                if (j < n_kv && visible(m, j)) {
+                    const int64_t pj = position(pr, j);
+                    if (pj > w_lo) {
+                        atomicAdd(&n_w, 1u);
+                    }
+                    if (pj < s_hi) {
+                        atomicAdd(&n_s, 1u);
+                    }
+                    if (pj > w_lo || pj < s_hi) {
+                        const uint32_t at = atomicAdd(&n_uni, 1u);
+                        if (at < k2) {
+                            uni[at] = (int32_t) j;
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        const bool fast = n_w == (uint32_t) a.window && n_s == (uint32_t) a.sinks && w_lo >= s_hi - 1;
+        if (!fast) {
+            fallback = 1;  // every thread writes the same
+        } else if (a.n_top > 0) {
+            // the listed cells that are not forced, keyed by (score, cell)
+            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+            const uint32_t zero_key = score_key(0.0f);
+            uint32_t n_nz = 0, kmin = UINT32_MAX, kmax = 0;
+            for (int64_t e = tid; e < nA*k2; e += blockDim.x) {
+                if (e % k2 >= listed[e / k2]) {
+                    continue;
+                }
+                const uint2 ent = cl[e];
+                const int64_t pj = position(pr, ent.y);
+                if (pj > w_lo || pj < s_hi) {
+                    continue;
+                }
+                const uint32_t k32 = score_key(mha_score(__uint_as_float(ent.x), rst));
+                keys[atomicAdd(&n_cand, 1u)] = ((uint64_t) k32 << a.cell_bits) | (cmask - (uint64_t) ent.y);
+                n_nz += k32 > zero_key;
+                kmin = min(kmin, k32);
+                kmax = max(kmax, k32);
+            }
+            block_sum_min_max(n_nz, kmin, kmax, red3);  // its barriers also publish keys and n_cand
+            if (n_nz < (uint32_t) a.n_top) {
+                // the zero score is the boundary: the nonzero listed cells, then the lowest zero-score cells
+                for (uint32_t i = tid; i < n_cand; i += blockDim.x) {
+                    if ((uint32_t) (keys[i] >> a.cell_bits) > zero_key) {
+                        uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
+                    }
+                }
+                const float * lrow = s.logits + w*n_kv;
+                int64_t left = a.n_top - n_nz;
+                for (int64_t base = 0; base < n_kv && left > 0; base += (int64_t) blockDim.x*A_CELLS) {
+                    const int64_t j0 = base + (int64_t) tid*A_CELLS;
+                    bool z[A_CELLS];
+                    int cnt = 0;
+#pragma unroll
+                    for (int u = 0; u < A_CELLS; ++u) {
+                        const int64_t j = j0 + u;
+                        z[u] = j < n_kv && visible(m, j);
+                        const int64_t pj = z[u] ? position(pr, j) : 0;
+                        z[u] = z[u] && pj <= w_lo && pj >= s_hi && score_key(mha_score(lrow[j], rst)) == zero_key;
+                        cnt += z[u];
+                    }
+                    int total;
+                    int at = block_exclusive_scan(cnt, &total, red);
+#pragma unroll
+                    for (int u = 0; u < A_CELLS; ++u) {
+                        if (z[u]) {
+                            if (at < left) {
+                                uni[atomicAdd(&n_uni, 1u)] = (int32_t) (j0 + u);
+                            }
+                            ++at;
+                        }
+                    }
+                    left -= total;
+                }
+            } else {
+                const top_scratch t = { hist, red, red3, bnd, &n_bnd, &bst, &sst };
+                const uint32_t boundary = append_top(a, keys, n_cand, (uint32_t) a.n_top, kmin, kmax, uni, &n_uni, t, true);
+                for (int64_t ch = tid; ch < nA; ch += blockDim.x) {
+                    if (s.cvis[(w*nA + ch)*3] > k2 && score_key(mha_score(s.cex[w*nA + ch], rst)) >= boundary) {
+                        fallback = 1;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    const bool from_list = !fallback;
+    if (!from_list) {
+        if (a.timing && tid == 0) {
+            printf("S': exact fallback, row %lld: window %u/%d, sinks %u/%d\n", (long long) (r0 + w), n_w, a.window,
+                   n_s, a.sinks);
+        }
+        select_all_cells(a, s, w, c, hist, &sst);
+    }
+    write_selection(a, s, w, kind, from_list, uni, (int) n_uni, i2, rst, red);
 }
 
 // Kernel LV (grid: (slices of V_SLICE output components) x heads, rows): the exact logits of one head over I2
@@ -1474,10 +1811,11 @@ void ensure_smem(size_t bytes) {
     configured[device] = bytes;
 }
 
-template <typename T, int POL, int NG>
+template <typename T, int POL, int NG, bool LIST = false>
 void launch_scores(dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
-    ensure_smem<sparq_scores<T, POL, NG>>(smem);
-    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG>, ggml_cuda_kernel_launch_params(grid, A_THREADS, smem, stream), a, s, r0);
+    ensure_smem<sparq_scores<T, POL, NG, LIST>>(smem);
+    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG, LIST>, ggml_cuda_kernel_launch_params(grid, A_THREADS, smem, stream),
+                            a, s, r0);
 }
 
 template <typename T, int POL>
@@ -1494,18 +1832,30 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
 template <typename T>
 void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
                 const sparq_args & a, const sparq_scratch & s, int64_t r0) {
-    switch (pol) {
-        case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
-        case SC_KT:     launch_scores_ng<T, SC_KT>    (ng, grid_a, smem_a, stream, a, s, r0); break;
-        case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
-        default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
-    }
     const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
-    ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
-    ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
-                            a, s, r0);
-    ensure_smem<sparq_select>(smem_s);
-    ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
+    if (a.mha_list) {
+        // Q, A' and S' (the MHA chain; ng = 1), then LV
+        switch (pol) {
+            case SC_KT:     launch_scores<T, SC_KT, 1, true>    (grid_a, smem_a, stream, a, s, r0); break;
+            case SC_GATHER: launch_scores<T, SC_GATHER, 1, true>(grid_a, smem_a, stream, a, s, r0); break;
+            default:        launch_scores<T, SC_EXACT, 1, true> (grid_a, smem_a, stream, a, s, r0); break;
+        }
+        const size_t smem_m = smem_m_plan(a.n_chunks_a, a.p.k2).total;
+        ensure_smem<sparq_select_lists>(smem_m);
+        ggml_cuda_kernel_launch(sparq_select_lists, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_m, stream), a, s, r0);
+    } else {
+        switch (pol) {
+            case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
+            case SC_KT:     launch_scores_ng<T, SC_KT>    (ng, grid_a, smem_a, stream, a, s, r0); break;
+            case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
+            default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
+        }
+        ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
+        ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
+                                a, s, r0);
+        ensure_smem<sparq_select>(smem_s);
+        ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
+    }
     const dim3 grid_v((unsigned) (((a.d_v + V_SLICE - 1) / V_SLICE) * a.group), (unsigned) nw);
     const size_t smem_lv = 2*sizeof(float)*a.p.k2;
     switch (vpt) {
@@ -1529,7 +1879,7 @@ bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
-    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, total;
+    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, clist, cex, total;
 };
 scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     const int64_t G = a.group;
@@ -1550,6 +1900,8 @@ scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     p.forced   = take(a.bucket_sel ? sizeof(int32_t) * W*a.p.k2 : 0);
     p.i2       = take(sizeof(int32_t) * W*a.p.k2);
     p.alpha    = take(sizeof(float) * W*G);
+    p.clist    = take(a.mha_list ? sizeof(uint2) * W*a.n_chunks_a*a.p.k2 : 0);
+    p.cex      = take(a.mha_list ? sizeof(float) * W*a.n_chunks_a : 0);
     p.total    = o;
     return p;
 }
@@ -1632,6 +1984,11 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
+    // the MHA chain (kernels A' and S' instead of A, P, B and S; SPARQ_CUDA_MHA_CHAIN=0 turns it off, for
+    // measuring): top-k rows of one head per KV head whose lists fit kernel S''s shared memory
+    static const bool mha_chain_off = getenv("SPARQ_CUDA_MHA_CHAIN") != nullptr && atoi(getenv("SPARQ_CUDA_MHA_CHAIN")) == 0;
+    a.mha_list = !mha_chain_off && G == 1 && scores && a.n_top > 0 && a.bucket_sel && a.p.k2 <= LIST_MAX_K2 &&
+                 smem_m_plan(a.n_chunks_a, a.p.k2).total + 16*1024 <= ggml_cuda_info().devices[ctx.device].smpbo;
     const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
     const int64_t n_vec = (a.d + 7) / 8;  // kernel LV: K vectors of 8 components per thread
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
@@ -1657,6 +2014,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.forced   = (int32_t *)  (base + plan.forced);
     s.i2       = (int32_t *)  (base + plan.i2);
     s.alpha    = (float *)    (base + plan.alpha);
+    s.clist    = (uint2 *)    (base + plan.clist);
+    s.cex      = (float *)    (base + plan.cex);
 
     const size_t smem_q = sizeof(float) * 2*a.d;
     const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
