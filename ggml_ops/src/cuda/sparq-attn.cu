@@ -96,7 +96,7 @@ struct sparq_args {
     bool vec_kt, vec_kv, vec_logits;
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
-    bool mha_list;                 // the MHA chain: Q, A' (lists), S', LV (v7)
+    bool mha_list;                 // the MHA chain: Q', A' (appending candidates), S', LV (v7)
 };
 
 struct sparq_scratch {
@@ -114,8 +114,6 @@ struct sparq_scratch {
     int32_t  * forced;   // [W][k2]: the forced cells of sparse rows, unordered (kernel B, bucket_sel)
     int32_t  * i2;       // [W][k2]: I2 in cell order (kernel S)
     float    * alpha;    // [W][G]: approximate probability mass of I2 (kernel S)
-    uint2    * clist;    // [W][n_chunks_a][k2]: (logit bits, cell) of each chunk's top (kernel A', mha_list)
-    float    * cex;      // [W][n_chunks_a]: the largest logit a chunk left out (kernel A', mha_list)
 };
 
 // ---- loads -----------------------------------------------------------------------------------------
@@ -692,98 +690,185 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     SPARQ_TIMING_PRINT("P: start, merge, sample, select", w, 5);
 }
 
-// ---- the MHA chain: kernels A' (kernel A with LIST) and S' ---------------------------------------------
-// For MHA rows (group 1) the ranking needs no normaliser across chunks: a cell's score exp(l - M) / Z grows with
-// its logit l. So each kernel-A block lists its chunk's top k2 visible cells by (l desc, cell asc) and the largest
-// logit it leaves out; the row's top n_top (forced cells aside, at most window + sinks of a chunk's top) lies in the
-// union unless the rounded scores tie across the cut, which kernel S' checks (falling back to the exact selection
-// over all cells). Kernels P and B do not run: four kernels per wave (Q, A', S', LV). bench/notes_cuda.md, v7.
+// ---- the MHA chain: kernels Q' (Q with a threshold), A' (A appending candidates) and S' --------------
+// For MHA rows (group 1) a cell's score exp(l - M) / Z grows with its approximate logit l, so the candidate
+// threshold can be set on l before any normaliser exists: kernel Q' takes it from a sample of the row's cells, kernel
+// A' appends the cells at or above it to the row's candidate list as it computes their logits, and kernel S' selects.
+// Any threshold is correct: S' checks that no cell below it can reach the boundary of the selection (the rounded
+// scores are monotone in l) and otherwise falls back to the exact selection over all cells. Kernels P and B do not
+// run: four kernels per wave (Q', A', S', LV). bench/notes_cuda.md, v7.
 
-// Order-preserving unsigned key of a float (larger float, larger key; 0 only for a NaN pattern).
+constexpr int SAMPLE_RUNS = 128;  // kernel Q': runs of 8 cells, in pairs (one 32-byte sector of f16 K^T per row)
+
+// Order-preserving unsigned key of a float (larger float, larger key) and back.
 __device__ __forceinline__ uint32_t float_order_key(float x) {
     const uint32_t b = __float_as_uint(x);
     return b & 0x80000000u ? ~b : b | 0x80000000u;
 }
+__device__ __forceinline__ float order_key_float(uint32_t k) {
+    return __uint_as_float(k & 0x80000000u ? k & 0x7FFFFFFFu : ~k);
+}
 
-// Kernel A' tail for one chunk of an MHA row: the chunk's listed cells as (logit bits, cell) at
-// clist[(w*n_chunks_a + chunk)*k2 ...) (unordered; min(visible, k2) of them) and the largest logit of the visible
-// cells left out (-inf: none) at cex[w*n_chunks_a + chunk]. l: this thread's A_CELLS logits (cells j0 + u).
-__device__ void chunk_top_list(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t chunk, int64_t j0,
-                               uint32_t vis, const float (&l)[A_CELLS]) {
-    __shared__ uint32_t skey[A_CHUNK];
+// The approximate logits of the 8 cells j0 .. j0+7 of row c, with kernel A's arithmetic (the same loads and the same
+// order of additions, so a sampled cell's logit is bit for bit the one kernel A computes; -inf for hidden cells).
+// qs: the row's scaled components at I1 (SparQ) or its query (exact); i1: I1.
+template <typename T, int POL>
+__device__ void cell_logits8(const sparq_args & a, const row_coords & c, int64_t j0, const float * qs, const int * i1,
+                             float (&l)[A_CELLS]) {
+    const int64_t n_kv = a.n_kv;
+    const uint16_t * m = mask_row(a, c);
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        l[u] = 0.0f;
+    }
+    if (POL == SC_KT) {
+        const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
+        const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
+        for (int i = 0; i < a.p.k1; ++i) {
+            const T * row = (const T *) (ktb + (int64_t) i1[i]*a.kt_nb1);
+            float xf[A_CELLS];
+            if (vec) {
+                raw8<T> x;
+                load_raw8(row + j0, x);
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    xf[u] = raw8_at(x, u);
+                }
+            } else {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                l[u] += qs[i] * xf[u];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int u = 0; u < A_CELLS; ++u) {
+            const int64_t j = j0 + u;
+            if (j >= n_kv) {
+                continue;
+            }
+            const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
+            if (POL == SC_GATHER) {
+                for (int i = 0; i < a.p.k1; ++i) {
+                    l[u] += qs[i] * to_f32(krow[i1[i]]);
+                }
+            } else {
+                for (int64_t i = 0; i < a.d; ++i) {
+                    l[u] += qs[i] * to_f32(krow[i]);
+                }
+                l[u] = logit_exact(a, l[u]);
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        l[u] = j0 + u < n_kv && visible(m, j0 + u) ? l[u] : -INFINITY;
+    }
+}
+
+// Kernel Q' (the MHA chain), one block per row: kernel Q's work, then the row's candidate threshold on the
+// approximate logit into rinfo[RI_THR] (float bits): the value of a sample of SAMPLE_RUNS runs of 8 cells at the rank
+// that leaves ~4 n_top cells above it, raised to (sample max - 100), below which every cell's score underflows to 0
+// (M >= the sample's max, and __expf flushes below -87.3). Zeroes the row's candidate counter for kernel A'.
+template <typename T, int POL>
+__global__ void __launch_bounds__(A_THREADS) sparq_query_list(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks, [max(k1, d)] the scaled components or the query
+    __shared__ int i1[MAX_HEAD_DIM];
+    __shared__ float fac[MAX_G];
+    __shared__ uint32_t skey[SAMPLE_RUNS*A_CELLS];
     __shared__ uint32_t hist[HIST_WORDS];
     __shared__ uint32_t red3[96];
     __shared__ int red[32];
     __shared__ float redf[32];
     __shared__ bucket_state bst;
-    __shared__ select_state sst;
-    __shared__ uint64_t bnd[BND_CAP];
-    __shared__ uint32_t n_bnd, n_out;
-    __shared__ uint64_t thr_boundary;
-    const int tid = threadIdx.x;
-    const uint32_t k2 = (uint32_t) a.p.k2;
-    // the 64-bit key of local cell i: (logit order key, lower cell first); distinct
-    auto key64 = [](uint32_t k32, int i) { return ((uint64_t) k32 << 32) | (uint64_t) (A_CHUNK - 1 - i); };
-    uint32_t key[A_CELLS];
-    uint32_t n_vis = 0, kmin = UINT32_MAX, kmax = 0;
+    pdl_wait();
+    pdl_release();
+    const int64_t w = blockIdx.x, d = a.d, n_kv = a.n_kv;
+    const int k1 = a.p.k1;
+    const row_coords c = coords_of(a, r0 + w);
+    float * qsh = smq + 2*d;
+    row_query(a, c, smq, (int *) (smq + d), i1, fac);
+    for (int i = threadIdx.x; i < k1; i += blockDim.x) {
+        const float qv = q_row(a, c.h, c)[i1[i]] * fac[0];
+        s.qs[w*k1 + i] = qv;
+        s.i1[w*k1 + i] = i1[i];
+        if (POL != SC_EXACT) {
+            qsh[i] = qv;
+        }
+    }
+    if (POL == SC_EXACT) {
+        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+            qsh[i] = q_row(a, c.h, c)[i];
+        }
+    }
+    if (threadIdx.x < N_CTR) {
+        s.counters[w*N_CTR + threadIdx.x] = 0;
+    }
+    __syncthreads();
+    // the sample: run r covers cells [j0, j0 + 8), runs in adjacent pairs spread evenly over the row
+    const int64_t pair_stride = max((int64_t) 16, (n_kv / (SAMPLE_RUNS / 2)) & ~(int64_t) 15);
+    const int64_t n_runs = min((int64_t) SAMPLE_RUNS, 2*((n_kv + pair_stride - 1) / pair_stride));
+    uint32_t n_valid = 0, kmin = UINT32_MAX, kmax = 0;
+    float l_max = -INFINITY;
+    if (threadIdx.x < n_runs) {
+        const int64_t r = threadIdx.x, j0 = (r / 2)*pair_stride + (r % 2)*A_CELLS;
+        float l[A_CELLS];
+        cell_logits8<T, POL>(a, c, j0, qsh, i1, l);
 #pragma unroll
-    for (int u = 0; u < A_CELLS; ++u) {
-        key[u] = (vis >> u) & 1 ? float_order_key(l[u]) : 0u;
-        skey[tid*A_CELLS + u] = key[u];
-        n_vis += key[u] != 0;
-        kmin = key[u] != 0 ? min(kmin, key[u]) : kmin;
-        kmax = max(kmax, key[u]);
+        for (int u = 0; u < A_CELLS; ++u) {
+            const uint32_t key = l[u] != -INFINITY ? float_order_key(l[u]) : 0u;
+            skey[r*A_CELLS + u] = key;
+            n_valid += key != 0;
+            kmin = key != 0 ? min(kmin, key) : kmin;
+            kmax = max(kmax, key);
+            l_max = fmaxf(l_max, l[u]);
+        }
     }
-    if (tid == 0) {
-        n_bnd = 0;
-        n_out = 0;
-    }
-    block_sum_min_max(n_vis, kmin, kmax, red3);  // its barriers also publish skey and the counters
-    uint64_t thr = 1;  // every visible cell
-    if (n_vis > k2) {
+    block_sum_min_max(n_valid, kmin, kmax, red3);
+    l_max = block_reduce(l_max, op_max(), -INFINITY, redf);
+    const int64_t n_samp = n_runs*A_CELLS;
+    const int64_t rank = (4*(int64_t) a.n_top + 16) * n_samp / max(n_kv, (int64_t) 1);  // ~4 n_top cells pass
+    float thr = -INFINITY;
+    if (rank < n_valid) {
         const int shift = bucket_shift(kmin, kmax);
-        const bucket_state b = bucket_find(A_CHUNK, k2, kmin, shift, [&](int64_t i) { return skey[i]; }, hist, red, &bst);
-        if (b.count <= BND_CAP) {
-            // the boundary bucket's keys, ranked pairwise: the (k2 - above)-th is the threshold
-#pragma unroll
-            for (int u = 0; u < A_CELLS; ++u) {
-                if (key[u] != 0 && ((key[u] - kmin) >> shift) == b.bin) {
-                    bnd[atomicAdd(&n_bnd, 1u)] = key64(key[u], tid*A_CELLS + u);
-                }
-            }
-            __syncthreads();
-            const uint32_t need = k2 - b.above;
-            for (uint32_t t = tid; t < b.count; t += blockDim.x) {
-                const uint64_t kt = bnd[t];
-                uint32_t rk = 0;
-                for (uint32_t v = 0; v < b.count; ++v) {
-                    rk += bnd[v] > kt;
-                }
-                if (rk == need - 1) {
-                    thr_boundary = kt;
-                }
-            }
-            __syncthreads();
-            thr = thr_boundary;
-        } else {
-            thr = block_select(A_CHUNK, k2, 56, [&](int64_t i) { return skey[i] ? key64(skey[i], (int) i) : 0; }, hist, &sst);
-        }
+        const bucket_state b = bucket_find(n_samp, (uint32_t) rank + 1, kmin, shift, [&](int64_t i) { return skey[i]; },
+                                           hist, red, &bst);
+        thr = order_key_float(kmin + (b.bin << shift));  // the lower bound of the bucket of the (rank+1)-th key
     }
-    uint2 * out = s.clist + (w*a.n_chunks_a + chunk)*a.p.k2;
-    float l_ex = -INFINITY;
+    thr = fmaxf(thr, l_max - 100.0f);
+    if (threadIdx.x == 0) {
+        s.rinfo[w*N_RI + RI_THR] = (int64_t) __float_as_uint(thr);
+    }
+}
+
+// Kernel A' tail: appends the visible cells j0 + u whose logit is at or above the row's threshold to the row's
+// candidate list as (logit bits << 32 | cell), a warp's cells with one atomic.
+__device__ __forceinline__ void append_candidates(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t j0,
+                                                  uint32_t vis, const float (&l)[A_CELLS]) {
+    const float thr = __uint_as_float((uint32_t) s.rinfo[w*N_RI + RI_THR]);
+    const int lane = threadIdx.x % WARP_SIZE;
+    uint32_t * ctr = s.counters + w*N_CTR;
+    uint64_t * cl = s.cand + w*a.cap;
 #pragma unroll
     for (int u = 0; u < A_CELLS; ++u) {
-        if (key[u] != 0) {
-            if (key64(key[u], tid*A_CELLS + u) >= thr) {
-                out[atomicAdd(&n_out, 1u)] = make_uint2(__float_as_uint(l[u]), (uint32_t) (j0 + u));
-            } else {
-                l_ex = fmaxf(l_ex, l[u]);
-            }
+        const bool pass = (vis >> u) & 1 && l[u] >= thr;
+        const uint32_t ballot = __ballot_sync(0xFFFFFFFF, pass);
+        if (ballot == 0) {
+            continue;
         }
-    }
-    l_ex = block_reduce(l_ex, op_max(), -INFINITY, redf);
-    if (tid == 0) {
-        s.cex[w*a.n_chunks_a + chunk] = l_ex;
+        uint32_t at = 0;
+        if (lane == __ffs(ballot) - 1) {
+            at = atomicAdd(&ctr[CTR_N_CAND], (uint32_t) __popc(ballot));
+        }
+        at = __shfl_sync(0xFFFFFFFF, at, __ffs(ballot) - 1) + __popc(ballot & ((1u << lane) - 1));
+        if (pass && at < a.cap) {
+            cl[at] = ((uint64_t) __float_as_uint(l[u]) << 32) | (uint64_t) (j0 + u);
+        }
     }
 }
 
@@ -945,7 +1030,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
                 }
             }
             if constexpr (LIST) {  // NG = G = 1: one pass
-                chunk_top_list(a, s, w, chunk, j0, vis, acc[0]);
+                append_candidates(a, s, w, j0, vis, acc[0]);
             }
         }
     } else if (threadIdx.x < G) {
@@ -1422,30 +1507,55 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // (fma(x, y, 0) rounds as x * y), so that kernel S' ranks exactly as kernels B and S and the CPU.
 __device__ __forceinline__ float mha_score(float l, const float * rst) { return __expf(l - rst[0]) * rst[1]; }
 
-// Kernel S''s shared memory (dynamic part), in bytes from the start: the candidate keys, I2, I2 unordered, and per
-// chunk its listed count and (compacted) the chunks that hold forced cells.
+// Kernel S''s shared memory (dynamic part), in bytes from the start: the candidate keys, I2, I2 unordered, and the
+// chunks that hold forced cells.
 struct smem_m_layout {
-    size_t keys, i2, uni, n_listed, reach, total;
+    size_t keys, i2, uni, reach, total;
 };
-__host__ __device__ inline smem_m_layout smem_m_plan(int64_t n_chunks, int64_t k2) {
+__host__ __device__ inline smem_m_layout smem_m_plan(int64_t cap, int64_t n_chunks, int64_t k2) {
     smem_m_layout l;
-    l.keys     = 0;
-    l.i2       = n_chunks*k2*sizeof(uint64_t);
-    l.uni      = l.i2 + k2*sizeof(int32_t);
-    l.n_listed = l.uni + k2*sizeof(int32_t);
-    l.reach    = l.n_listed + n_chunks*sizeof(int32_t);
-    l.total    = l.reach + n_chunks*sizeof(int32_t);
+    l.keys  = 0;
+    l.i2    = cap*sizeof(uint64_t);
+    l.uni   = l.i2 + k2*sizeof(int32_t);
+    l.reach = l.uni + k2*sizeof(int32_t);
+    l.total = l.reach + n_chunks*sizeof(int32_t);
     return l;
 }
 
-// Kernel S' (the MHA chain's P, B and S), one block per row: merges kernel A''s statistics, lists the forced cells
-// from the chunks whose visible positions reach the window or the sinks, then selects:
-// - the exact top n_top of the listed cells that are not forced, and checks that no cell a chunk left out can
-//   beat its boundary (a left-out logit scoring at or above the boundary's score, a rounding tie across the cut,
-//   sends the row to the exact selection over all cells);
-// - or, when fewer than n_top listed cells score above zero (the zero score is the boundary), those cells and the
-//   lowest visible zero-score cells (ties go to the lower cell): every cell scoring above zero is listed, since a
-//   chunk that left a cell out lists k2 cells above it, at least n_top of them not forced.
+// Appends to uni, in cell order, the first `need` cells j of the row (from cell 0) for which take(j) holds. Kernel S'.
+template <typename TakeFn>
+__device__ void append_first_cells(int64_t n_kv, int64_t need, TakeFn take, int32_t * uni, uint32_t * n_uni, int * red) {
+    for (int64_t base = 0; base < n_kv && need > 0; base += (int64_t) blockDim.x*A_CELLS) {
+        const int64_t j0 = base + (int64_t) threadIdx.x*A_CELLS;
+        bool z[A_CELLS];
+        int cnt = 0;
+#pragma unroll
+        for (int u = 0; u < A_CELLS; ++u) {
+            z[u] = j0 + u < n_kv && take(j0 + u);
+            cnt += z[u];
+        }
+        int total;
+        int at = block_exclusive_scan(cnt, &total, red);
+#pragma unroll
+        for (int u = 0; u < A_CELLS; ++u) {
+            if (z[u]) {
+                if (at < need) {
+                    uni[atomicAdd(n_uni, 1u)] = (int32_t) (j0 + u);
+                }
+                ++at;
+            }
+        }
+        need -= total;
+    }
+}
+
+// Kernel S' (the MHA chain's P, B and S), one block per row: merges kernel A''s statistics, then
+// - dense rows: every visible cell (the candidates when they are all of them, else a scan of the row);
+// - sparse rows: the forced cells, from the chunks whose visible positions reach the window or the sinks; then the
+//   exact top n_top of the candidates that are not forced, checked against the threshold: a cell below it scores at
+//   most the threshold's score, so the selection is exact when that is below the boundary's score (else the exact
+//   selection over all cells). When fewer than n_top candidates score above zero and the threshold scores zero, the
+//   zero score is the boundary: those candidates and the lowest visible zero-score cells (ties go to the lower cell).
 // Then I2 and alpha as kernel S.
 __global__ void __launch_bounds__(B_THREADS) sparq_select_lists(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ __align__(16) unsigned char sms[];  // smem_m_layout
@@ -1458,40 +1568,39 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_lists(const sparq_args
     __shared__ int red[32];
     __shared__ uint32_t red3[96];
     __shared__ uint64_t bnd[BND_CAP];
-    __shared__ uint32_t n_uni, n_cand, n_bnd, n_w, n_s, n_reach;
+    __shared__ uint32_t n_uni, n_keys, n_bnd, n_w, n_s, n_reach;
     __shared__ int fallback;
     pdl_wait();
     pdl_release();
     const int64_t w = blockIdx.x, nA = a.n_chunks_a, k2 = a.p.k2, n_kv = a.n_kv;
     const row_coords c = coords_of(a, r0 + w);
-    const smem_m_layout L = smem_m_plan(nA, k2);
-    uint64_t * keys   = (uint64_t *) (sms + L.keys);
-    int32_t  * i2     = (int32_t *)  (sms + L.i2);
-    int32_t  * uni    = (int32_t *)  (sms + L.uni);
-    int32_t  * listed = (int32_t *)  (sms + L.n_listed);
-    int32_t  * reach  = (int32_t *)  (sms + L.reach);
+    const smem_m_layout L = smem_m_plan(a.cap, nA, k2);
+    uint64_t * keys  = (uint64_t *) (sms + L.keys);
+    int32_t  * i2    = (int32_t *)  (sms + L.i2);
+    int32_t  * uni   = (int32_t *)  (sms + L.uni);
+    int32_t  * reach = (int32_t *)  (sms + L.reach);
     const int tid = threadIdx.x;
+    const float thr = __uint_as_float((uint32_t) s.rinfo[w*N_RI + RI_THR]);  // kernel Q''s, before merge overwrites it
+    const int64_t n_cand = s.counters[w*N_CTR + CTR_N_CAND];
     if (tid == 0) {
-        n_uni = n_cand = n_w = n_s = n_reach = 0;
+        n_uni = n_keys = n_w = n_s = n_reach = 0;
         fallback = 0;
     }
-    for (int64_t ch = tid; ch < nA; ch += blockDim.x) {
-        listed[ch] = (int32_t) min((int64_t) s.cvis[(w*nA + ch)*3], k2);
-    }
     merge_chunk_stats(a, s, w, rst, info, redl);  // ends with a barrier
-    const int64_t kind = info[RI_KIND], w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
+    const int64_t kind = info[RI_KIND], n_vis = info[RI_N_VIS], w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
     for (int i = tid; i < N_RI; i += blockDim.x) {
         s.rinfo[w*N_RI + i] = info[i];
     }
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
-    const uint2 * cl = s.clist + w*nA*k2;
+    const uint64_t * cl = s.cand + w*a.cap;
     if (kind == ROW_DENSE) {
-        // every visible cell is listed (no chunk holds more than k2)
-        for (int64_t e = tid; e < nA*k2; e += blockDim.x) {
-            if (e % k2 < listed[e / k2]) {
-                uni[atomicAdd(&n_uni, 1u)] = (int32_t) cl[e].y;
+        if (n_cand == n_vis) {
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                uni[atomicAdd(&n_uni, 1u)] = (int32_t) (uint32_t) cl[i];
             }
+        } else {
+            append_first_cells(n_kv, n_vis, [&](int64_t j) { return visible(m, j); }, uni, &n_uni, red);
         }
     } else if (kind == ROW_SPARSE) {
         // the forced cells, from the chunks whose visible positions reach the window or the sinks
@@ -1525,71 +1634,52 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_lists(const sparq_args
             }
         }
         __syncthreads();
-        const bool fast = n_w == (uint32_t) a.window && n_s == (uint32_t) a.sinks && w_lo >= s_hi - 1;
+        const bool fast = n_w == (uint32_t) a.window && n_s == (uint32_t) a.sinks && w_lo >= s_hi - 1 && n_cand <= a.cap;
         if (!fast) {
             fallback = 1;  // every thread writes the same
         } else if (a.n_top > 0) {
-            // the listed cells that are not forced, keyed by (score, cell)
+            // the candidates that are not forced, keyed by (score, cell)
             const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-            const uint32_t zero_key = score_key(0.0f);
+            const uint32_t zero_key = score_key(0.0f), thr_key = score_key(mha_score(thr, rst));
             uint32_t n_nz = 0, kmin = UINT32_MAX, kmax = 0;
-            for (int64_t e = tid; e < nA*k2; e += blockDim.x) {
-                if (e % k2 >= listed[e / k2]) {
-                    continue;
-                }
-                const uint2 ent = cl[e];
-                const int64_t pj = position(pr, ent.y);
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                const uint64_t ent = cl[i];
+                const int64_t j = (uint32_t) ent;
+                const int64_t pj = position(pr, j);
                 if (pj > w_lo || pj < s_hi) {
                     continue;
                 }
-                const uint32_t k32 = score_key(mha_score(__uint_as_float(ent.x), rst));
-                keys[atomicAdd(&n_cand, 1u)] = ((uint64_t) k32 << a.cell_bits) | (cmask - (uint64_t) ent.y);
+                const uint32_t k32 = score_key(mha_score(__uint_as_float((uint32_t) (ent >> 32)), rst));
+                keys[atomicAdd(&n_keys, 1u)] = ((uint64_t) k32 << a.cell_bits) | (cmask - (uint64_t) j);
                 n_nz += k32 > zero_key;
                 kmin = min(kmin, k32);
                 kmax = max(kmax, k32);
             }
-            block_sum_min_max(n_nz, kmin, kmax, red3);  // its barriers also publish keys and n_cand
+            block_sum_min_max(n_nz, kmin, kmax, red3);  // its barriers also publish keys and n_keys
             if (n_nz < (uint32_t) a.n_top) {
-                // the zero score is the boundary: the nonzero listed cells, then the lowest zero-score cells
-                for (uint32_t i = tid; i < n_cand; i += blockDim.x) {
-                    if ((uint32_t) (keys[i] >> a.cell_bits) > zero_key) {
-                        uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
-                    }
-                }
-                const float * lrow = s.logits + w*n_kv;
-                int64_t left = a.n_top - n_nz;
-                for (int64_t base = 0; base < n_kv && left > 0; base += (int64_t) blockDim.x*A_CELLS) {
-                    const int64_t j0 = base + (int64_t) tid*A_CELLS;
-                    bool z[A_CELLS];
-                    int cnt = 0;
-#pragma unroll
-                    for (int u = 0; u < A_CELLS; ++u) {
-                        const int64_t j = j0 + u;
-                        z[u] = j < n_kv && visible(m, j);
-                        const int64_t pj = z[u] ? position(pr, j) : 0;
-                        z[u] = z[u] && pj <= w_lo && pj >= s_hi && score_key(mha_score(lrow[j], rst)) == zero_key;
-                        cnt += z[u];
-                    }
-                    int total;
-                    int at = block_exclusive_scan(cnt, &total, red);
-#pragma unroll
-                    for (int u = 0; u < A_CELLS; ++u) {
-                        if (z[u]) {
-                            if (at < left) {
-                                uni[atomicAdd(&n_uni, 1u)] = (int32_t) (j0 + u);
-                            }
-                            ++at;
+                if (thr_key != zero_key) {
+                    fallback = 1;  // cells below the threshold may score above zero: the sample misled
+                } else {
+                    // the zero score is the boundary: every cell above it is a candidate
+                    for (uint32_t i = tid; i < n_keys; i += blockDim.x) {
+                        if ((uint32_t) (keys[i] >> a.cell_bits) > zero_key) {
+                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
                         }
                     }
-                    left -= total;
+                    const float * lrow = s.logits + w*n_kv;
+                    append_first_cells(n_kv, a.n_top - n_nz, [&](int64_t j) {
+                        if (!visible(m, j)) {
+                            return false;
+                        }
+                        const int64_t pj = position(pr, j);
+                        return pj <= w_lo && pj >= s_hi && score_key(mha_score(lrow[j], rst)) == zero_key;
+                    }, uni, &n_uni, red);
                 }
             } else {
                 const top_scratch t = { hist, red, red3, bnd, &n_bnd, &bst, &sst };
-                const uint32_t boundary = append_top(a, keys, n_cand, (uint32_t) a.n_top, kmin, kmax, uni, &n_uni, t, true);
-                for (int64_t ch = tid; ch < nA; ch += blockDim.x) {
-                    if (s.cvis[(w*nA + ch)*3] > k2 && score_key(mha_score(s.cex[w*nA + ch], rst)) >= boundary) {
-                        fallback = 1;
-                    }
+                const uint32_t boundary = append_top(a, keys, n_keys, (uint32_t) a.n_top, kmin, kmax, uni, &n_uni, t, true);
+                if (thr_key >= boundary) {
+                    fallback = 1;  // a cell below the threshold could tie the boundary's score
                 }
             }
         }
@@ -1598,8 +1688,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select_lists(const sparq_args
     const bool from_list = !fallback;
     if (!from_list) {
         if (a.timing && tid == 0) {
-            printf("S': exact fallback, row %lld: window %u/%d, sinks %u/%d\n", (long long) (r0 + w), n_w, a.window,
-                   n_s, a.sinks);
+            printf("S': exact fallback, row %lld: window %u/%d, sinks %u/%d, candidates %lld (cap %lld)\n",
+                   (long long) (r0 + w), n_w, a.window, n_s, a.sinks, (long long) n_cand, (long long) a.cap);
         }
         select_all_cells(a, s, w, c, hist, &sst);
     }
@@ -1834,13 +1924,23 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
                 const sparq_args & a, const sparq_scratch & s, int64_t r0) {
     const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
     if (a.mha_list) {
-        // Q, A' and S' (the MHA chain; ng = 1), then LV
+        // Q', A' and S' (the MHA chain; ng = 1), then LV
+        const size_t smem_q = sizeof(float) * (2*a.d + std::max<int64_t>(a.p.k1, a.d));
         switch (pol) {
-            case SC_KT:     launch_scores<T, SC_KT, 1, true>    (grid_a, smem_a, stream, a, s, r0); break;
-            case SC_GATHER: launch_scores<T, SC_GATHER, 1, true>(grid_a, smem_a, stream, a, s, r0); break;
-            default:        launch_scores<T, SC_EXACT, 1, true> (grid_a, smem_a, stream, a, s, r0); break;
+            case SC_KT:
+                ggml_cuda_kernel_launch(sparq_query_list<T, SC_KT>, ggml_cuda_kernel_launch_params(rows, A_THREADS, smem_q, stream), a, s, r0);
+                launch_scores<T, SC_KT, 1, true>(grid_a, smem_a, stream, a, s, r0);
+                break;
+            case SC_GATHER:
+                ggml_cuda_kernel_launch(sparq_query_list<T, SC_GATHER>, ggml_cuda_kernel_launch_params(rows, A_THREADS, smem_q, stream), a, s, r0);
+                launch_scores<T, SC_GATHER, 1, true>(grid_a, smem_a, stream, a, s, r0);
+                break;
+            default:
+                ggml_cuda_kernel_launch(sparq_query_list<T, SC_EXACT>, ggml_cuda_kernel_launch_params(rows, A_THREADS, smem_q, stream), a, s, r0);
+                launch_scores<T, SC_EXACT, 1, true>(grid_a, smem_a, stream, a, s, r0);
+                break;
         }
-        const size_t smem_m = smem_m_plan(a.n_chunks_a, a.p.k2).total;
+        const size_t smem_m = smem_m_plan(a.cap, a.n_chunks_a, a.p.k2).total;
         ensure_smem<sparq_select_lists>(smem_m);
         ggml_cuda_kernel_launch(sparq_select_lists, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_m, stream), a, s, r0);
     } else {
@@ -1879,7 +1979,7 @@ bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
-    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, clist, cex, total;
+    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, total;
 };
 scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     const int64_t G = a.group;
@@ -1900,8 +2000,6 @@ scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     p.forced   = take(a.bucket_sel ? sizeof(int32_t) * W*a.p.k2 : 0);
     p.i2       = take(sizeof(int32_t) * W*a.p.k2);
     p.alpha    = take(sizeof(float) * W*G);
-    p.clist    = take(a.mha_list ? sizeof(uint2) * W*a.n_chunks_a*a.p.k2 : 0);
-    p.cex      = take(a.mha_list ? sizeof(float) * W*a.n_chunks_a : 0);
     p.total    = o;
     return p;
 }
@@ -1988,7 +2086,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // measuring): top-k rows of one head per KV head whose lists fit kernel S''s shared memory
     static const bool mha_chain_off = getenv("SPARQ_CUDA_MHA_CHAIN") != nullptr && atoi(getenv("SPARQ_CUDA_MHA_CHAIN")) == 0;
     a.mha_list = !mha_chain_off && G == 1 && scores && a.n_top > 0 && a.bucket_sel && a.p.k2 <= LIST_MAX_K2 &&
-                 smem_m_plan(a.n_chunks_a, a.p.k2).total + 16*1024 <= ggml_cuda_info().devices[ctx.device].smpbo;
+                 smem_m_plan(a.cap, a.n_chunks_a, a.p.k2).total + 16*1024 <= ggml_cuda_info().devices[ctx.device].smpbo;
     const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
     const int64_t n_vec = (a.d + 7) / 8;  // kernel LV: K vectors of 8 components per thread
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
@@ -2014,8 +2112,6 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.forced   = (int32_t *)  (base + plan.forced);
     s.i2       = (int32_t *)  (base + plan.i2);
     s.alpha    = (float *)    (base + plan.alpha);
-    s.clist    = (uint2 *)    (base + plan.clist);
-    s.cex      = (float *)    (base + plan.cex);
 
     const size_t smem_q = sizeof(float) * 2*a.d;
     const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
@@ -2024,7 +2120,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
-        if (pol == SC_KT || pol == SC_GATHER) {
+        if ((pol == SC_KT || pol == SC_GATHER) && !a.mha_list) {  // the MHA chain launches its own (kernel Q')
             ggml_cuda_kernel_launch(sparq_query, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream),
                                     a, s, r0);
         }
