@@ -724,25 +724,31 @@ __device__ void cell_logits8(const sparq_args & a, const row_coords & c, int64_t
     if (POL == SC_KT) {
         const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
         const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
-        for (int i = 0; i < a.p.k1; ++i) {
-            const T * row = (const T *) (ktb + (int64_t) i1[i]*a.kt_nb1);
-            float xf[A_CELLS];
+        const int k1 = a.p.k1;
+        constexpr int UNROLL = 8;  // K^T rows in flight (one round trip per 8 rows, not per row)
+        for (int i = 0; i < k1; i += UNROLL) {
+            raw8<T> x[UNROLL];
             if (vec) {
-                raw8<T> x;
-                load_raw8(row + j0, x);
 #pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    xf[u] = raw8_at(x, u);
-                }
-            } else {
-#pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                for (int uu = 0; uu < UNROLL; ++uu) {
+                    load_raw8((const T *) (ktb + (int64_t) i1[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu]);
                 }
             }
 #pragma unroll
-            for (int u = 0; u < A_CELLS; ++u) {
-                l[u] += qs[i] * xf[u];
+            for (int uu = 0; uu < UNROLL; ++uu) {
+                if (i + uu >= k1) {
+                    break;
+                }
+                const T * row = (const T *) (ktb + (int64_t) i1[i + uu]*a.kt_nb1);
+                float xf[A_CELLS];
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    xf[u] = vec ? raw8_at(x[uu], u) : j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    l[u] += qs[i + uu] * xf[u];
+                }
             }
         }
     } else {
@@ -754,10 +760,12 @@ __device__ void cell_logits8(const sparq_args & a, const row_coords & c, int64_t
             }
             const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
             if (POL == SC_GATHER) {
+#pragma unroll 8
                 for (int i = 0; i < a.p.k1; ++i) {
                     l[u] += qs[i] * to_f32(krow[i1[i]]);
                 }
             } else {
+#pragma unroll 8
                 for (int64_t i = 0; i < a.d; ++i) {
                     l[u] += qs[i] * to_f32(krow[i]);
                 }
