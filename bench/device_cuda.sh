@@ -334,45 +334,6 @@ stage_fused() {
     squeeze_prepare_32k "$m" fused
 }
 
-stage_v7test() {
-    # session 10: the MHA chain (kernels A' and S'): its own cases first, then the whole CUDA op file
-    python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py -k "mha or underflow or long or waves" 2>&1 \
-        | tee "$OUT/test_v7_mha.log" | tail -4
-    python3 -m pytest -q -p no:cacheprovider --maxfail=30 tests/test_op_sparq_attn_cuda.py 2>&1 \
-        | tee "$OUT/test_cuda.log" | tail -4
-}
-
-stage_v7op() {
-    # benchmark (a) at B = 1 with the MHA chain (default) and without it (SPARQ_CUDA_MHA_CHAIN=0), same build
-    for chain in 1 0; do
-        echo "MHA chain: $chain"
-        SPARQ_CUDA_MHA_CHAIN=$chain python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1 \
-            --out "$OUT/op_v7_chain$chain.json" 2>&1 | grep -v "^wrote"
-    done
-}
-
-stage_v7ncu() {
-    # per-kernel times (ncu) at S = 32k, Llama-2 heads, with and without the MHA chain
-    for chain in 1 0; do
-        SPARQ_CUDA_MHA_CHAIN=$chain ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 32768 \
-            --batch 1 --runs 2 > "$OUT/ncu32_v7_chain$chain.csv" 2>&1
-        echo "S = 32768, MHA chain $chain:"; python3 bench/ncu_summary.py "$OUT/ncu32_v7_chain$chain.csv"
-    done
-}
-
-stage_v7e2e() {
-    # (b) at 32k / 64k (Llama-2 shape) with and without the MHA chain; fallbacks counted at 64k
-    local m; m=$(llama2_model) || return 1
-    for chain in 1 0; do
-        echo "MHA chain: $chain"
-        SPARQ_CUDA_MHA_CHAIN=$chain tg_llama2 "$m" "v7_chain$chain"
-    done
-    SPARQ_CUDA_TIMING=1 "$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0 \
-        -p 0 -n 4 -r 1 -d 65536 -sparq 1 > "$OUT/v7_timing64k.txt" 2>&1
-    echo "timing at 64k: $(grep -c "exact fallback" "$OUT/v7_timing64k.txt") fallback lines"
-    grep "exact fallback" "$OUT/v7_timing64k.txt" | head -3
-}
-
 stage_prepare() {  # the centroid-sparse prepare of a 32k prefix and its phase times
     local m; m=$(llama2_model) || return 1
     squeeze_prepare_32k "$m" prepare

@@ -108,9 +108,9 @@ def test_rows_whose_scores_underflow_to_zero_match_reference_and_cpu(group, mean
     assert_close(got, cpu, "f32", {"group": group, "mean": mean})
 
 
-# The MHA chain (group 1, kernels A' and S'): each chunk of 2048 cells lists its own top k2, kernel S' merges the
-# lists and checks that no cell left out could beat the row's boundary (else the exact selection over all cells).
-# These rows are built so that each of its branches decides the output.
+# Group-1 rows over many chunks whose selection turns on ties across chunk borders, forced cells among the highest
+# scores, and chunks that the mask hides (written for the v7 MHA chain, measured slower and removed, bench/notes_cuda.md;
+# they check the same cases on the present chain).
 
 @pytest.mark.parametrize("n_distinct", [3, 40])
 @pytest.mark.parametrize("dtype", ["f16", "f32"])

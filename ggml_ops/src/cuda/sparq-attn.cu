@@ -96,7 +96,6 @@ struct sparq_args {
     bool vec_kt, vec_kv, vec_logits;
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
-    bool mha_list;                 // the MHA chain: Q', A' (appending candidates), S', LV (v7)
 };
 
 struct sparq_scratch {
@@ -368,7 +367,6 @@ __device__ int block_exclusive_scan(int v, int * total, int * red) {
 // items): its index, the items in higher buckets and the items in it. Lanes of a warp that hit one bucket are
 // merged first (equal keys of a degenerate list do not pile up on one shared address). hist: n_bins shared words.
 constexpr int BUCKETS_PER_THREAD = 8;
-constexpr int BND_CAP = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 struct bucket_state {
     uint32_t bin, above, count;
 };
@@ -549,15 +547,24 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
     __syncthreads();
 }
 
-// Merges one row's chunk statistics (kernel A's): the softmax max M_g and 1/Z_g of each head into rst (shared)
-// and rstat (global), and the row's kind, visible count and window / sinks bounds into info (shared). Kernels P
-// and S' (the MHA chain). redl: 96 shared int64.
-__device__ void merge_chunk_stats(const sparq_args & a, const sparq_scratch & s, int64_t w, float * rst, int64_t * info,
-                                  int64_t * redl) {
-    const int64_t G = a.group, nA = a.n_chunks_a;
+// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
+__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
+    long long t_marks[5];
+    t_marks[0] = t_start;
+    __shared__ uint32_t skey[2*SAMPLE];
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ int64_t info[N_RI];
+    __shared__ int red[32];
+    __shared__ uint32_t red3[96];
+    __shared__ bucket_state bst;
+    const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int64_t redl[96];
     float * rstat = s.rstat + w*2*G;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    // the chunks' softmax statistics: a warp per head, lanes across chunks (one round of loads)
+    SPARQ_TIMING_MARK(1);
+    // merge the chunks' softmax statistics: a warp per head, lanes across chunks (one round of loads)
     for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
         const float * cm = s.cmax + (w*G + g)*nA;
         const float * cs = s.csum + (w*G + g)*nA;
@@ -594,28 +601,9 @@ __device__ void merge_chunk_stats(const sparq_args & a, const sparq_scratch & s,
         info[RI_S_HI]  = p_min + a.sinks;    // sinks:  position < s_hi
         info[RI_THR]   = 1;                  // every candidate
         info[RI_ZERO_FIRST] = 0;
-        info[RI_N_SEL] = 0;
     }
-    __syncthreads();  // rst and info
-}
-
-// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
-__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
-    long long t_marks[5];
-    t_marks[0] = t_start;
-    __shared__ uint32_t skey[2*SAMPLE];
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ int64_t info[N_RI];
-    __shared__ int red[32];
-    __shared__ uint32_t red3[96];
-    __shared__ bucket_state bst;
-    const int64_t G = a.group, n_kv = a.n_kv;
-    __shared__ float rst[2*MAX_G];
-    __shared__ int64_t redl[96];
-    SPARQ_TIMING_MARK(1);
-    merge_chunk_stats(a, s, w, rst, info, redl);
     SPARQ_TIMING_MARK(2);
+    __syncthreads();  // rstat (global, this block) and info
     if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
         // threshold: the sample's value at the rank that leaves ~4 * n_top cells above it
         const int64_t stride = max((int64_t) 1, n_kv / SAMPLE);
@@ -690,197 +678,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     SPARQ_TIMING_PRINT("P: start, merge, sample, select", w, 5);
 }
 
-// ---- the MHA chain: kernels Q' (Q with a threshold), A' (A appending candidates) and S' --------------
-// For MHA rows (group 1) a cell's score exp(l - M) / Z grows with its approximate logit l, so the candidate
-// threshold can be set on l before any normaliser exists: kernel Q' takes it from a sample of the row's cells, kernel
-// A' appends the cells at or above it to the row's candidate list as it computes their logits, and kernel S' selects.
-// Any threshold is correct: S' checks that no cell below it can reach the boundary of the selection (the rounded
-// scores are monotone in l) and otherwise falls back to the exact selection over all cells. Kernels P and B do not
-// run: four kernels per wave (Q', A', S', LV). bench/notes_cuda.md, v7.
-
-constexpr int SAMPLE_RUNS = 128;  // kernel Q': runs of 8 cells, in pairs (one 32-byte sector of f16 K^T per row)
-
-// Order-preserving unsigned key of a float (larger float, larger key) and back.
-__device__ __forceinline__ uint32_t float_order_key(float x) {
-    const uint32_t b = __float_as_uint(x);
-    return b & 0x80000000u ? ~b : b | 0x80000000u;
-}
-__device__ __forceinline__ float order_key_float(uint32_t k) {
-    return __uint_as_float(k & 0x80000000u ? k & 0x7FFFFFFFu : ~k);
-}
-
-// The approximate logits of the 8 cells j0 .. j0+7 of row c, with kernel A's arithmetic (the same loads and the same
-// order of additions, so a sampled cell's logit is bit for bit the one kernel A computes; -inf for hidden cells).
-// qs: the row's scaled components at I1 (SparQ) or its query (exact); i1: I1.
-template <typename T, int POL>
-__device__ void cell_logits8(const sparq_args & a, const row_coords & c, int64_t j0, const float * qs, const int * i1,
-                             float (&l)[A_CELLS]) {
-    const int64_t n_kv = a.n_kv;
-    const uint16_t * m = mask_row(a, c);
-#pragma unroll
-    for (int u = 0; u < A_CELLS; ++u) {
-        l[u] = 0.0f;
-    }
-    if (POL == SC_KT) {
-        const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
-        const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
-        const int k1 = a.p.k1;
-        constexpr int UNROLL = 8;  // K^T rows in flight (one round trip per 8 rows, not per row)
-        for (int i = 0; i < k1; i += UNROLL) {
-            raw8<T> x[UNROLL];
-            if (vec) {
-#pragma unroll
-                for (int uu = 0; uu < UNROLL; ++uu) {
-                    load_raw8((const T *) (ktb + (int64_t) i1[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu]);
-                }
-            }
-#pragma unroll
-            for (int uu = 0; uu < UNROLL; ++uu) {
-                if (i + uu >= k1) {
-                    break;
-                }
-                const T * row = (const T *) (ktb + (int64_t) i1[i + uu]*a.kt_nb1);
-                float xf[A_CELLS];
-#pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    xf[u] = vec ? raw8_at(x[uu], u) : j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
-                }
-#pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    l[u] += qs[i + uu] * xf[u];
-                }
-            }
-        }
-    } else {
-#pragma unroll
-        for (int u = 0; u < A_CELLS; ++u) {
-            const int64_t j = j0 + u;
-            if (j >= n_kv) {
-                continue;
-            }
-            const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
-            if (POL == SC_GATHER) {
-#pragma unroll 8
-                for (int i = 0; i < a.p.k1; ++i) {
-                    l[u] += qs[i] * to_f32(krow[i1[i]]);
-                }
-            } else {
-#pragma unroll 8
-                for (int64_t i = 0; i < a.d; ++i) {
-                    l[u] += qs[i] * to_f32(krow[i]);
-                }
-                l[u] = logit_exact(a, l[u]);
-            }
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < A_CELLS; ++u) {
-        l[u] = j0 + u < n_kv && visible(m, j0 + u) ? l[u] : -INFINITY;
-    }
-}
-
-// Kernel Q' (the MHA chain), one block per row: kernel Q's work, then the row's candidate threshold on the
-// approximate logit into rinfo[RI_THR] (float bits): the value of a sample of SAMPLE_RUNS runs of 8 cells at the rank
-// that leaves ~4 n_top cells above it, raised to (sample max - 100), below which every cell's score underflows to 0
-// (M >= the sample's max, and __expf flushes below -87.3). Zeroes the row's candidate counter for kernel A'.
-template <typename T, int POL>
-__global__ void __launch_bounds__(A_THREADS) sparq_query_list(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks, [max(k1, d)] the scaled components or the query
-    __shared__ int i1[MAX_HEAD_DIM];
-    __shared__ float fac[MAX_G];
-    __shared__ uint32_t skey[SAMPLE_RUNS*A_CELLS];
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ uint32_t red3[96];
-    __shared__ int red[32];
-    __shared__ float redf[32];
-    __shared__ bucket_state bst;
-    pdl_wait();
-    pdl_release();
-    const int64_t w = blockIdx.x, d = a.d, n_kv = a.n_kv;
-    const int k1 = a.p.k1;
-    const row_coords c = coords_of(a, r0 + w);
-    float * qsh = smq + 2*d;
-    row_query(a, c, smq, (int *) (smq + d), i1, fac);
-    for (int i = threadIdx.x; i < k1; i += blockDim.x) {
-        const float qv = q_row(a, c.h, c)[i1[i]] * fac[0];
-        s.qs[w*k1 + i] = qv;
-        s.i1[w*k1 + i] = i1[i];
-        if (POL != SC_EXACT) {
-            qsh[i] = qv;
-        }
-    }
-    if (POL == SC_EXACT) {
-        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-            qsh[i] = q_row(a, c.h, c)[i];
-        }
-    }
-    if (threadIdx.x < N_CTR) {
-        s.counters[w*N_CTR + threadIdx.x] = 0;
-    }
-    __syncthreads();
-    // the sample: run r covers cells [j0, j0 + 8), runs in adjacent pairs spread evenly over the row
-    const int64_t pair_stride = max((int64_t) 16, (n_kv / (SAMPLE_RUNS / 2)) & ~(int64_t) 15);
-    const int64_t n_runs = min((int64_t) SAMPLE_RUNS, 2*((n_kv + pair_stride - 1) / pair_stride));
-    uint32_t n_valid = 0, kmin = UINT32_MAX, kmax = 0;
-    float l_max = -INFINITY;
-    if (threadIdx.x < n_runs) {
-        const int64_t r = threadIdx.x, j0 = (r / 2)*pair_stride + (r % 2)*A_CELLS;
-        float l[A_CELLS];
-        cell_logits8<T, POL>(a, c, j0, qsh, i1, l);
-#pragma unroll
-        for (int u = 0; u < A_CELLS; ++u) {
-            const uint32_t key = l[u] != -INFINITY ? float_order_key(l[u]) : 0u;
-            skey[r*A_CELLS + u] = key;
-            n_valid += key != 0;
-            kmin = key != 0 ? min(kmin, key) : kmin;
-            kmax = max(kmax, key);
-            l_max = fmaxf(l_max, l[u]);
-        }
-    }
-    block_sum_min_max(n_valid, kmin, kmax, red3);
-    l_max = block_reduce(l_max, op_max(), -INFINITY, redf);
-    const int64_t n_samp = n_runs*A_CELLS;
-    const int64_t rank = (4*(int64_t) a.n_top + 16) * n_samp / max(n_kv, (int64_t) 1);  // ~4 n_top cells pass
-    float thr = -INFINITY;
-    if (rank < n_valid) {
-        const int shift = bucket_shift(kmin, kmax);
-        const bucket_state b = bucket_find(n_samp, (uint32_t) rank + 1, kmin, shift, [&](int64_t i) { return skey[i]; },
-                                           hist, red, &bst);
-        thr = order_key_float(kmin + (b.bin << shift));  // the lower bound of the bucket of the (rank+1)-th key
-    }
-    thr = fmaxf(thr, l_max - 100.0f);
-    if (threadIdx.x == 0) {
-        s.rinfo[w*N_RI + RI_THR] = (int64_t) __float_as_uint(thr);
-    }
-}
-
-// Kernel A' tail: appends the visible cells j0 + u whose logit is at or above the row's threshold to the row's
-// candidate list as (logit bits << 32 | cell), a warp's cells with one atomic.
-__device__ __forceinline__ void append_candidates(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t j0,
-                                                  uint32_t vis, const float (&l)[A_CELLS]) {
-    const float thr = __uint_as_float((uint32_t) s.rinfo[w*N_RI + RI_THR]);
-    const int lane = threadIdx.x % WARP_SIZE;
-    uint32_t * ctr = s.counters + w*N_CTR;
-    uint64_t * cl = s.cand + w*a.cap;
-#pragma unroll
-    for (int u = 0; u < A_CELLS; ++u) {
-        const bool pass = (vis >> u) & 1 && l[u] >= thr;
-        const uint32_t ballot = __ballot_sync(0xFFFFFFFF, pass);
-        if (ballot == 0) {
-            continue;
-        }
-        uint32_t at = 0;
-        if (lane == __ffs(ballot) - 1) {
-            at = atomicAdd(&ctr[CTR_N_CAND], (uint32_t) __popc(ballot));
-        }
-        at = __shfl_sync(0xFFFFFFFF, at, __ffs(ballot) - 1) + __popc(ballot & ((1u << lane) - 1));
-        if (pass && at < a.cap) {
-            cl[at] = ((uint64_t) __float_as_uint(l[u]) << 32) | (uint64_t) (j0 + u);
-        }
-    }
-}
-
-template <typename T, int POL, int NG, bool LIST>
+template <typename T, int POL, int NG>
 __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float redf[32];
@@ -1037,9 +835,6 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
                     s.csum[(w*G + g0 + g)*a.n_chunks_a + chunk] = sum;
                 }
             }
-            if constexpr (LIST) {  // NG = G = 1: one pass
-                append_candidates(a, s, w, j0, vis, acc[0]);
-            }
         }
     } else if (threadIdx.x < G) {
         for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
@@ -1171,6 +966,7 @@ __host__ __device__ inline smem_s_layout smem_s_plan(int64_t cap, int64_t k2) {
     l.total = l.uni + (k2 <= LIST_MAX_K2 ? k2*sizeof(int32_t) : 0);
     return l;
 }
+constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 
 // Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
 // lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing). Masks and positions
@@ -1270,90 +1066,150 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
     }
 }
 
-// Appends to uni the cells of the exact top `need` of keys[0..n) ((32-bit score key << cell_bits) | (cmask - cell),
-// distinct; kmin / kmax: the smallest and largest score key among them): one bucket pass over their score keys,
-// the keys of the boundary bucket ranked pairwise (radix select when it holds more than BND_CAP). Returns the
-// smallest score key selected when want_min (else 0). Kernels S and S'.
-struct top_scratch {
-    uint32_t * hist; int * red; uint32_t * red3; uint64_t * bnd; uint32_t * n_bnd; bucket_state * bst; select_state * sst;
-};
-__device__ uint32_t append_top(const sparq_args & a, const uint64_t * keys, int64_t n, uint32_t need, uint32_t kmin,
-                               uint32_t kmax, int32_t * uni, uint32_t * n_uni, const top_scratch & t, bool want_min) {
-    const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-    const int tid = threadIdx.x;
-    uint32_t sel_min = UINT32_MAX;
-    const int shift = bucket_shift(kmin, kmax);
-    auto key32_of = [&](int64_t i) { return (uint32_t) (keys[i] >> a.cell_bits); };
-    const bucket_state b = bucket_find(n, need, kmin, shift, key32_of, t.hist, t.red, t.bst);
-    if (b.count <= BND_CAP) {
-        if (tid == 0) {
-            *t.n_bnd = 0;
-        }
-        __syncthreads();
-        for (int64_t i = tid; i < n; i += blockDim.x) {
-            const uint64_t key = keys[i];
-            const uint32_t bin = (key32_of(i) - kmin) >> shift;
-            if (bin > b.bin) {
-                uni[atomicAdd(n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
-                sel_min = min(sel_min, key32_of(i));
-            } else if (bin == b.bin) {
-                t.bnd[atomicAdd(t.n_bnd, 1u)] = key;
-            }
-        }
-        __syncthreads();
-        const uint32_t need_b = need - b.above;
-        for (uint32_t i = tid; i < b.count; i += blockDim.x) {
-            const uint64_t key = t.bnd[i];
-            uint32_t rk = 0;
-            for (uint32_t u = 0; u < b.count; ++u) {
-                rk += t.bnd[u] > key;
-            }
-            if (rk < need_b) {
-                uni[atomicAdd(n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
-                sel_min = min(sel_min, (uint32_t) (key >> a.cell_bits));
-            }
-        }
-    } else {
-        const uint64_t thr = block_select(n, need, top_shift_for(31 + a.cell_bits), [&](int64_t i) { return keys[i]; },
-                                          t.hist, t.sst);
-        for (int64_t i = tid; i < n; i += blockDim.x) {
-            if (keys[i] >= thr) {
-                uni[atomicAdd(n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
-                sel_min = min(sel_min, key32_of(i));
-            }
-        }
-    }
-    if (!want_min) {
-        __syncthreads();
-        return 0;
-    }
-    uint32_t dummy = 0, dummy_hi = 0;
-    block_sum_min_max(dummy, sel_min, dummy_hi, t.red3);  // its barriers also publish uni
-    return sel_min;
-}
-
-// The end of kernels S and S': I2 in cell order into scratch with its size (from uni[0..n_uni), distinct cells,
-// when from_list; else from the row's bitmap), and alpha_g, the approximate probability mass of I2, for sparse rows
-// with the mean on. i2: k2 shared ints; rst: the row's statistics in shared memory.
-__device__ void write_selection(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t kind, bool from_list,
-                                const int32_t * uni, int n_uni, int32_t * i2, const float * rst, int * red) {
+// Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
+// cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
+__global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    long long t_marks[5];
+    t_marks[0] = clock64();
+    extern __shared__ __align__(16) unsigned char sms[];  // smem_s_layout
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int red[32];
+    __shared__ uint32_t red3[96];
+    __shared__ uint64_t bnd[BND_CAP];
+    __shared__ bucket_state bst;
+    __shared__ uint32_t n_uni, n_bnd;
+    pdl_wait();
+    pdl_release();
+    const int64_t w = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, k2 = a.p.k2, n_kv = a.n_kv;
+    const smem_s_layout L = smem_s_plan(a.cap, k2);
+    uint64_t * keys = (uint64_t *) (sms + L.keys);
+    int32_t  * i2   = (int32_t *)  (sms + L.i2);
+    int32_t  * uni  = (int32_t *)  (sms + L.uni);  // I2 unordered (list path)
+    int64_t  * ri   = s.rinfo + w*N_RI;
+    const int64_t kind = ri[RI_KIND];
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    const uint32_t * bm = s.bitmap + w*a.n_words;
-    int n_sel = 0;
-    if (from_list) {
-        // each cell's rank among the cells of the list
-        n_sel = n_uni;
-        for (int t = tid; t < n_sel; t += blockDim.x) {
-            const int32_t cell = uni[t];
-            int rk = 0;
-            for (int u = 0; u < n_sel; ++u) {
-                rk += uni[u] < cell;
-            }
-            i2[rk] = cell;
+    if (kind == ROW_EMPTY) {
+        if (tid == 0) {
+            ri[RI_N_SEL] = 0;
         }
-    } else {
-        // each thread counts a run of words (loaded at once), a block scan places them
+        return;
+    }
+    for (int64_t i = tid; i < 2*G; i += blockDim.x) {
+        rst[i] = s.rstat[w*2*G + i];
+    }
+    uint32_t * bm = s.bitmap + w*a.n_words;
+    bool from_list = false;
+    int n_sel = 0;
+    if (kind == ROW_SPARSE) {
+        const uint32_t * ctr = s.counters + w*N_CTR;
+        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND], n_f = ctr[CTR_N_F];
+        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
+                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
+        from_list = a.bucket_sel && fast && k2 <= LIST_MAX_K2 && n_f == n_w + n_s && n_f + a.n_top <= k2;
+        if (from_list) {
+            // I2 unordered: the forced cells (kernel B's list), then the exact top of the candidates: one bucket
+            // pass over their 32-bit scores; the keys of the boundary bucket ranked pairwise by (score, cell)
+            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+            const int32_t * fl = s.forced + w*k2;
+            if (tid == 0) {
+                n_uni = (uint32_t) n_f;
+                n_bnd = 0;
+            }
+            for (int64_t i = tid; i < n_f; i += blockDim.x) {
+                uni[i] = fl[i];
+            }
+            if (a.n_top > 0) {
+                const uint64_t * cl = s.cand + w*a.cap;
+                uint32_t dummy = 0, kmin = UINT32_MAX, kmax = 0;
+#pragma unroll 4
+                for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                    const uint64_t key = cl[i];
+                    keys[i] = key;
+                    const uint32_t k32 = (uint32_t) (key >> a.cell_bits);
+                    kmin = min(kmin, k32);
+                    kmax = max(kmax, k32);
+                }
+                block_sum_min_max(dummy, kmin, kmax, red3);
+                const int shift = bucket_shift(kmin, kmax);
+                auto key32_of = [&](int64_t i) { return (uint32_t) (keys[i] >> a.cell_bits); };
+                const bucket_state b = bucket_find(n_cand, (uint32_t) a.n_top, kmin, shift, key32_of, hist, red, &bst);
+                if (b.count <= BND_CAP) {
+                    for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                        const uint64_t key = keys[i];
+                        const uint32_t bin = (key32_of(i) - kmin) >> shift;
+                        if (bin > b.bin) {
+                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
+                        } else if (bin == b.bin) {
+                            bnd[atomicAdd(&n_bnd, 1u)] = key;
+                        }
+                    }
+                    __syncthreads();
+                    const uint32_t need = (uint32_t) a.n_top - b.above;
+                    for (uint32_t t = tid; t < b.count; t += blockDim.x) {
+                        const uint64_t key = bnd[t];
+                        uint32_t rk = 0;
+                        for (uint32_t u = 0; u < b.count; ++u) {
+                            rk += bnd[u] > key;
+                        }
+                        if (rk < need) {
+                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (key & cmask));
+                        }
+                    }
+                } else {
+                    const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
+                                                      [&](int64_t i) { return keys[i]; }, hist, &sst);
+                    for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                        if (keys[i] >= thr) {
+                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+            // I2 in cell order: each cell's rank among the (distinct) cells of the list
+            n_sel = (int) n_uni;
+            for (int t = tid; t < n_sel; t += blockDim.x) {
+                const int32_t cell = uni[t];
+                int rk = 0;
+                for (int u = 0; u < n_sel; ++u) {
+                    rk += uni[u] < cell;
+                }
+                i2[rk] = cell;
+            }
+        } else if (fast && a.n_top > 0) {
+            const uint64_t * cl = s.cand + w*a.cap;
+#pragma unroll 4
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                keys[i] = cl[i];
+            }
+            __syncthreads();
+            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
+                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
+            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
+                if (keys[i] >= thr) {
+                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
+                }
+            }
+        } else if (!fast) {
+            if (a.timing && tid == 0) {
+                printf("S: exact fallback, row %lld: window %lld/%d, sinks %lld/%d, candidates %lld (need %lld..%lld)\n",
+                       (long long) (r0 + w), (long long) n_w, a.window, (long long) n_s, a.sinks, (long long) n_cand,
+                       (long long) a.n_top, (long long) a.cap);
+            }
+            select_all_cells(a, s, w, c, hist, &sst);
+        }
+        __syncthreads();
+    }
+    SPARQ_TIMING_MARK(1);
+
+    if (!from_list) {
+        // I2 in cell order from the bitmap: each thread counts a run of words (loaded at once), a block scan
+        // places them
         constexpr int WORDS_IN_REGS = 16;
         const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
         const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
@@ -1390,10 +1246,12 @@ __device__ void write_selection(const sparq_args & a, const sparq_scratch & s, i
         s.i2[w*k2 + i] = i2[i];
     }
     if (tid == 0) {
-        s.rinfo[w*N_RI + RI_N_SEL] = n_sel;
+        ri[RI_N_SEL] = n_sel;
     }
+    SPARQ_TIMING_MARK(2);
+
+    // alpha_g = the approximate probability mass of I2 (one warp per head), for sparse rows with the mean on
     if (kind == ROW_SPARSE && a.p.mean_on) {
-        // one warp per head
         const float * lrow = s.logits + w*G*n_kv;
         for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
             float sum = 0.0f;
@@ -1407,301 +1265,8 @@ __device__ void write_selection(const sparq_args & a, const sparq_scratch & s, i
             }
         }
     }
-}
-
-// Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
-// cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
-__global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    long long t_marks[3];
-    t_marks[0] = clock64();
-    extern __shared__ __align__(16) unsigned char sms[];  // smem_s_layout
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ float rst[2*MAX_G];
-    __shared__ int red[32];
-    __shared__ uint32_t red3[96];
-    __shared__ uint64_t bnd[BND_CAP];
-    __shared__ bucket_state bst;
-    __shared__ uint32_t n_uni, n_bnd;
-    pdl_wait();
-    pdl_release();
-    const int64_t w = blockIdx.x;
-    const row_coords c = coords_of(a, r0 + w);
-    const int64_t G = a.group, k2 = a.p.k2;
-    const smem_s_layout L = smem_s_plan(a.cap, k2);
-    uint64_t * keys = (uint64_t *) (sms + L.keys);
-    int32_t  * i2   = (int32_t *)  (sms + L.i2);
-    int32_t  * uni  = (int32_t *)  (sms + L.uni);  // I2 unordered (list path)
-    int64_t  * ri   = s.rinfo + w*N_RI;
-    const int64_t kind = ri[RI_KIND];
-    const int tid = threadIdx.x;
-    if (kind == ROW_EMPTY) {
-        if (tid == 0) {
-            ri[RI_N_SEL] = 0;
-        }
-        return;
-    }
-    for (int64_t i = tid; i < 2*G; i += blockDim.x) {
-        rst[i] = s.rstat[w*2*G + i];
-    }
-    uint32_t * bm = s.bitmap + w*a.n_words;
-    bool from_list = false;
-    if (tid == 0) {
-        n_uni = 0;
-    }
-    if (kind == ROW_SPARSE) {
-        const uint32_t * ctr = s.counters + w*N_CTR;
-        const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND], n_f = ctr[CTR_N_F];
-        const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
-                          (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
-        from_list = a.bucket_sel && fast && k2 <= LIST_MAX_K2 && n_f == n_w + n_s && n_f + a.n_top <= k2;
-        if (from_list) {
-            // I2 unordered: the forced cells (kernel B's list), then the exact top of the candidates
-            const int32_t * fl = s.forced + w*k2;
-            __syncthreads();  // n_uni
-            if (tid == 0) {
-                n_uni = (uint32_t) n_f;
-            }
-            for (int64_t i = tid; i < n_f; i += blockDim.x) {
-                uni[i] = fl[i];
-            }
-            if (a.n_top > 0) {
-                const uint64_t * cl = s.cand + w*a.cap;
-                uint32_t dummy = 0, kmin = UINT32_MAX, kmax = 0;
-#pragma unroll 4
-                for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                    const uint64_t key = cl[i];
-                    keys[i] = key;
-                    const uint32_t k32 = (uint32_t) (key >> a.cell_bits);
-                    kmin = min(kmin, k32);
-                    kmax = max(kmax, k32);
-                }
-                block_sum_min_max(dummy, kmin, kmax, red3);
-                const top_scratch t = { hist, red, red3, bnd, &n_bnd, &bst, &sst };
-                append_top(a, keys, n_cand, (uint32_t) a.n_top, kmin, kmax, uni, &n_uni, t, false);
-            }
-        } else if (fast && a.n_top > 0) {
-            const uint64_t * cl = s.cand + w*a.cap;
-#pragma unroll 4
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                keys[i] = cl[i];
-            }
-            __syncthreads();
-            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-            const uint64_t thr = block_select(n_cand, (uint32_t) a.n_top, top_shift_for(31 + a.cell_bits),
-                                              [&](int64_t i) { return keys[i]; }, hist, &sst);
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                if (keys[i] >= thr) {
-                    mark_cell(bm, (int64_t) (cmask - (keys[i] & cmask)));
-                }
-            }
-        } else if (!fast) {
-            if (a.timing && tid == 0) {
-                printf("S: exact fallback, row %lld: window %lld/%d, sinks %lld/%d, candidates %lld (need %lld..%lld)\n",
-                       (long long) (r0 + w), (long long) n_w, a.window, (long long) n_s, a.sinks, (long long) n_cand,
-                       (long long) a.n_top, (long long) a.cap);
-            }
-            select_all_cells(a, s, w, c, hist, &sst);
-        }
-    }
-    __syncthreads();
-    SPARQ_TIMING_MARK(1);
-    write_selection(a, s, w, kind, from_list, uni, (int) n_uni, i2, rst, red);
-    SPARQ_TIMING_MARK(2);
-    SPARQ_TIMING_PRINT("S: select, I2 and alpha", w, 3);
-}
-
-// The approximate probability of an MHA row's cell, exp(l - M) / Z: group_scores' value for a group of one
-// (fma(x, y, 0) rounds as x * y), so that kernel S' ranks exactly as kernels B and S and the CPU.
-__device__ __forceinline__ float mha_score(float l, const float * rst) { return __expf(l - rst[0]) * rst[1]; }
-
-// Kernel S''s shared memory (dynamic part), in bytes from the start: the candidate keys, I2, I2 unordered, and the
-// chunks that hold forced cells.
-struct smem_m_layout {
-    size_t keys, i2, uni, reach, total;
-};
-__host__ __device__ inline smem_m_layout smem_m_plan(int64_t cap, int64_t n_chunks, int64_t k2) {
-    smem_m_layout l;
-    l.keys  = 0;
-    l.i2    = cap*sizeof(uint64_t);
-    l.uni   = l.i2 + k2*sizeof(int32_t);
-    l.reach = l.uni + k2*sizeof(int32_t);
-    l.total = l.reach + n_chunks*sizeof(int32_t);
-    return l;
-}
-
-// Appends to uni, in cell order, the first `need` cells j of the row (from cell 0) for which take(j) holds. Kernel S'.
-template <typename TakeFn>
-__device__ void append_first_cells(int64_t n_kv, int64_t need, TakeFn take, int32_t * uni, uint32_t * n_uni, int * red) {
-    for (int64_t base = 0; base < n_kv && need > 0; base += (int64_t) blockDim.x*A_CELLS) {
-        const int64_t j0 = base + (int64_t) threadIdx.x*A_CELLS;
-        bool z[A_CELLS];
-        int cnt = 0;
-#pragma unroll
-        for (int u = 0; u < A_CELLS; ++u) {
-            z[u] = j0 + u < n_kv && take(j0 + u);
-            cnt += z[u];
-        }
-        int total;
-        int at = block_exclusive_scan(cnt, &total, red);
-#pragma unroll
-        for (int u = 0; u < A_CELLS; ++u) {
-            if (z[u]) {
-                if (at < need) {
-                    uni[atomicAdd(n_uni, 1u)] = (int32_t) (j0 + u);
-                }
-                ++at;
-            }
-        }
-        need -= total;
-    }
-}
-
-// Kernel S' (the MHA chain's P, B and S), one block per row: merges kernel A''s statistics, then
-// - dense rows: every visible cell (the candidates when they are all of them, else a scan of the row);
-// - sparse rows: the forced cells, from the chunks whose visible positions reach the window or the sinks; then the
-//   exact top n_top of the candidates that are not forced, checked against the threshold: a cell below it scores at
-//   most the threshold's score, so the selection is exact when that is below the boundary's score (else the exact
-//   selection over all cells). When fewer than n_top candidates score above zero and the threshold scores zero, the
-//   zero score is the boundary: those candidates and the lowest visible zero-score cells (ties go to the lower cell).
-// Then I2 and alpha as kernel S.
-__global__ void __launch_bounds__(B_THREADS) sparq_select_lists(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ __align__(16) unsigned char sms[];  // smem_m_layout
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ bucket_state bst;
-    __shared__ float rst[2];
-    __shared__ int64_t info[N_RI];
-    __shared__ int64_t redl[96];
-    __shared__ int red[32];
-    __shared__ uint32_t red3[96];
-    __shared__ uint64_t bnd[BND_CAP];
-    __shared__ uint32_t n_uni, n_keys, n_bnd, n_w, n_s, n_reach;
-    __shared__ int fallback;
-    pdl_wait();
-    pdl_release();
-    const int64_t w = blockIdx.x, nA = a.n_chunks_a, k2 = a.p.k2, n_kv = a.n_kv;
-    const row_coords c = coords_of(a, r0 + w);
-    const smem_m_layout L = smem_m_plan(a.cap, nA, k2);
-    uint64_t * keys  = (uint64_t *) (sms + L.keys);
-    int32_t  * i2    = (int32_t *)  (sms + L.i2);
-    int32_t  * uni   = (int32_t *)  (sms + L.uni);
-    int32_t  * reach = (int32_t *)  (sms + L.reach);
-    const int tid = threadIdx.x;
-    const float thr = __uint_as_float((uint32_t) s.rinfo[w*N_RI + RI_THR]);  // kernel Q''s, before merge overwrites it
-    const int64_t n_cand = s.counters[w*N_CTR + CTR_N_CAND];
-    if (tid == 0) {
-        n_uni = n_keys = n_w = n_s = n_reach = 0;
-        fallback = 0;
-    }
-    merge_chunk_stats(a, s, w, rst, info, redl);  // ends with a barrier
-    const int64_t kind = info[RI_KIND], n_vis = info[RI_N_VIS], w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
-    for (int i = tid; i < N_RI; i += blockDim.x) {
-        s.rinfo[w*N_RI + i] = info[i];
-    }
-    const uint16_t * m  = mask_row(a, c);
-    const int32_t  * pr = pos_row(a, c);
-    const uint64_t * cl = s.cand + w*a.cap;
-    if (kind == ROW_DENSE) {
-        if (n_cand == n_vis) {
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                uni[atomicAdd(&n_uni, 1u)] = (int32_t) (uint32_t) cl[i];
-            }
-        } else {
-            append_first_cells(n_kv, n_vis, [&](int64_t j) { return visible(m, j); }, uni, &n_uni, red);
-        }
-    } else if (kind == ROW_SPARSE) {
-        // the forced cells, from the chunks whose visible positions reach the window or the sinks
-        for (int64_t ch = tid; ch < nA; ch += blockDim.x) {
-            const int32_t * cv = s.cvis + (w*nA + ch)*3;
-            if (cv[0] > 0 && (cv[2] > w_lo || cv[1] < s_hi)) {
-                reach[atomicAdd(&n_reach, 1u)] = (int32_t) ch;
-            }
-        }
-        __syncthreads();
-        for (uint32_t r = 0; r < n_reach; ++r) {
-            const int64_t ch = reach[r];
-#pragma unroll
-            for (int u = 0; u < A_CELLS; ++u) {
-                const int64_t j = ch*A_CHUNK + u*blockDim.x + tid;
-                if (j < n_kv && visible(m, j)) {
-                    const int64_t pj = position(pr, j);
-                    if (pj > w_lo) {
-                        atomicAdd(&n_w, 1u);
-                    }
-                    if (pj < s_hi) {
-                        atomicAdd(&n_s, 1u);
-                    }
-                    if (pj > w_lo || pj < s_hi) {
-                        const uint32_t at = atomicAdd(&n_uni, 1u);
-                        if (at < k2) {
-                            uni[at] = (int32_t) j;
-                        }
-                    }
-                }
-            }
-        }
-        __syncthreads();
-        const bool fast = n_w == (uint32_t) a.window && n_s == (uint32_t) a.sinks && w_lo >= s_hi - 1 && n_cand <= a.cap;
-        if (!fast) {
-            fallback = 1;  // every thread writes the same
-        } else if (a.n_top > 0) {
-            // the candidates that are not forced, keyed by (score, cell)
-            const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-            const uint32_t zero_key = score_key(0.0f), thr_key = score_key(mha_score(thr, rst));
-            uint32_t n_nz = 0, kmin = UINT32_MAX, kmax = 0;
-            for (int64_t i = tid; i < n_cand; i += blockDim.x) {
-                const uint64_t ent = cl[i];
-                const int64_t j = (uint32_t) ent;
-                const int64_t pj = position(pr, j);
-                if (pj > w_lo || pj < s_hi) {
-                    continue;
-                }
-                const uint32_t k32 = score_key(mha_score(__uint_as_float((uint32_t) (ent >> 32)), rst));
-                keys[atomicAdd(&n_keys, 1u)] = ((uint64_t) k32 << a.cell_bits) | (cmask - (uint64_t) j);
-                n_nz += k32 > zero_key;
-                kmin = min(kmin, k32);
-                kmax = max(kmax, k32);
-            }
-            block_sum_min_max(n_nz, kmin, kmax, red3);  // its barriers also publish keys and n_keys
-            if (n_nz < (uint32_t) a.n_top) {
-                if (thr_key != zero_key) {
-                    fallback = 1;  // cells below the threshold may score above zero: the sample misled
-                } else {
-                    // the zero score is the boundary: every cell above it is a candidate
-                    for (uint32_t i = tid; i < n_keys; i += blockDim.x) {
-                        if ((uint32_t) (keys[i] >> a.cell_bits) > zero_key) {
-                            uni[atomicAdd(&n_uni, 1u)] = (int32_t) (cmask - (keys[i] & cmask));
-                        }
-                    }
-                    const float * lrow = s.logits + w*n_kv;
-                    append_first_cells(n_kv, a.n_top - n_nz, [&](int64_t j) {
-                        if (!visible(m, j)) {
-                            return false;
-                        }
-                        const int64_t pj = position(pr, j);
-                        return pj <= w_lo && pj >= s_hi && score_key(mha_score(lrow[j], rst)) == zero_key;
-                    }, uni, &n_uni, red);
-                }
-            } else {
-                const top_scratch t = { hist, red, red3, bnd, &n_bnd, &bst, &sst };
-                const uint32_t boundary = append_top(a, keys, n_keys, (uint32_t) a.n_top, kmin, kmax, uni, &n_uni, t, true);
-                if (thr_key >= boundary) {
-                    fallback = 1;  // a cell below the threshold could tie the boundary's score
-                }
-            }
-        }
-    }
-    __syncthreads();
-    const bool from_list = !fallback;
-    if (!from_list) {
-        if (a.timing && tid == 0) {
-            printf("S': exact fallback, row %lld: window %u/%d, sinks %u/%d, candidates %lld (cap %lld)\n",
-                   (long long) (r0 + w), n_w, a.window, n_s, a.sinks, (long long) n_cand, (long long) a.cap);
-        }
-        select_all_cells(a, s, w, c, hist, &sst);
-    }
-    write_selection(a, s, w, kind, from_list, uni, (int) n_uni, i2, rst, red);
+    SPARQ_TIMING_MARK(3);
+    SPARQ_TIMING_PRINT("S: select, I2, alpha", w, 4);
 }
 
 // Kernel LV (grid: (slices of V_SLICE output components) x heads, rows): the exact logits of one head over I2
@@ -1909,11 +1474,10 @@ void ensure_smem(size_t bytes) {
     configured[device] = bytes;
 }
 
-template <typename T, int POL, int NG, bool LIST = false>
+template <typename T, int POL, int NG>
 void launch_scores(dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
-    ensure_smem<sparq_scores<T, POL, NG, LIST>>(smem);
-    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG, LIST>, ggml_cuda_kernel_launch_params(grid, A_THREADS, smem, stream),
-                            a, s, r0);
+    ensure_smem<sparq_scores<T, POL, NG>>(smem);
+    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG>, ggml_cuda_kernel_launch_params(grid, A_THREADS, smem, stream), a, s, r0);
 }
 
 template <typename T, int POL>
@@ -1930,40 +1494,18 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
 template <typename T>
 void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
                 const sparq_args & a, const sparq_scratch & s, int64_t r0) {
-    const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
-    if (a.mha_list) {
-        // Q', A' and S' (the MHA chain; ng = 1), then LV
-        const size_t smem_q = sizeof(float) * (2*a.d + std::max<int64_t>(a.p.k1, a.d));
-        switch (pol) {
-            case SC_KT:
-                ggml_cuda_kernel_launch(sparq_query_list<T, SC_KT>, ggml_cuda_kernel_launch_params(rows, A_THREADS, smem_q, stream), a, s, r0);
-                launch_scores<T, SC_KT, 1, true>(grid_a, smem_a, stream, a, s, r0);
-                break;
-            case SC_GATHER:
-                ggml_cuda_kernel_launch(sparq_query_list<T, SC_GATHER>, ggml_cuda_kernel_launch_params(rows, A_THREADS, smem_q, stream), a, s, r0);
-                launch_scores<T, SC_GATHER, 1, true>(grid_a, smem_a, stream, a, s, r0);
-                break;
-            default:
-                ggml_cuda_kernel_launch(sparq_query_list<T, SC_EXACT>, ggml_cuda_kernel_launch_params(rows, A_THREADS, smem_q, stream), a, s, r0);
-                launch_scores<T, SC_EXACT, 1, true>(grid_a, smem_a, stream, a, s, r0);
-                break;
-        }
-        const size_t smem_m = smem_m_plan(a.cap, a.n_chunks_a, a.p.k2).total;
-        ensure_smem<sparq_select_lists>(smem_m);
-        ggml_cuda_kernel_launch(sparq_select_lists, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_m, stream), a, s, r0);
-    } else {
-        switch (pol) {
-            case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
-            case SC_KT:     launch_scores_ng<T, SC_KT>    (ng, grid_a, smem_a, stream, a, s, r0); break;
-            case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
-            default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
-        }
-        ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
-        ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
-                                a, s, r0);
-        ensure_smem<sparq_select>(smem_s);
-        ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
+    switch (pol) {
+        case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
+        case SC_KT:     launch_scores_ng<T, SC_KT>    (ng, grid_a, smem_a, stream, a, s, r0); break;
+        case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
+        default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
+    const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
+    ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
+    ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
+                            a, s, r0);
+    ensure_smem<sparq_select>(smem_s);
+    ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
     const dim3 grid_v((unsigned) (((a.d_v + V_SLICE - 1) / V_SLICE) * a.group), (unsigned) nw);
     const size_t smem_lv = 2*sizeof(float)*a.p.k2;
     switch (vpt) {
@@ -2090,11 +1632,6 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
-    // the MHA chain (kernels A' and S' instead of A, P, B and S; SPARQ_CUDA_MHA_CHAIN=0 turns it off, for
-    // measuring): top-k rows of one head per KV head whose lists fit kernel S''s shared memory
-    static const bool mha_chain_off = getenv("SPARQ_CUDA_MHA_CHAIN") != nullptr && atoi(getenv("SPARQ_CUDA_MHA_CHAIN")) == 0;
-    a.mha_list = !mha_chain_off && G == 1 && scores && a.n_top > 0 && a.bucket_sel && a.p.k2 <= LIST_MAX_K2 &&
-                 smem_m_plan(a.cap, a.n_chunks_a, a.p.k2).total + 16*1024 <= ggml_cuda_info().devices[ctx.device].smpbo;
     const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
     const int64_t n_vec = (a.d + 7) / 8;  // kernel LV: K vectors of 8 components per thread
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
@@ -2128,7 +1665,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
-        if ((pol == SC_KT || pol == SC_GATHER) && !a.mha_list) {  // the MHA chain launches its own (kernel Q')
+        if (pol == SC_KT || pol == SC_GATHER) {
             ggml_cuda_kernel_launch(sparq_query, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream),
                                     a, s, r0);
         }
