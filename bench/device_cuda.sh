@@ -334,6 +334,13 @@ stage_fused() {
     squeeze_prepare_32k "$m" fused
 }
 
+stage_cluster() {
+    # session 10: the clustering of a 32k 7B-shape prefix with its keys on the GPU (ggml_cluster_assign replaced
+    # ggml_argmax in the k-means graph)
+    python3 bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --resident \
+        --out "$OUT/squeeze_cluster_resident.json" 2>&1 | grep -v "^wrote" | tail -4
+}
+
 stage_prepare() {  # the centroid-sparse prepare of a 32k prefix and its phase times
     local m; m=$(llama2_model) || return 1
     squeeze_prepare_32k "$m" prepare

@@ -1,39 +1,56 @@
 #!/usr/bin/env python3
-"""Centroid-sparse kept rules that bound a cluster's best member, against the mean rule (issue 7), in numpy.
+"""Centroid-sparse kept rules that look past a cluster's mean (issue 7), measured in numpy on SmolLM2's real Q and K.
 
-    python bench/squeeze_kept_rule.py                        # examples 0 and 6 of squeeze_quality's 10, ~10 min
-    python bench/squeeze_kept_rule.py --examples 0 --rules mean,radius,quest --centroids 0.05
+    python bench/squeeze_kept_rule.py                  # examples 0 and 6 of squeeze_quality's 10, ~15 min on 2 cores
+    python bench/squeeze_kept_rule.py --examples 2,5,7,8 --rules mean,var_diag_zr --keeps 0.1 --no-emulate \\
+        --reference-centroids 0.5 --out bench/results/squeeze_kept_rule_more.json
 
 The op keeps cluster i of a prepared prefix when its group score max_g exp(s q_g.C_i) / Z_g >= T (Z_g =
-sum_j N_j exp(s q_g.C_j), T one global threshold calibrated on the prefix's last n_calib queries). A cluster's
-score estimates the *mean* member's attention weight, so a retrieval head's single high-scoring key in a cluster
-of low mean score is dropped (bench/notes_squeeze_quality.md, item 3). This script measures, on real queries and
-keys of SmolLM2-135M on squeeze_quality's retrieval task, how much exact softmax mass other kept rules cover.
+sum_j N_j exp(s q_g.C_j), s the kq scale, T one global threshold calibrated so that the prefix's last n_calib
+queries keep `keep` of the clustered keys). exp(s q.C_i) / Z estimates a cluster's *mean* member weight, and
+misses a retrieval head's single high-scoring key in a cluster of low mean score (bench/notes_squeeze_quality.md,
+item 3). This script compares kept rules on the same captured tensors, three ways: covered softmax mass, the
+needle's mass kept in the heads that read it, and the answer generated end to end.
 
 1. Capture (llama.cpp's eval callback on a second context of the same model): per layer the post-RoPE "Qcur-<il>"
    and "Kcur-<il>" (the ROPE nodes), "Vcur-<il>" and the attention output "kqv_out-<il>", while the context is
-   prefilled densely, the question runs, and dense's greedy answer is fed back token by token. Checked: dense
-   softmax attention in float64 over the captured Q, K (f16-rounded, as the cache holds it) and V reproduces
-   llama.cpp's kqv_out on every captured row of every layer.
+   prefilled densely, the question runs, and dense's greedy answer is fed back token by token (as in
+   squeeze_quality: example i of its --n 10 set). Checked (`verify_capture`) against llama.cpp's kqv_out on every
+   captured row and layer: float64 softmax attention for the prefill rows (which ran through the f32 tiled
+   kernel), and an emulation of the CPU kernel's own arithmetic (f16 Q, f16 V accumulator, split-KV decode) for
+   the question and answer rows.
 2. Cluster as the op does (sparq_llama.reference_squeeze.kmeans_cosine; lround(centroids * n_clustered) clusters
    per layer and KV head over the prefix minus its last n_calib cells).
-3. Rules: the score of cluster i for head g is exp(s z_g[i] - log Z_g) with Z_g the op's (mean-based) normaliser
-   and z_g[i] one of (rule names, see `parse_rule`):
+3. Rules (`parse_rule`): cluster i's score for head g is exp(s z_g[i] - log Z_g), Z_g the op's normaliser (or,
+   with _zr, sum_j N_j exp(s z_g[j]) of the rule's own z), the group decides by the max over its heads, the best
+   cluster is always kept, T is calibrated per rule exactly as reference_squeeze.calibrate_threshold does:
      mean          q.C_i                                   (the op now)
-     radius        q.C_i + |q| r_i, r_i = max_k |k - C_i|  (an upper bound on max_k q.k)
-     radius_p90    r_i the 90th percentile of |k - C_i|    (not a bound)
-     quest         sum_d max(q_d lo_id, q_d hi_id)         (per-component box of the members: an upper bound)
-     cap           |q| M cos(max(0, phi - theta_i))        (spherical cap around C_i/|C_i|: theta_i the widest
-                                                             member angle, M the largest member norm; a bound)
-     oracle_max    max_k q.k over the members              (reads every key: the best any per-cluster rule can do)
-   and a suffix _l<lam> mixes: z = q.C + lam (bound - q.C). The group decides by the max over its heads (the op's
-   default); the best cluster is always kept; T is calibrated per rule with reference_squeeze.calibrate_threshold.
+     radius        q.C_i + |q| r_i, r_i = max_k |k - C_i|  (an upper bound on max_k q.k); radius_p90: r_i the
+                                                             90th percentile of |k - C_i| (not a bound)
+     quest         sum_d max(q_d lo_id, q_d hi_id)         (the members' per-component box: an upper bound)
+     cap           |q| M cos(max(0, phi - theta_i))        (spherical cap about C_i/|C_i|: a bound)
+     var_diag      q.C_i + (s/2) sum_d q_d^2 D_id          (E_k exp(s q.k) for keys Gaussian about C_i with the
+                                                             members' per-component variances D_i); var_iso uses
+                                                             tr(Sigma_i)/d, var_pc1 the top principal direction,
+                                                             var_full the whole covariance
+     oracle_pmean  the members' exact mean weight          (what `mean` estimates; reads every key)
+     oracle_pmax   the best member's exact weight          (reads every key)
+     oracle_max    max_k q.k over the members              (reads every key)
+   Suffixes: _l<lam> z = q.C + lam (bound - q.C) (var_*: lam scales the variance term); _ln z = max(q.C, z -
+   log(N_i)/s) (the mean of exp over the members is at least the best member's share); _rel the slack over the
+   head's size-weighted mean slack only; _top<m> the mean rule plus each head's m best clusters by the rule.
 4. On the question's rows (the question tail and dense's answer tokens fed back): per (layer, query head, row) the
-   exact softmax mass (all visible cells) that the kept cells cover (cells not clustered are always kept), and per
-   (layer, KV head, row) the fraction of clustered keys kept.
+   exact softmax mass (all visible cells) that the kept cells cover (cells not clustered are always kept); per
+   (layer, KV head, row) the fraction of clustered keys kept; on needle rows (exact mass on the asked needle's
+   sentence >= 0.3) the fraction of that needle mass kept.
+5. End to end (`NumpyLlama`): the question and a greedy answer through SmolLM2 in numpy (GGUF weights
+   dequantized, activations rounded to 8 bits as llama.cpp's CPU matmuls do), the prefix's K and V from the capture
+   (the dense prefill, as with a prepared prefix), attention restricted per row to the rule's kept cells. Checked
+   (`check_numpy_model`): with dense attention it reproduces the captured Q, K, V of the question and llama.cpp's
+   answer tokens.
 
-Writes bench/results/squeeze_kept_rule.json (summary per clustering, rule and keep, per example and pooled; the
-capture check; provenance).
+Writes bench/results/squeeze_kept_rule.json (per clustering, rule and keep: summaries pooled and per example,
+answers; the capture and numpy-model checks; provenance).
 """
 from __future__ import annotations
 
@@ -53,8 +70,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_common import provenance, write_record  # noqa: E402
-from sparq_llama.reference_squeeze import calibrate_threshold, kmeans_cosine  # noqa: E402
+from cuda_common import provenance, write_record
+from sparq_llama.reference_squeeze import calibrate_threshold, kmeans_cosine
 
 log = logging.getLogger("squeeze_kept_rule")
 
@@ -63,6 +80,8 @@ F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 
 CAPTURED = ("Qcur", "Kcur", "Vcur", "kqv_out")
+DEFAULT_RULES = ("mean,radius,radius_p90,radius_l0.25,quest,quest_l0.25,cap,radius_l0.25_ln_zr,quest_l0.25_ln_zr,"
+                 "radius_top2,quest_top2,var_iso_zr,var_diag_zr,var_diag_l0.5,oracle_max_ln_zr,oracle_pmax,oracle_pmean")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,7 +295,8 @@ def _fa_f16_partial(q: F32, t: I64, hk: I64, k16: F32, v16: F32, scale: float, l
                     hi: int) -> tuple[F32, F32, F32]:
     """ggml-cpu's flash_attn_ext_f16_one_chunk (f16 K and V) for rows q [N, d] (already rounded to f16) at
     positions t [N] (causal mask: cells > t skipped) reading KV head hk [N] over cells lo .. hi-1 of k16, v16
-    [n, n_head_kv, d] (f16 values in f32): the f32 online softmax with the V accumulator held in f16 (one rounding per step).
+    [n, n_head_kv, d] (f16 values in f32): the f32 online softmax with the V accumulator held in f16 (one rounding
+    per step).
     Returns M [N], S [N], VKQ [N, d]."""
     n_row, d = q.shape
     m = np.full(n_row, -np.inf, np.float32)
@@ -721,7 +741,8 @@ def evaluate(heads: list[list[HeadData]], rule: Rule, keep: float, n_answer_rows
             needle[0, il, h * group:(h + 1) * group] = hd.needle_base + (hd.needle_mass * kq[None]).sum(axis=2)
             needle[1, il, h * group:(h + 1) * group] = hd.needle_base + hd.needle_mass.sum(axis=2)
             kept_calib[il, h] = (_kept(*hd.calib[rule.name], hd.live, threshold) @ frac).mean()
-    return {"threshold": threshold, "cover": cover, "needle": needle, "kept": kept_frac, "kept_calib": float(kept_calib.mean()),
+    return {"threshold": threshold, "cover": cover, "needle": needle, "kept": kept_frac,
+            "kept_calib": float(kept_calib.mean()),
             "n_answer_rows": n_answer_rows}
 
 
@@ -1023,25 +1044,30 @@ def run_config(caps: list[Capture], frac: float, rules: list[Rule], keeps: list[
                 summ["accuracy"] = sum(a["correct"] for a in ans) / len(ans)
             out[r.name][str(k)] = summ
             log.info("centroids %-4g %-20s keep %-4g cover mean %.4f min %.4f p1 %.4f  pairs<0.5 %3d | needle rows %d "
-                     "kept mean %.3f min %.3f pairs<0.5 %d | kept q %.3f (calib %.3f)%s", frac, r.name, k,
+                     "kept mean %s min %s pairs<0.5 %d | kept q %.3f (calib %.3f)%s", frac, r.name, k,
                      summ["cover_mean"], summ["cover_min"], summ["cover_p1"], summ["pairs_below_0.5_total"],
-                     summ["needle_rows"], summ["needle_kept_mean"], summ["needle_kept_min"],
+                     summ["needle_rows"], _f3(summ["needle_kept_mean"]), _f3(summ["needle_kept_min"]),
                      summ["needle_pairs_below_0.5_total"], summ["kept_question"], summ["kept_calib"],
                      " | answers " + " / ".join(repr(a["answer"]) for a in ans) if ans else "")
     return out
 
 
+def _f3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def print_table(results: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> None:
-    print("| centroids | rule | keep | cover mean | min | p1 | answer rows min | (layer, head) pairs < 0.5 | "
-          "kept (question) | kept (calib) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| centroids | rule | keep | cover mean | min | p1 | pairs < 0.5 | needle kept mean | min "
+          "| needle pairs < 0.5 | kept (question) | kept (calib) | answers right |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for frac, by_rule in results.items():
         for rule, by_keep in by_rule.items():
             for keep, s in by_keep.items():
+                acc = (f"{sum(a['correct'] for a in s['answers'])}/{len(s['answers'])}" if "answers" in s else "")
                 print(f"| {frac} | {rule} | {keep} | {s['cover_mean']:.4f} | {s['cover_min']:.3f} | {s['cover_p1']:.3f}"
-                      f" | {s['answer_rows_cover_min']:.3f} | {s['pairs_below_0.5_total']} "
-                      f"({'+'.join(map(str, s['pairs_below_0.5']))}) | {s['kept_question']:.3f} | "
-                      f"{s['kept_calib']:.3f} |")
+                      f" | {s['pairs_below_0.5_total']} | {_f3(s['needle_kept_mean'])} | {_f3(s['needle_kept_min'])} | "
+                      f"{s['needle_pairs_below_0.5_total']} | {s['kept_question']:.3f} | {s['kept_calib']:.3f} | "
+                      f"{acc} |")
 
 
 def main() -> int:
@@ -1054,9 +1080,10 @@ def main() -> int:
     ap.add_argument("--n-answer", type=int, default=8, help="dense answer tokens fed back as extra query rows")
     ap.add_argument("--n-iter", type=int, default=8)
     ap.add_argument("--centroids", type=float, default=0.05)
-    ap.add_argument("--rules", default="mean,radius,radius_l0.5,radius_p90,radius_p50,quest,quest_l0.5,cap,oracle_max")
+    ap.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rule names (module doc)")
     ap.add_argument("--keeps", default="0.3,0.2,0.1")
-    ap.add_argument("--reference-centroids", default="0.3,0.5", help="extra clusterings, mean rule only ('' none)")
+    ap.add_argument("--reference-centroids", default="0.1,0.15,0.3,0.5",
+                    help="extra clusterings, mean rule only ('' none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/sparq_kept_rule"))
     ap.add_argument("--recapture", action="store_true")
@@ -1090,11 +1117,13 @@ def main() -> int:
         results[frac] = run_config(caps, float(frac), [parse_rule("mean")], keeps, args.n_iter, model)
     print_table(results)
     commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    write_record(args.out, {**provenance(), "commit": commit, "uname": " ".join(platform.uname()),
+                            capture_output=True, text=True, check=False).stdout.strip()
+    uname = subprocess.run(["uname", "-a"], capture_output=True, text=True, check=False).stdout.strip()
+    write_record(args.out, {**provenance(), "commit": commit, "uname": uname or " ".join(platform.uname()),
                             "model": "smollm2", "length": args.length, "examples": [c.example_id for c in caps],
                             "n_calib": args.n_calib, "n_iter": args.n_iter, "group": "max", "keeps": keeps,
-                            "capture_check": checks, "numpy_model_check": model_check, "results": results, "wall_s": round(time.time() - t0, 1)})
+                            "capture_check": checks, "numpy_model_check": model_check, "results": results,
+                            "wall_s": round(time.time() - t0, 1)})
     return 0
 
 

@@ -218,3 +218,20 @@ def test_kmeans_on_cuda_is_deterministic_and_a_fixed_point() -> None:
         assert a[h].sizes.sum() == 2000
         for c in np.flatnonzero(a[h].sizes)[:20]:
             np.testing.assert_allclose(a[h].centroids[c], x[h][a[h].assignment == c].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_kmeans_assignment_ties_go_to_the_higher_cluster_as_on_the_cpu() -> None:
+    # rows from 5 directions and 12 clusters: several centroids start (and stay) equal, so rows tie exactly between
+    # clusters; ggml_cluster_assign gives them the higher one, as the CPU and the reference do (ggml_argmax's CUDA
+    # kernel left them to its reduction order)
+    rng = np.random.default_rng(14)
+    dirs = rng.standard_normal((5, 16))
+    x = np.stack([dirs[rng.integers(0, 5, size=300)] for _ in range(2)])  # exact copies: exact ties in f32 and f64
+    x = x.astype(np.float32)
+    got = ops.kmeans_cosine(x, 12, n_iter=6, backend="cuda")
+    cpu = ops.kmeans_cosine(x, 12, n_iter=6, n_threads=2)
+    for h in range(2):
+        want = kmeans_cosine(x[h].astype(np.float64), 12, n_iter=6)
+        assert got[h].assignment.tolist() == cpu[h].assignment.tolist() == want.assignment.tolist()
+        assert got[h].sizes.tolist() == cpu[h].sizes.tolist() == want.sizes.tolist()
+    assert ops.kmeans_cosine(np.ones((5, 3)), 3, backend="cuda").sizes.tolist() == [0, 0, 5]

@@ -76,7 +76,7 @@ GGML_API struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct
 
 // ggml_cluster_update: one k-means update over H independent problems of P rows each (the clustering of a fixed
 // prefix's keys, per layer and KV head, runs as a ggml graph on the backend that holds the KV: similarities by
-// ggml_mul_mat, assignments by ggml_argmax, then this op).
+// ggml_mul_mat, assignments by ggml_cluster_assign, then this op).
 //   x      [d, P, H] f32 (rows to cluster; contiguous rows)
 //   assign [P, H]    i32 (the cluster of each row; rows with an index outside [0, n_clusters) are skipped)
 //   GGML_CLUSTER_SPHERICAL: prev [d, n_clusters, H] f32 required; result [d, n_clusters, H]: each cluster's
@@ -87,6 +87,7 @@ GGML_API struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct
 enum ggml_cluster_mode {
     GGML_CLUSTER_SPHERICAL = 0,
     GGML_CLUSTER_TABLE     = 1,
+    GGML_CLUSTER_ASSIGN    = 2,  // ggml_cluster_assign's node (not a mode of ggml_cluster_update's arguments)
 };
 
 GGML_API const char * ggml_cluster_update_check(
@@ -100,6 +101,16 @@ GGML_API struct ggml_tensor * ggml_cluster_update(
         struct ggml_tensor  * prev,
         int64_t               n_clusters,
         enum ggml_cluster_mode mode);
+
+// ggml_cluster_assign: the k-means assignment step over H problems, each row's cluster of largest similarity, ties
+// to the higher cluster (as ggml_argmax on the CPU; its CUDA kernel leaves ties to its reduction order and runs one
+// block of up to 1024 threads per row, which made it most of a 7B prefix's clustering time on an H100).
+//   sim [n_clusters, P, H] f32 (contiguous rows); result [P, H] i32. A node of op GGML_OP_CLUSTER_UPDATE.
+GGML_API const char * ggml_cluster_assign_check(const struct ggml_tensor * sim);
+
+GGML_API struct ggml_tensor * ggml_cluster_assign(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * sim);
 
 #ifdef __cplusplus
 }

@@ -214,7 +214,7 @@ const char * ggml_cluster_update_check(
             return centroid_fail("ggml_cluster_update: the table mode takes no prev");
         }
     } else {
-        return centroid_fail("ggml_cluster_update: mode must be spherical or table");
+        return centroid_fail("ggml_cluster_update: mode must be spherical or table (assignments: ggml_cluster_assign)");
     }
     return NULL;
 }
@@ -238,5 +238,26 @@ struct ggml_tensor * ggml_cluster_update(
     result->src[0] = x;
     result->src[1] = assign;
     result->src[2] = prev;
+    return result;
+}
+
+const char * ggml_cluster_assign_check(const struct ggml_tensor * sim) {
+    if (!sim || sim->type != GGML_TYPE_F32 || sim->ne[3] != 1 || sim->nb[0] != sizeof(float) || sim->ne[0] < 1 ||
+        sim->ne[0] > INT32_MAX) {
+        return centroid_fail("ggml_cluster_assign: sim must be f32 [n_clusters, P, H] with contiguous rows");
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_cluster_assign(struct ggml_context * ctx, struct ggml_tensor * sim) {
+    const char * err = ggml_cluster_assign_check(sim);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, sim->ne[1], sim->ne[2]);
+    const int32_t op_params[1] = { (int32_t) GGML_CLUSTER_ASSIGN };
+    ggml_set_op_params(result, op_params, sizeof(op_params));
+    result->op     = GGML_OP_CLUSTER_UPDATE;
+    result->src[0] = sim;
     return result;
 }

@@ -4,8 +4,8 @@
 // H independent problems of P rows of d components (x [d, P, H]: per layer, the prefix keys of each KV head).
 //   init:      xn = l2_norm(x); centroids = xn at rows (i * P) / n (no random generator: every backend and run
 //              starts alike)
-//   iteration: sim = centroids^T xn (ggml_mul_mat), assignment = argmax over the clusters (ggml_argmax: ties
-//              to the highest index), centroids = ggml_cluster_update(xn, assignment, centroids); stop after
+//   iteration: sim = centroids^T xn (ggml_mul_mat), assignment = argmax over the clusters (ggml_cluster_assign:
+//              ties to the highest index), centroids = ggml_cluster_update(xn, assignment, centroids); stop after
 //              n_iter iterations or when no assignment changed (read back: P * H int32 per iteration)
 //   result:    ggml_cluster_update(x, assignment, TABLE): each cluster's mean of unnormalised rows and its size
 #include "sparq-kmeans.h"
@@ -86,8 +86,7 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     km::ctx_ptr ctx = km::graph_context();
     ggml_cgraph * gf = ggml_new_graph(ctx.get());
     ggml_tensor * sim = ggml_mul_mat(ctx.get(), cent, xn);                                  // [n, P, H]
-    ggml_tensor * best = ggml_argmax(ctx.get(), ggml_reshape_2d(ctx.get(), sim, n_clusters, P * H));
-    best = ggml_reshape_2d(ctx.get(), best, P, H);
+    ggml_tensor * best = ggml_cluster_assign(ctx.get(), sim);                               // [P, H]
     ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), best, assign));
     ggml_tensor * moved = ggml_cluster_update(ctx.get(), xn, best, cent, n_clusters, GGML_CLUSTER_SPHERICAL);
     ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), moved, cent));

@@ -84,9 +84,36 @@ void finish_problem(const cluster_view & v, int64_t h, int64_t * count) {
     }
 }
 
+// GGML_CLUSTER_ASSIGN: rows [r0, r1) of sim (row r = problem r / P, row r % P), each the index of its largest
+// value, ties to the higher index: ggml_argmax's CPU loop (ggml_vec_argmax_f32).
+void assign_rows(const ggml_tensor * sim, ggml_tensor * dst, int64_t r0, int64_t r1) {
+    const int64_t n = sim->ne[0], P = sim->ne[1];
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t p = r % P, h = r / P;
+        const float * s = (const float *) ((const char *) sim->data + p * sim->nb[1] + h * sim->nb[2]);
+        float best = -INFINITY;
+        int32_t idx = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            best = best > s[i] ? best : s[i];
+            if (best == s[i]) {
+                idx = (int32_t) i;
+            }
+        }
+        *(int32_t *) ((char *) dst->data + p * dst->nb[0] + h * dst->nb[1]) = idx;
+    }
+}
+
 }  // namespace
 
 void ggml_compute_forward_cluster_update(const ggml_compute_params * params, ggml_tensor * dst) {
+    if (ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_ASSIGN) {
+        const ggml_tensor * sim = dst->src[0];
+        GGML_ASSERT(dst->type == GGML_TYPE_I32 && dst->ne[0] == sim->ne[1] && dst->ne[1] == sim->ne[2]);
+        const int64_t n_rows = sim->ne[1] * sim->ne[2];
+        const int64_t per = (n_rows + params->nth - 1) / params->nth;
+        assign_rows(sim, dst, std::min(n_rows, params->ith * per), std::min(n_rows, (params->ith + 1) * per));
+        return;
+    }
     cluster_view v;
     v.x = dst->src[0]; v.assign = dst->src[1]; v.prev = dst->src[2]; v.dst = dst;
     v.d = v.x->ne[0]; v.P = v.x->ne[1]; v.H = v.x->ne[2]; v.n = dst->ne[1]; v.width = dst->ne[0];
@@ -110,5 +137,8 @@ void ggml_compute_forward_cluster_update(const ggml_compute_params * params, ggm
 }
 
 size_t ggml_cluster_update_cpu_work_size(const ggml_tensor * dst, int n_tasks) {
+    if (ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_ASSIGN) {
+        return 0;
+    }
     return sizeof(int64_t) * dst->ne[1] * n_tasks + 64;
 }

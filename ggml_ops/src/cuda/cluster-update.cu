@@ -134,10 +134,64 @@ __global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(cons
     }
 }
 
+// GGML_CLUSTER_ASSIGN (ggml_cluster_assign): one warp per row of sim, the lanes over the clusters (coalesced loads,
+// several in flight), each lane keeping its last largest value; the warp's tree then keeps the larger value, and
+// the higher index among equal ones: ties go to the higher cluster, as on the CPU.
+constexpr int CA_WARPS = 8;  // rows per block
+
+__global__ void __launch_bounds__(CA_WARPS*WARP_SIZE) cluster_assign_kernel(const char * sim, size_t s_nb1, size_t s_nb2,
+                                                                             char * dst, size_t o_nb1, int64_t n,
+                                                                             int64_t P, int64_t n_rows) {
+    pdl_wait();
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int64_t r = (int64_t) blockIdx.x * CA_WARPS + threadIdx.x / WARP_SIZE;
+    if (r >= n_rows) {
+        return;
+    }
+    const int64_t p = r % P, h = r / P;
+    const float * s = (const float *) (sim + p*s_nb1 + h*s_nb2);
+    float best = -INFINITY;
+    int32_t idx = -1;
+#pragma unroll 8
+    for (int64_t i = lane; i < n; i += WARP_SIZE) {
+        const float v = s[i];
+        if (v >= best) {
+            best = v;
+            idx = (int32_t) i;
+        }
+    }
+#pragma unroll
+    for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
+        const float   ov = __shfl_xor_sync(0xFFFFFFFF, best, off);
+        const int32_t oi = __shfl_xor_sync(0xFFFFFFFF, idx, off);
+        if (ov > best || (ov == best && oi > idx)) {
+            best = ov;
+            idx = oi;
+        }
+    }
+    if (lane == 0) {
+        ((int32_t *) (dst + h*o_nb1))[p] = idx;
+    }
+}
+
+void cluster_assign(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * sim = dst->src[0];
+    const int64_t n_rows = sim->ne[1] * sim->ne[2];
+    const dim3 grid((unsigned) ((n_rows + CA_WARPS - 1) / CA_WARPS));
+    const ggml_cuda_kernel_launch_params lp(grid, CA_WARPS*WARP_SIZE, 0, ctx.stream());
+    ggml_cuda_kernel_launch(cluster_assign_kernel, lp, (const char *) sim->data, sim->nb[1], sim->nb[2], (char *) dst->data,
+                            dst->nb[1], sim->ne[0], sim->ne[1], n_rows);
+}
+
 }  // namespace
 
 bool ggml_cuda_cluster_update_supported(int device, const ggml_tensor * op) {
     GGML_UNUSED(device);
+    if (ggml_get_op_params_i32(op, 0) == GGML_CLUSTER_ASSIGN) {
+        const ggml_tensor * sim = op->src[0];
+        return sim->type == GGML_TYPE_F32 && sim->nb[0] == sizeof(float) && op->type == GGML_TYPE_I32 &&
+               op->nb[0] == sizeof(int32_t) && (sim->ne[1] * sim->ne[2] + CA_WARPS - 1) / CA_WARPS <= INT32_MAX;
+    }
     const ggml_tensor * x = op->src[0], * assign = op->src[1], * prev = op->src[2];
     return x->type == GGML_TYPE_F32 && assign->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 &&
            (!prev || prev->type == GGML_TYPE_F32) && x->nb[0] == sizeof(float) && assign->nb[0] == sizeof(int32_t) &&
@@ -146,8 +200,12 @@ bool ggml_cuda_cluster_update_supported(int device, const ggml_tensor * op) {
 }
 
 void ggml_cuda_cluster_update(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * x = dst->src[0], * assign = dst->src[1], * prev = dst->src[2];
     GGML_ASSERT(ggml_cuda_cluster_update_supported(ctx.device, dst));
+    if (ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_ASSIGN) {
+        cluster_assign(ctx, dst);
+        return;
+    }
+    const ggml_tensor * x = dst->src[0], * assign = dst->src[1], * prev = dst->src[2];
     cluster_args a = {};
     a.x = (const char *) x->data; a.assign = (const char *) assign->data;
     a.prev = prev ? (const char *) prev->data : nullptr;
