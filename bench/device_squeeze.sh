@@ -82,6 +82,14 @@ stage_e2e() {
     done
 }
 
+stage_e2e32() {  # stage e2e at 32k only, tagged by $TAG (session 10: question prefill with --squeeze-prefill auto)
+    local m; m=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1) || return 1
+    python3 bench/squeeze_llama_bench.py --bench "$BUILD/bin/llama-bench" --model "$m" --ngl 99 --fa 1 --depth 32768 \
+        --keep 0,0.3,0.2,0.1 --centroids 0.05 --n-prompt 32 --n-gen 32 --reps 3 --tag "${TAG:-h100_llama2_32k}" \
+        2>&1 | tee "$OUT/squeeze_e2e_32768.log"
+    cp "bench/results/squeeze_llama_bench_${TAG:-h100_llama2_32k}.json" "$OUT/" 2>/dev/null
+}
+
 setup_python
 for stage in "$@"; do
     echo "=== $stage ($(date +%T))"

@@ -39,7 +39,7 @@ def test_help_lists_the_flags():
     res = run(["llama-completion", "--help"], timeout=60)
     assert res.returncode == 0, res.stderr
     for flag in ["--squeeze", "--squeeze-prefix-file", "--squeeze-centroids", "--squeeze-keep", "--squeeze-levels",
-                 "--squeeze-save", "--squeeze-load"]:
+                 "--squeeze-save", "--squeeze-load", "--squeeze-prefill"]:
         assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", res.stdout, re.MULTILINE), f"{flag} missing"
 
 
@@ -53,6 +53,8 @@ def test_help_lists_the_flags():
     (["--squeeze", "--squeeze-load", "b.state", "--squeeze-centroids", "0.2"], "--squeeze-centroids applies when preparing"),
     (["--squeeze", "--squeeze-load", "b.state", "--squeeze-keep", "0"], "must be a number in (0, 1]"),
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--prompt-cache", "c.bin"], "cannot be combined with --prompt-cache"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-prefill", "fast"], "must be auto, sparse or dense"),
+    (["--squeeze-prefill", "dense"], "--squeeze-prefill has no effect without --squeeze"),
 ])
 def test_bad_flags_fail_before_loading(args, message):
     res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
@@ -134,3 +136,13 @@ def test_with_sparq_the_prepared_prefix_decides(smollm2_path, document):
                            "-v", "--sparq", "--k2", "64", "--sparq-min-kv", "0")
     assert "SparQ on: k1 = 0 (head_dim/4), k2 = 64" in log and "dropped" not in log
     assert both == alone
+
+
+def test_squeeze_prefill_applies_to_a_loaded_prefix(smollm2_path, document, tmp_path):
+    # --squeeze-prefill is accepted with a loaded prefix (a runtime choice, not saved) and the answer is right; what
+    # each mode computes is tested through the Python API (test_squeeze_decode.py)
+    state = str(tmp_path / "doc.state")
+    completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "1", "--squeeze-save", state)
+    got, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-prefill", "dense")
+    assert "loaded a prepared prefix" in log and "dropped" not in log
+    assert "48213" in got

@@ -462,3 +462,41 @@ def test_a_state_load_of_another_sequence_keeps_the_prefix(llm, doc, questions):
         assert lc.llama_state_seq_get_data(ctx.ctx, buf0, size0, 0) == size0
         assert lc.llama_state_seq_set_data(ctx.ctx, buf0, size0, 0) == size0
         assert not squeeze_api.info(ctx.ctx).prepared
+
+
+def test_prefill_modes_choose_how_a_question_reads_the_prefix(llm, doc, questions):
+    # "dense" is the plain cache's prefill bit for bit (the oracle: the same cells, no prepared prefix); "sparse"
+    # reads the kept clusters; "auto" is sparse here (the KV is in host memory) and dense on a GPU
+    info = llm.prepare_fixed_context(doc, keep=0.1, **SETTINGS)
+    assert info.prefill == "auto"
+    ctx = Ctx.of(llm)
+    question = questions[0]
+
+    def prefill() -> np.ndarray:
+        out = ctx.prefill(question, pos0=N_PREFIX, all_logits=True)
+        _back_to_prefix(llm, N_PREFIX)
+        return out
+
+    auto = prefill()
+    assert llm.set_fixed_context_prefill("sparse").prefill == "sparse"
+    sparse = prefill()
+    assert llm.set_fixed_context_prefill("dense").prefill == "dense"
+    dense = prefill()
+    assert llm.fixed_context.prepared and llm.fixed_context.prefill == "dense"
+    # decodes still read the clusters in the dense mode: one token after the question differs from the plain cache's
+    ctx.prefill(question, pos0=N_PREFIX)
+    step_sparse = ctx.decode([(question[0], N_PREFIX + len(question), 0, True)])[0]
+    _back_to_prefix(llm, N_PREFIX)
+    llm.clear_fixed_context()
+    plain = prefill()
+    ctx.prefill(question, pos0=N_PREFIX)
+    step_plain = ctx.decode([(question[0], N_PREFIX + len(question), 0, True)])[0]
+    _back_to_prefix(llm, N_PREFIX)
+    np.testing.assert_array_equal(dense, plain)
+    np.testing.assert_array_equal(auto, sparse)
+    assert rel_err(sparse, plain).max() > 1.5 * TOL_DENSE, "the sparse prefill equals dense: is the op used?"
+    assert rel_err(step_sparse[None], step_plain[None]).max() > 1.5 * TOL_DENSE
+    with pytest.raises(ValueError, match="no prepared prefix"):
+        llm.set_fixed_context_prefill("dense")
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        llm.set_fixed_context_prefill("fast")

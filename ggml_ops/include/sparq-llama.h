@@ -273,6 +273,20 @@ SPARQ_API int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float ke
 // Drops the prepared prefix (dense attention over it again).
 SPARQ_API void llama_squeeze_clear(struct llama_context * ctx);
 
+// How a ubatch in which a sequence has several tokens (a question's prefill) attends to the prepared prefix. Decodes
+// (one token per sequence) always read the kept clusters.
+enum llama_squeeze_prefill {
+    LLAMA_SQUEEZE_PREFILL_AUTO   = 0,  // sparse where the layer's KV is in host memory, dense where it is on a GPU: there
+                                       // each row reads its own clusters, slower than flash attention's single pass
+                                       // over the KV for all rows (README, "Centroid-sparse")
+    LLAMA_SQUEEZE_PREFILL_SPARSE = 1,  // every row reads its kept clusters (and the rest of the cache exactly)
+    LLAMA_SQUEEZE_PREFILL_DENSE  = 2,  // dense attention over the whole cache, the prefix included (exact)
+};
+
+// Sets the prepared prefix's prefill mode (preparing or loading a prefix starts at AUTO). Returns 0, or -1 with the
+// reason (no prepared prefix, an unknown mode) in llama_squeeze_last_error().
+SPARQ_API int32_t llama_squeeze_set_prefill(struct llama_context * ctx, enum llama_squeeze_prefill mode);
+
 struct llama_squeeze_info {
     bool    prepared;          // a prefix is prepared and valid
     int32_t seq_id;
@@ -283,6 +297,7 @@ struct llama_squeeze_info {
     float   threshold;         // calibrated fine threshold T
     float   threshold_coarse;  // levels = 2: the coarse threshold
     float   kept_calib;        // mean kept fraction on the calibration queries at T
+    int32_t prefill;           // enum llama_squeeze_prefill
 };
 SPARQ_API struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ctx);
 

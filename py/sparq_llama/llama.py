@@ -201,6 +201,13 @@ class Llama(_UpstreamLlama):
         after `load_fixed_context` for files saved by this version (sidecar format 2). ValueError on failure."""
         return _squeeze.recalibrate(self.ctx, keep, keep_coarse)
 
+    def set_fixed_context_prefill(self, mode: str) -> SqueezeInfo:
+        """How the tokens after the prepared fixed context (a question) attend to it when they are evaluated:
+        "sparse" (each reads its kept clusters, as decoding does), "dense" (exact attention over the whole cache) or
+        "auto" (the default after preparing or loading: sparse where the KV is in host memory, dense on a GPU, where
+        each row reading its own clusters is slower than flash attention's single pass). ValueError on failure."""
+        return _squeeze.set_prefill(self.ctx, mode)
+
     def load_fixed_context(self, path: str) -> SqueezeInfo:
         """Load a fixed context saved by `save_fixed_context` (KV state and clusters); replaces the cache."""
         sidecar = _squeeze.sidecar_path(path)

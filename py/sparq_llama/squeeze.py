@@ -93,6 +93,7 @@ class SqueezeInfo:
     threshold: float
     threshold_coarse: float
     kept_calib: float
+    prefill: str = "auto"  # how a question's prefill reads the prefix: "auto", "sparse" or "dense" (set_prefill)
 
 
 class LlamaSqueezeParams(ctypes.Structure):
@@ -125,6 +126,7 @@ class LlamaSqueezeInfo(ctypes.Structure):
         ("threshold", ctypes.c_float),
         ("threshold_coarse", ctypes.c_float),
         ("kept_calib", ctypes.c_float),
+        ("prefill", ctypes.c_int32),
     ]
 
 
@@ -153,6 +155,8 @@ def _api() -> ctypes.CDLL:
     lib.llama_squeeze_load.restype = ctypes.c_int32
     lib.llama_squeeze_recalibrate.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
     lib.llama_squeeze_recalibrate.restype = ctypes.c_int32
+    lib.llama_squeeze_set_prefill.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.llama_squeeze_set_prefill.restype = ctypes.c_int32
     lib.llama_squeeze_clear.argtypes = [ctypes.c_void_p]
     lib.llama_squeeze_clear.restype = None
     lib.llama_squeeze_get_info.argtypes = [ctypes.c_void_p]
@@ -226,6 +230,20 @@ def recalibrate(ctx: Any, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
     return info(ctx)
 
 
+PREFILL_MODES: tuple[str, ...] = ("auto", "sparse", "dense")  # enum llama_squeeze_prefill, in order
+
+
+def set_prefill(ctx: Any, mode: str) -> SqueezeInfo:
+    """llama_squeeze_set_prefill: how a prompt's tokens after the prepared prefix (a question) attend to it:
+    "sparse" (each row reads its kept clusters), "dense" (exact attention over the whole cache) or "auto" (sparse where
+    the KV is in host memory, dense on a GPU). Decodes always read the kept clusters. ValueError on failure."""
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {mode!r}")
+    if _api().llama_squeeze_set_prefill(_ctx_ptr(ctx), PREFILL_MODES.index(mode)) != 0:
+        raise _error("llama_squeeze_set_prefill")
+    return info(ctx)
+
+
 def clear(ctx: Any) -> None:
     _api().llama_squeeze_clear(_ctx_ptr(ctx))
 
@@ -235,7 +253,8 @@ def info(ctx: Any) -> SqueezeInfo:
     return SqueezeInfo(prepared=bool(c.prepared), seq_id=int(c.seq_id), n_prefix=int(c.n_prefix),
                        n_clustered=int(c.n_clustered), n_layers=int(c.n_layers), levels=int(c.levels),
                        threshold=float(c.threshold), threshold_coarse=float(c.threshold_coarse),
-                       kept_calib=float(c.kept_calib))
+                       kept_calib=float(c.kept_calib),
+                       prefill=PREFILL_MODES[c.prefill] if 0 <= c.prefill < len(PREFILL_MODES) else str(c.prefill))
 
 
 def sidecar_path(state_path: str) -> str:

@@ -302,7 +302,8 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     if (L == nullptr || !L->active) {
         // a prepared prefix (centroid-sparse) without SparQ
         return kv->squeeze && cparams.causal_attn ?
-            squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla) : nullptr;
+            squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla,
+                               ubatch.n_tokens == ubatch.n_seqs_unq) : nullptr;
     }
 
     const uint32_t n_seq_max = kv->get_n_seq_max();
@@ -330,7 +331,8 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     }
     // a prepared prefix takes precedence: its clusters choose the prefix keys, the rest is read exactly
     if (kv->squeeze) {
-        if (ggml_tensor * cur = squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla)) {
+        if (ggml_tensor * cur = squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il,
+                                                   kq_b || sinks || v_mla, decode)) {
             return cur;
         }
     }

@@ -105,6 +105,7 @@ struct squeeze_kv_state {
     std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
 
     bool ready = false;                // tables installed: graphs use the op
+    int32_t prefill = LLAMA_SQUEEZE_PREFILL_AUTO;  // enum llama_squeeze_prefill (not saved: a load starts at AUTO)
     bool check = false;                // cells may have changed since the last graph: verify first
 
     // while capturing: the graph copies each layer's query rows out (il -> [d, n_head, n_tokens] f32)
@@ -123,4 +124,4 @@ struct llama_kv_cache_context;
 struct llm_graph_result;
 ggml_tensor * squeeze_build_attn(ggml_context * ctx0, llm_graph_result * res, const llama_kv_cache_context * mctx,
                                  ggml_tensor * q, ggml_tensor * kq_mask, float kq_scale, float softcap, int il,
-                                 bool unsupported_inputs);
+                                 bool unsupported_inputs, bool decode);

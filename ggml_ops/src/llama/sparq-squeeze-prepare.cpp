@@ -1284,6 +1284,32 @@ int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const cha
     return squeeze_result(__func__, sparq_squeeze_access::load(*ctx, seq_id, path, tokens, n_tokens));
 }
 
+int32_t llama_squeeze_set_prefill(struct llama_context * ctx, enum llama_squeeze_prefill mode) {
+    if (ctx == nullptr) {
+        return squeeze_result(__func__, "ctx must not be NULL");
+    }
+    if (mode != LLAMA_SQUEEZE_PREFILL_AUTO && mode != LLAMA_SQUEEZE_PREFILL_SPARSE && mode != LLAMA_SQUEEZE_PREFILL_DENSE) {
+        return squeeze_result(__func__, "mode must be LLAMA_SQUEEZE_PREFILL_AUTO, _SPARSE or _DENSE, got " +
+                              std::to_string((int) mode));
+    }
+    std::string err;
+    llama_kv_cache * kv = sparq_squeeze_access::cache(*ctx, err);
+    if (kv == nullptr) {
+        return squeeze_result(__func__, err);
+    }
+    ctx->synchronize();
+    sparq_squeeze_access::verify(*kv);
+    squeeze_kv_state * st = kv->squeeze.get();
+    if (st == nullptr || !st->ready) {
+        return squeeze_result(__func__, "no prepared prefix (llama_squeeze_prepare or llama_squeeze_load first)");
+    }
+    if (st->prefill != mode) {
+        st->prefill = mode;
+        st->generation = sparq_squeeze_access::next_generation();  // graphs built for the other mode are not reused
+    }
+    return squeeze_result(__func__, "");
+}
+
 void llama_squeeze_clear(struct llama_context * ctx) {
     if (ctx != nullptr) {
         sparq_squeeze_access::clear(*ctx);
@@ -1308,6 +1334,7 @@ struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ct
     info.n_clustered      = st->n_clustered;
     info.levels           = st->params.levels;
     info.threshold        = st->threshold;
+    info.prefill          = st->prefill;
     info.threshold_coarse = st->threshold_coarse;
     info.kept_calib       = st->kept_calib;
     for (const auto & L : st->layers) {

@@ -184,7 +184,7 @@ std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state 
 
 ggml_tensor * squeeze_build_attn(ggml_context * ctx0, llm_graph_result * res, const llama_kv_cache_context * mctx,
                                  ggml_tensor * q, ggml_tensor * kq_mask, float kq_scale, float softcap, int il,
-                                 bool unsupported_inputs) {
+                                 bool unsupported_inputs, bool decode) {
     const llama_kv_cache * kv = mctx->get_kv();
     squeeze_kv_state * st = kv->squeeze.get();
     if (st == nullptr) {
@@ -223,6 +223,15 @@ ggml_tensor * squeeze_build_attn(ggml_context * ctx0, llm_graph_result * res, co
     const int64_t n_kv = mctx->get_n_kv();
     ggml_tensor * k = mctx->get_k(ctx0, il);
     ggml_tensor * v = mctx->get_v(ctx0, il);
+    if (!decode) {
+        // a prefill: dense attention when asked, or by default where the KV is not in host memory (a GPU)
+        // (k is a view built in the graph's context: its buffer is set only at allocation; its source's is the cache's)
+        const ggml_tensor * cache_k = k->view_src ? k->view_src : k;
+        const bool host = cache_k->buffer == nullptr || ggml_backend_buffer_is_host(cache_k->buffer);
+        if (st->prefill == LLAMA_SQUEEZE_PREFILL_DENSE || (st->prefill == LLAMA_SQUEEZE_PREFILL_AUTO && !host)) {
+            return nullptr;
+        }
+    }
     const int64_t ns = k->ne[3];
     const int64_t n_tokens = q->ne[2];
 
