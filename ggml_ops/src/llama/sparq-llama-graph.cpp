@@ -298,18 +298,18 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     }
     const llama_kv_cache * kv = mctx_cur->get_kv();
     const float softcap = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
+    const bool decode = ubatch.n_tokens == ubatch.n_seqs_unq;  // one token per sequence
     const sparq_kv_layer * L = sp.enabled ? kv->sparq_layer(il) : nullptr;
     if (L == nullptr || !L->active) {
         // a prepared prefix (centroid-sparse) without SparQ
         return kv->squeeze && cparams.causal_attn ?
-            squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla,
-                               ubatch.n_tokens == ubatch.n_seqs_unq) : nullptr;
+            squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla, decode) :
+            nullptr;
     }
 
     const uint32_t n_seq_max = kv->get_n_seq_max();
     sparq_graph_input * inp = sparq_input(res, ubatch, n_seq_max);
 
-    const bool decode = ubatch.n_tokens == ubatch.n_seqs_unq;
     const bool select = decode || sp.prefill;
 
     // 1. the derived state follows this ubatch's writes
