@@ -32,10 +32,11 @@ pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_lla
                                 reason="no CUDA device in this build (the GPU run is bench/device_squeeze.sh)")
 
 
+@pytest.mark.parametrize("var_weight", [0.0, 0.5])
 @pytest.mark.parametrize("keep", [0.1, 0.3])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_op_matches_reference_and_cpu(case: int, keep: float) -> None:
-    q, k, v, cent, sizes, cell, thr, mask, kv, kw = case_inputs(case, keep)
+def test_op_matches_reference_and_cpu(case: int, keep: float, var_weight: float) -> None:
+    q, k, v, cent, sizes, cell, thr, mask, kv, kw = case_inputs(case, keep, var_weight)
     got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, backend="cuda", **kw)
     cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, n_threads=2, **kw)
     np.testing.assert_allclose(got, cpu, rtol=TOL[kv], atol=TOL[kv])
@@ -55,28 +56,35 @@ SELECTION_CASES = [
 ]
 
 
+@pytest.mark.parametrize("var_weight", [0.0, 0.5])
 @pytest.mark.parametrize("keep", [0.1, 0.3])
 @pytest.mark.parametrize("case", range(len(SELECTION_CASES)))
-def test_selected_cells_are_identical(case: int, keep: float) -> None:
+def test_selected_cells_are_identical(case: int, keep: float, var_weight: float) -> None:
     n_head, n_head_kv, d, n_kv, frac, levels, masked, group = SELECTION_CASES[case]
     rng = np.random.default_rng(300 + case)
     n_prefix = n_kv - 16
-    q, k, _, cent, sizes, cell, coarse = make_case(rng, ns=1, n_head=n_head, n_head_kv=n_head_kv, d=d, d_v=8,
-                                                   n_kv=n_kv, n_prefix=n_prefix, frac=frac, kv_dtype="f32",
-                                                   levels=levels)
+    q, k, _, cent, sizes, cell, coarse, var = make_case(rng, ns=1, n_head=n_head, n_head_kv=n_head_kv, d=d, d_v=8,
+                                                        n_kv=n_kv, n_prefix=n_prefix, frac=frac, kv_dtype="f32",
+                                                        levels=levels)
     q = q.astype(np.float32).astype(np.float64) * 0.3  # moderate logits: no selected weight underflows
     v = np.broadcast_to(np.eye(n_kv), (1, n_head_kv, n_kv, n_kv)).copy()
     mask = rng.random((1, q.shape[2], n_kv)) > 0.15 if masked else None
-    fine, coarse_scores = all_scores(q, cent, sizes, 1.0 / math.sqrt(d), group, coarse)
+    fine, coarse_scores = all_scores(q, cent, sizes, 1.0 / math.sqrt(d), group, coarse, var, var_weight)
     thr = gap_threshold(fine, keep)
     thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
+    if var_weight == 0.0 and coarse is not None:
+        coarse = coarse[:3]
     kw = {"group": group, "coarse": coarse, "threshold_coarse": thr_c, "kv_dtype": "f32"}
+    if var_weight > 0.0:
+        kw |= {"variances": var, "var_weight": var_weight}
     got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, backend="cuda", **kw)
     cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, n_threads=2, **kw)
     kw.pop("kv_dtype")
     coarse = kw.pop("coarse")
+    var = kw.pop("variances", None)
     want = centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], thr, None if mask is None else mask[0],
-                         coarse=None if coarse is None else tuple(x[0] for x in coarse), **kw)
+                         coarse=None if coarse is None else tuple(x[0] for x in coarse),
+                         variances=None if var is None else var[0], **kw)
     read = got[0] > 0
     assert np.array_equal(read, cpu[0] > 0)
     assert np.array_equal(read, want > 0)
@@ -121,7 +129,8 @@ def test_long_sequences_match_cpu(shape) -> None:
     q = (rng.standard_normal((n_head, 2, d)) + 20.0 * near).astype(np.float32)
     mask = np.ones((2, n_kv), dtype=bool)
     mask[0, -5:] = False
-    fine, _ = all_scores(q[None].astype(np.float64), cent[None], sizes[None], 1.0 / math.sqrt(d), shape["group"], None)
+    fine, _ = all_scores(q[None].astype(np.float64), cent[None], sizes[None], 1.0 / math.sqrt(d), shape["group"], None,
+                         None, 0.0)
     for keep in (0.1, 0.3):
         thr = wide_gap_threshold(fine, keep)
         kw = {"group": shape["group"], "kv_dtype": shape["kv"]}
@@ -134,7 +143,7 @@ def test_prefill_rows_run_in_waves_and_repeat_bit_for_bit() -> None:
     # more rows (KV heads x query rows) than one wave takes: 2 x 4500 > 8192
     rng = np.random.default_rng(31)
     n_q, n_kv, n_prefix, d = 4500, 400, 360, 32
-    q, k, v, cent, sizes, cell, _ = make_case(rng, ns=1, n_head=4, n_head_kv=2, d=d, d_v=d, n_kv=n_kv,
+    q, k, v, cent, sizes, cell, _, _ = make_case(rng, ns=1, n_head=4, n_head_kv=2, d=d, d_v=d, n_kv=n_kv,
                                               n_prefix=n_prefix, frac=0.1, kv_dtype="f16", levels=1)
     q = rng.standard_normal((4, n_q, d)) * 1.5
     mask = np.tril(np.ones((n_q, n_kv), dtype=bool), k=n_kv - n_q) if n_q <= n_kv else rng.random((n_q, n_kv)) > 0.2
@@ -151,7 +160,7 @@ def test_prefill_rows_run_in_waves_and_repeat_bit_for_bit() -> None:
 @pytest.mark.parametrize("n_q", [1, 3])
 def test_threshold_zero_is_dense(n_q: int) -> None:
     rng = np.random.default_rng(7)
-    q, k, v, cent, sizes, cell, _ = make_case(rng, ns=1, n_head=8, n_head_kv=2, d=64, d_v=64, n_kv=5000,
+    q, k, v, cent, sizes, cell, _, _ = make_case(rng, ns=1, n_head=8, n_head_kv=2, d=64, d_v=64, n_kv=5000,
                                               n_prefix=4900, frac=0.05, kv_dtype="f16", levels=1)
     q = q[:, :, :1].repeat(n_q, axis=2)
     mask = rng.random((n_q, 5000)) > 0.1
@@ -161,7 +170,7 @@ def test_threshold_zero_is_dense(n_q: int) -> None:
 
 def test_rows_without_visible_cells_are_zero() -> None:
     rng = np.random.default_rng(8)
-    q, k, v, cent, sizes, cell, _ = make_case(rng, ns=1, n_head=4, n_head_kv=2, d=32, d_v=32, n_kv=100,
+    q, k, v, cent, sizes, cell, _, _ = make_case(rng, ns=1, n_head=4, n_head_kv=2, d=32, d_v=32, n_kv=100,
                                               n_prefix=80, frac=0.1, kv_dtype="f32", levels=1)
     mask = np.ones((q.shape[2], 100), dtype=bool)
     mask[0] = False
@@ -191,6 +200,8 @@ def test_kmeans_matches_cpu_and_reference_on_separated_blobs(d: int) -> None:
         # another fixed point on the next)
         np.testing.assert_allclose(got[h].centroids, cpu[h].centroids, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[h].variances, cpu[h].variances, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("n_iter", [1, 2, 4])
@@ -206,6 +217,7 @@ def test_kmeans_iterations_match_cpu_on_a_7b_head_shape(n_iter: int) -> None:
         assert np.array_equal(got[h].assignment, cpu[h].assignment)
         assert np.array_equal(got[h].sizes, cpu[h].sizes)
         np.testing.assert_allclose(got[h].centroids, cpu[h].centroids, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[h].variances, cpu[h].variances, rtol=1e-5, atol=1e-7)
 
 
 def test_kmeans_on_cuda_is_deterministic_and_a_fixed_point() -> None:
@@ -218,6 +230,9 @@ def test_kmeans_on_cuda_is_deterministic_and_a_fixed_point() -> None:
         assert a[h].sizes.sum() == 2000
         for c in np.flatnonzero(a[h].sizes)[:20]:
             np.testing.assert_allclose(a[h].centroids[c], x[h][a[h].assignment == c].mean(0), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a[h].variances[c], x[h][a[h].assignment == c].astype(np.float64).var(0),
+                                       rtol=1e-4, atol=1e-6)
+        assert np.array_equal(a[h].variances, b[h].variances)
 
 
 def test_kmeans_assignment_ties_go_to_the_higher_cluster_as_on_the_cpu() -> None:

@@ -26,6 +26,8 @@ def test_matches_reference_on_separated_blobs(n_threads: int) -> None:
         # the problems of one call iterate together: until none changes (an unchanged one keeps its result)
         assert got[h].n_iter == max(w.n_iter for w in want)
         np.testing.assert_allclose(got[h].centroids, want[h].centroids, rtol=1e-5, atol=1e-5)
+        # the table's variances (GGML_CLUSTER_TABLE_VAR): each member's squared deviation from the mean, summed
+        np.testing.assert_allclose(got[h].variances, want[h].variances, rtol=1e-4, atol=1e-7)
 
 
 def test_random_keys_converge_to_the_reference_fixed_point() -> None:
@@ -47,6 +49,9 @@ def test_random_keys_converge_to_the_reference_fixed_point() -> None:
         assert a[h].sizes.sum() == 500
         for c in np.flatnonzero(a[h].sizes):
             np.testing.assert_allclose(a[h].centroids[c], x[h][a[h].assignment == c].mean(0), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a[h].variances[c], x[h][a[h].assignment == c].astype(np.float64).var(0),
+                                       rtol=1e-4, atol=1e-7)
+        assert (a[h].variances[a[h].sizes == 0] == 0).all()
 
 
 def test_edge_cases_and_errors() -> None:
@@ -57,6 +62,7 @@ def test_edge_cases_and_errors() -> None:
     every = ops.kmeans_cosine(keys, 10)
     assert sorted(every.assignment.tolist()) == list(range(10))
     dup = ops.kmeans_cosine(np.ones((5, 3)), 3)  # ties go to the highest cluster, as in the reference
+    assert (dup.variances == 0).all()  # identical members: no spread (computed about the mean, no cancellation)
     assert dup.sizes.tolist() == kmeans_cosine(np.ones((5, 3)), 3).sizes.tolist() == [0, 0, 5]
     for bad in (0, 11):
         with pytest.raises(ValueError, match="n_clusters"):

@@ -39,7 +39,7 @@ def test_help_lists_the_flags():
     res = run(["llama-completion", "--help"], timeout=60)
     assert res.returncode == 0, res.stderr
     for flag in ["--squeeze", "--squeeze-prefix-file", "--squeeze-centroids", "--squeeze-keep", "--squeeze-levels",
-                 "--squeeze-save", "--squeeze-load", "--squeeze-prefill"]:
+                 "--squeeze-save", "--squeeze-load", "--squeeze-prefill", "--squeeze-var"]:
         assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", res.stdout, re.MULTILINE), f"{flag} missing"
 
 
@@ -55,6 +55,10 @@ def test_help_lists_the_flags():
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--prompt-cache", "c.bin"], "cannot be combined with --prompt-cache"),
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-prefill", "fast"], "must be auto, sparse or dense"),
     (["--squeeze-prefill", "dense"], "--squeeze-prefill has no effect without --squeeze"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-var", "-1"], "must be a number in [0, 100]"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-var", "0.5x"], "must be a number in [0, 100]"),
+    (["--squeeze-var", "0"], "--squeeze-var has no effect without --squeeze"),
+    (["--squeeze", "--squeeze-load", "b.state", "--squeeze-var", "0"], "--squeeze-var applies when preparing"),
 ])
 def test_bad_flags_fail_before_loading(args, message):
     res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
@@ -94,8 +98,21 @@ def test_saved_prefix_loads_and_answers_the_same(smollm2_path, document, tmp_pat
         info = llm.fixed_context
         n_prefix = int(re.search(r"loaded a prepared prefix of (\d+) tokens", log).group(1))
         assert info.prepared and info.n_prefix == n_prefix and info.kept_calib == pytest.approx(0.3, abs=0.01)
+        assert info.var_weight == 0.5  # the default kept rule, saved with the thresholds calibrated for it
     finally:
         llm.close()
+
+
+def test_squeeze_var_sets_the_kept_rule(smollm2_path, document, tmp_path):
+    state = str(tmp_path / "mean.state")
+    got, _ = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3",
+                        "--squeeze-var", "0", "--squeeze-save", state)
+    llm = Llama(str(smollm2_path), n_ctx=2048, flash_attn=True, n_threads=2, verbose=False, fixed_context=state)
+    try:
+        assert llm.fixed_context.var_weight == 0.0
+    finally:
+        llm.close()
+    assert got  # the semantics of the rule are tested in Python (test_squeeze_decode.py)
 
 
 def test_loaded_prefix_recalibrated_answers_as_prepared_at_that_keep(smollm2_path, document, tmp_path):

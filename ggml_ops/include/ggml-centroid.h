@@ -2,7 +2,10 @@
 // (semantics: shared/DESIGN.md "Centroid-sparse"; float64 reference: sparq_llama.reference_squeeze).
 //
 // Per KV head h, stream s, query row t, with G the query heads sharing h and sigma the kq scale:
-//   1. S_g[i] = exp(sigma q_g . C_i) / sum_j N_j exp(sigma q_g . C_j) over the clusters with N_j > 0.
+//   1. S_g[i] = exp(sigma q_g . C_i + var_weight sigma^2 / 2 sum_d q_gd^2 D_id) / sum_j N_j exp(sigma q_g . C_j)
+//      over the clusters with N_j > 0. D_i are the members' per-component variances about C_i (tables of width
+//      2d + 1); the term is the second-order estimate of E_k exp(sigma q.k) over the members, so a cluster with
+//      a spread-out member set is not judged by its mean alone. var_weight 0 (the paper's rule): exp of the mean.
 //   2. Group score s[i] = max_g S_g[i] (GGML_CENTROID_GROUP_MAX) or the mean over g; the group shares one
 //      selection, so each selected K and V row is read once for all its heads.
 //   3. Kept clusters: s[i] >= threshold, and always the best one (ties: lower index). threshold <= 0 keeps all.
@@ -30,9 +33,10 @@ struct ggml_centroid_params {
     enum ggml_centroid_group group;
     float scale;             // kq scale; 0: 1/sqrt(head_dim)
     float softcap;           // logit softcap (gemma2-style); 0: none
+    float var_weight;        // weight of the variance term in S (> 0 needs tables of width 2d + 1); 0: mean only
 };
 
-// threshold 0 (dense), group max, scale 1/sqrt(d), no softcap.
+// threshold 0 (dense), group max, scale 1/sqrt(d), no softcap, var_weight 0.
 GGML_API struct ggml_centroid_params ggml_centroid_default_params(void);
 
 // Tensors (shapes as ggml_flash_attn_ext; ns = streams):
@@ -40,9 +44,10 @@ GGML_API struct ggml_centroid_params ggml_centroid_default_params(void);
 //   k      [d,      n_kv,   n_head_kv, ns] f32 | f16 | bf16
 //   v      [d_v,    n_kv,   n_head_kv, ns] same type as k
 //   mask   [n_kv,   n_q,    1,         ns or 1] f16 (0 visible, -inf hidden), or NULL (all visible)
-//   cent   [d + 1,  n_cent, n_head_kv, ns] f32: each fine centroid's d components, then its size N (0: empty)
+//   cent   [d + 1 or 2d + 1, n_cent, n_head_kv, ns] f32: each fine centroid's d components, then its size N
+//          (0: empty), then (width 2d + 1) the members' d per-component variances about the centroid
 //   cell   [n_kv,   n_head_kv, ns,     1] i32: the fine cluster of each cell, -1 for cells not clustered
-//   coarse [d + 1,  n_coarse, n_head_kv, ns] f32 or NULL: coarse centroids and sizes (two levels)
+//   coarse [cent's width, n_coarse, n_head_kv, ns] f32 or NULL: coarse centroids, sizes (and variances)
 //   parent [n_cent, n_head_kv, ns,     1] i32 or NULL (with coarse): the coarse cluster of each fine one
 //   result [d_v, n_head, n_q, ns] f32
 // Returns NULL when the arguments are valid, otherwise a message saying what is wrong (thread-local
@@ -71,6 +76,7 @@ struct ggml_centroid_op_params {
     float   threshold, threshold_coarse;
     int32_t group;  // enum ggml_centroid_group
     float   scale, softcap;
+    float   var_weight;
 };
 GGML_API struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct ggml_tensor * op);
 
@@ -83,11 +89,15 @@ GGML_API struct ggml_centroid_op_params ggml_centroid_get_op_params(const struct
 //       normalised sum of its members (spherical k-means), or its prev row when it has no member.
 //   GGML_CLUSTER_TABLE: prev NULL; result [d + 1, n_clusters, H]: each cluster's mean of its members followed
 //       by its size (the centroid table ggml_centroid_attn reads; zeros for an empty cluster).
+//   GGML_CLUSTER_TABLE_VAR: prev NULL; result [2d + 1, n_clusters, H]: the table, then each cluster's per-component
+//       variance of its members about that mean, sum_p (x_p - mean)^2 / N in a second pass over the rows (zeros
+//       for an empty cluster).
 // Sums run over the rows in order (deterministic on every backend that keeps that order).
 enum ggml_cluster_mode {
     GGML_CLUSTER_SPHERICAL = 0,
     GGML_CLUSTER_TABLE     = 1,
     GGML_CLUSTER_ASSIGN    = 2,  // ggml_cluster_assign's node (not a mode of ggml_cluster_update's arguments)
+    GGML_CLUSTER_TABLE_VAR = 3,
 };
 
 GGML_API const char * ggml_cluster_update_check(

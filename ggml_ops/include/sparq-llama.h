@@ -68,9 +68,10 @@ SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args
 struct ggml_centroid_params;
 
 // One evaluation of ggml_centroid_attn over host arrays (sparq_llama.ops.centroid_attn). Arrays are
-// C-contiguous in ggml order: q, k, v and mask as for sparq_eval_args; cent [ns][n_head_kv][n_cent][d + 1] f32
-// (components, then the cluster size); cell [ns][n_head_kv][n_kv] i32 (-1: not clustered); coarse
-// [ns][n_head_kv][n_coarse][d + 1] f32 and parent [ns][n_head_kv][n_cent] i32, both or neither (two levels);
+// C-contiguous in ggml order: q, k, v and mask as for sparq_eval_args; cent [ns][n_head_kv][n_cent][table_width]
+// f32 (components, the cluster size, then with table_width 2d + 1 the variances); cell [ns][n_head_kv][n_kv] i32
+// (-1: not clustered); coarse [ns][n_head_kv][n_coarse][table_width] f32 and parent [ns][n_head_kv][n_cent] i32,
+// both or neither (two levels);
 // out [ns][n_q][n_head][d_v] f32. 0 on success; otherwise 1 with a message in err.
 struct centroid_eval_args {
     const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
@@ -87,12 +88,14 @@ struct centroid_eval_args {
     const int32_t * parent;
     const struct ggml_centroid_params * params;
     float         * out;
+    int64_t         table_width;  // d + 1, or 2d + 1 with the variances; 0: d + 1
 };
 SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * args, char * err, size_t err_size);
 
 // Spherical k-means of H problems of P rows as ggml graphs on a backend (sparq_llama.ops.kmeans_cosine; the
-// clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][d + 1] f32 out
-// (member means of the unnormalised rows, then the size); assignment [H][P] i32 out; *n_iter_run out.
+// clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][2d + 1] f32 out
+// (member means of the unnormalised rows, the size, the members' per-component variances about the mean);
+// assignment [H][P] i32 out; *n_iter_run out.
 // 0 on success; otherwise 1 with a message in err.
 struct kmeans_eval_args {
     const char * device;   // NULL or "": the CPU
@@ -236,11 +239,14 @@ struct llama_squeeze_params {
     int32_t n_calib;           // calibration tokens at the prefix's end (default 100; at most n_prefix/2)
     int32_t n_iter;            // k-means iterations at most (default 8; stops early when nothing moves)
     int32_t group;             // enum ggml_centroid_group: a GQA group keeps a cluster by the max (0) or mean (1)
+    float   var_weight;        // the kept rule's variance term (ggml-centroid.h), >= 0; 0: the paper's mean rule
+                               // (default 0.5: bench/notes_squeeze_quality.md)
     bool  (*progress_callback)(float progress, void * user_data); // NULL: none; returning false cancels
     void *  progress_callback_user_data;
 };
 
-// centroids 0.05, keep 0.1, levels 1, centroids_coarse 0.01, keep_coarse 0, n_calib 100, n_iter 8, group max.
+// centroids 0.05, keep 0.1, levels 1, centroids_coarse 0.01, keep_coarse 0, n_calib 100, n_iter 8, group max,
+// var_weight 0.5.
 SPARQ_API struct llama_squeeze_params llama_squeeze_default_params(void);
 
 // NULL when the values are valid, otherwise what is wrong (thread-local storage, valid until the next call).
@@ -298,13 +304,15 @@ struct llama_squeeze_info {
     float   threshold_coarse;  // levels = 2: the coarse threshold
     float   kept_calib;        // mean kept fraction on the calibration queries at T
     int32_t prefill;           // enum llama_squeeze_prefill
+    float   var_weight;        // the kept rule's variance term (0: the mean rule, as sidecars before version 3)
 };
 SPARQ_API struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ctx);
 
 // The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
 // (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
-// calibration queries), table [n_layers][n_head_kv][n_cent][d + 1] (components, then the size); two levels:
-// coarse [n_layers][n_head_kv][n_coarse][d + 1] and parent [n_layers][n_head_kv][n_cent], else NULL.
+// calibration queries), table [n_layers][n_head_kv][n_cent][table_width] (components, the size, with width 2d + 1
+// the variances); two levels: coarse [n_layers][n_head_kv][n_coarse][table_width] and parent
+// [n_layers][n_head_kv][n_cent], else NULL. var_weight: the kept rule's variance term (needs width 2d + 1).
 // Out: *threshold, *threshold_coarse (two levels) and *kept (mean kept fraction at them). 0, or 1 with err.
 struct squeeze_calib_args {
     int64_t d, n_head, n_head_kv, n_rows, n_layers, n_cent, n_coarse;
@@ -320,6 +328,8 @@ struct squeeze_calib_args {
     float * threshold;
     float * threshold_coarse;
     float * kept;
+    int64_t table_width;  // d + 1 or 2d + 1; 0: d + 1
+    float   var_weight;
 };
 SPARQ_API int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * args, char * err, size_t err_size);
 

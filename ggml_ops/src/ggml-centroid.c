@@ -34,6 +34,7 @@ struct ggml_centroid_params ggml_centroid_default_params(void) {
         /*.group            =*/ GGML_CENTROID_GROUP_MAX,
         /*.scale            =*/ 0.0f,
         /*.softcap          =*/ 0.0f,
+        /*.var_weight       =*/ 0.0f,
     };
     return p;
 }
@@ -47,7 +48,7 @@ static const char * centroid_check_table(const char * name, const struct ggml_te
                                          int64_t n_head_kv, int64_t ns) {
     if (t->type != GGML_TYPE_F32 || t->ne[0] != width || t->ne[1] < 1 || t->ne[2] != n_head_kv || t->ne[3] != ns ||
         t->nb[0] != sizeof(float)) {
-        return centroid_fail("%s must be f32 [d+1=%lld, n >= 1, n_head_kv=%lld, ns=%lld] with contiguous rows, got "
+        return centroid_fail("%s must be f32 [width=%lld, n >= 1, n_head_kv=%lld, ns=%lld] with contiguous rows, got "
                              "%s [%lld, %lld, %lld, %lld]", name, (long long) width, (long long) n_head_kv,
                              (long long) ns, ggml_type_name(t->type), (long long) t->ne[0], (long long) t->ne[1],
                              (long long) t->ne[2], (long long) t->ne[3]);
@@ -108,7 +109,12 @@ const char * ggml_centroid_attn_check(
             return centroid_fail("mask must be [n_kv=%lld, >=n_q=%lld, 1, ns or 1]", (long long) n_kv, (long long) n_q);
         }
     }
-    const char * err = centroid_check_table("cent", cent, d + 1, n_head_kv, ns);
+    // the table's width says whether it holds variances: d + 1 (centroid, size) or 2d + 1 (then the variances)
+    if (cent->ne[0] != d + 1 && cent->ne[0] != 2*d + 1) {
+        return centroid_fail("cent rows must hold d + 1 = %lld (centroid, size) or 2d + 1 = %lld (and the variances) "
+                             "floats, got %lld", (long long) (d + 1), (long long) (2*d + 1), (long long) cent->ne[0]);
+    }
+    const char * err = centroid_check_table("cent", cent, cent->ne[0], n_head_kv, ns);
     if (!err) {
         err = centroid_check_map("cell", cell, n_kv, n_head_kv, ns);
     }
@@ -116,7 +122,7 @@ const char * ggml_centroid_attn_check(
         err = centroid_fail("coarse and parent go together (two levels) or are both NULL");
     }
     if (!err && coarse) {
-        err = centroid_check_table("coarse", coarse, d + 1, n_head_kv, ns);
+        err = centroid_check_table("coarse", coarse, cent->ne[0], n_head_kv, ns);
     }
     if (!err && parent) {
         err = centroid_check_map("parent", parent, cent->ne[1], n_head_kv, ns);
@@ -136,6 +142,13 @@ const char * ggml_centroid_attn_check(
     }
     if (!(p->softcap >= 0.0f) || !isfinite(p->softcap)) {
         return centroid_fail("softcap = %g must be >= 0", (double) p->softcap);
+    }
+    if (!(p->var_weight >= 0.0f) || !isfinite(p->var_weight)) {
+        return centroid_fail("var_weight = %g must be finite and >= 0", (double) p->var_weight);
+    }
+    if (p->var_weight > 0.0f && cent->ne[0] != 2*d + 1) {
+        return centroid_fail("var_weight = %g needs tables with the variances (rows of 2d + 1 = %lld floats), got %lld",
+                             (double) p->var_weight, (long long) (2*d + 1), (long long) cent->ne[0]);
     }
     return NULL;
 }
@@ -161,6 +174,7 @@ struct ggml_tensor * ggml_centroid_attn(
         /*.group            =*/ (int32_t) params.group,
         /*.scale            =*/ params.scale > 0.0f ? params.scale : 1.0f / sqrtf((float) q->ne[0]),
         /*.softcap          =*/ params.softcap,
+        /*.var_weight       =*/ params.var_weight,
     };
     const int64_t ne[4] = { v->ne[0], q->ne[2], q->ne[1], q->ne[3] };
     struct ggml_tensor * result = ggml_new_tensor(ctx, GGML_TYPE_F32, 4, ne);
@@ -209,12 +223,13 @@ const char * ggml_cluster_update_check(
             return centroid_fail("ggml_cluster_update: the spherical update needs prev f32 [d=%lld, n=%lld, H=%lld]",
                                  (long long) d, (long long) n_clusters, (long long) H);
         }
-    } else if (mode == GGML_CLUSTER_TABLE) {
+    } else if (mode == GGML_CLUSTER_TABLE || mode == GGML_CLUSTER_TABLE_VAR) {
         if (prev) {
-            return centroid_fail("ggml_cluster_update: the table mode takes no prev");
+            return centroid_fail("ggml_cluster_update: the table modes take no prev");
         }
     } else {
-        return centroid_fail("ggml_cluster_update: mode must be spherical or table (assignments: ggml_cluster_assign)");
+        return centroid_fail("ggml_cluster_update: mode must be spherical, table or table_var (assignments: "
+                             "ggml_cluster_assign)");
     }
     return NULL;
 }
@@ -230,7 +245,7 @@ struct ggml_tensor * ggml_cluster_update(
     if (err) {
         GGML_ABORT("%s", err);
     }
-    const int64_t width = mode == GGML_CLUSTER_TABLE ? x->ne[0] + 1 : x->ne[0];
+    const int64_t width = mode == GGML_CLUSTER_TABLE ? x->ne[0] + 1 : mode == GGML_CLUSTER_TABLE_VAR ? 2*x->ne[0] + 1 : x->ne[0];
     struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, width, n_clusters, x->ne[2]);
     const int32_t op_params[1] = { (int32_t) mode };
     ggml_set_op_params(result, op_params, sizeof(op_params));

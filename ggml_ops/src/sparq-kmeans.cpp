@@ -7,7 +7,8 @@
 //   iteration: sim = centroids^T xn (ggml_mul_mat), assignment = argmax over the clusters (ggml_cluster_assign:
 //              ties to the highest index), centroids = ggml_cluster_update(xn, assignment, centroids); stop after
 //              n_iter iterations or when no assignment changed (read back: P * H int32 per iteration)
-//   result:    ggml_cluster_update(x, assignment, TABLE): each cluster's mean of unnormalised rows and its size
+//   result:    ggml_cluster_update(x, assignment, TABLE_VAR): each cluster's mean of unnormalised rows, its size and
+//              its members' per-component variances about the mean
 #include "sparq-kmeans.h"
 
 #include "ggml-alloc.h"
@@ -104,7 +105,7 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     {  // the centroid table of the unnormalised rows
         km::ctx_ptr fin = km::graph_context();
         ggml_cgraph * gt = ggml_new_graph(fin.get());
-        ggml_tensor * table = ggml_cluster_update(fin.get(), x, assign, nullptr, n_clusters, GGML_CLUSTER_TABLE);
+        ggml_tensor * table = ggml_cluster_update(fin.get(), x, assign, nullptr, n_clusters, GGML_CLUSTER_TABLE_VAR);
         ggml_build_forward_expand(gt, table);
         if (!km::run_graph(backend, galloc.get(), gt)) {
             return "k-means: the table graph failed";

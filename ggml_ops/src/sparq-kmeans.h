@@ -10,7 +10,7 @@
 #include <vector>
 
 struct sparq_kmeans_result {
-    std::vector<float>   table;       // [H][n][d + 1]: member means of the unnormalised rows, then the size
+    std::vector<float>   table;       // [H][n][2d + 1]: member means of the unnormalised rows, the size, the variances
     std::vector<int32_t> assignment;  // [H][P]
     int                  n_iter = 0;  // iterations run (stops early when no assignment changes)
 };

@@ -172,9 +172,10 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, a->d, a->n_kv, a->n_head_kv, a->ns);
     ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
     ggml_tensor * mask = a->mask ? ggml_new_tensor_4d(c, GGML_TYPE_F16, a->n_kv, a->n_q, 1, a->mask_ns) : nullptr;
-    ggml_tensor * cent = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d + 1, a->n_cent, a->n_head_kv, a->ns);
+    const int64_t width = a->table_width > 0 ? a->table_width : a->d + 1;
+    ggml_tensor * cent = ggml_new_tensor_4d(c, GGML_TYPE_F32, width, a->n_cent, a->n_head_kv, a->ns);
     ggml_tensor * cell = ggml_new_tensor_3d(c, GGML_TYPE_I32, a->n_kv, a->n_head_kv, a->ns);
-    ggml_tensor * coarse = a->coarse ? ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d + 1, a->n_coarse, a->n_head_kv, a->ns)
+    ggml_tensor * coarse = a->coarse ? ggml_new_tensor_4d(c, GGML_TYPE_F32, width, a->n_coarse, a->n_head_kv, a->ns)
                                      : nullptr;
     ggml_tensor * parent = a->parent ? ggml_new_tensor_3d(c, GGML_TYPE_I32, a->n_cent, a->n_head_kv, a->ns) : nullptr;
 

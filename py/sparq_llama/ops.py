@@ -252,7 +252,7 @@ class GgmlCentroidParams(ctypes.Structure):
     """struct ggml_centroid_params (ggml-centroid.h)."""
 
     _fields_ = [("threshold", ctypes.c_float), ("threshold_coarse", ctypes.c_float), ("group", ctypes.c_int32),
-                ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("var_weight", ctypes.c_float)]
 
 
 class CentroidEvalArgs(ctypes.Structure):
@@ -262,18 +262,27 @@ class CentroidEvalArgs(ctypes.Structure):
         [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns",
                                        "n_cent", "n_coarse")] + \
         [(n, ctypes.c_void_p) for n in ("q", "k", "v", "mask", "cent", "cell", "coarse", "parent")] + \
-        [("params", ctypes.POINTER(GgmlCentroidParams)), ("out", ctypes.c_void_p)]
+        [("params", ctypes.POINTER(GgmlCentroidParams)), ("out", ctypes.c_void_p), ("table_width", ctypes.c_int64)]
 
 
-def _table(centroids: np.ndarray, sizes: np.ndarray, ns: int, n_head_kv: int, d: int, name: str) -> np.ndarray:
-    """[ns, n_head_kv, n, d + 1] f32: each centroid's components, then its cluster size."""
+def _table(centroids: np.ndarray, sizes: np.ndarray, variances: np.ndarray | None, ns: int, n_head_kv: int, d: int,
+           name: str) -> np.ndarray:
+    """[ns, n_head_kv, n, d + 1] f32: each centroid's components, then its cluster size; with variances
+    [ns, n_head_kv, n, 2d + 1]: then the variances."""
     c = np.asarray(centroids, dtype=np.float64)
     n = np.asarray(sizes, dtype=np.float64)
     c, n = (c[None], n[None]) if c.ndim == 3 else (c, n)
     if c.ndim != 4 or c.shape[:2] != (ns, n_head_kv) or c.shape[3] != d or n.shape != c.shape[:3]:
         raise ValueError(f"{name} must be [n_head_kv={n_head_kv}, n, d={d}] with sizes [n_head_kv, n] (or with a "
                          f"leading stream axis), got {c.shape} and {n.shape}")
-    return np.ascontiguousarray(np.concatenate([c, n[..., None]], axis=-1), dtype=np.float32)
+    parts = [c, n[..., None]]
+    if variances is not None:
+        var = np.asarray(variances, dtype=np.float64)
+        var = var[None] if var.ndim == 3 else var
+        if var.shape != c.shape:
+            raise ValueError(f"the variances of {name} must have the centroids' shape {c.shape}, got {var.shape}")
+        parts.append(var)
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1), dtype=np.float32)
 
 
 def _index_map(x: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
@@ -287,7 +296,8 @@ def _index_map(x: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
 def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.ndarray, sizes: np.ndarray,
                   cell_cluster: np.ndarray, threshold: float, mask: np.ndarray | None = None, *,
                   scale: float | None = None, softcap: float = 0.0, group: Literal["max", "mean"] = "max",
-                  coarse: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, threshold_coarse: float = 0.0,
+                  coarse: tuple[np.ndarray, ...] | None = None, threshold_coarse: float = 0.0,
+                  variances: np.ndarray | None = None, var_weight: float = 0.0,
                   kv_dtype: Literal["f16", "bf16", "f32"] = "f16", n_threads: int | None = None,
                   backend: str = "cpu") -> np.ndarray:
     """ggml_centroid_attn on our library; arguments as `reference_squeeze.centroid_attn`, plus kv_dtype,
@@ -307,15 +317,18 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
     d_v = v.shape[-1]
     if k.shape[0] != ns or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} do not match (streams, heads, cells, head dim)")
-    cent = _table(centroids, sizes, ns, n_head_kv, d, "centroids")
+    cent = _table(centroids, sizes, variances, ns, n_head_kv, d, "centroids")
     cell = _index_map(cell_cluster, (ns, n_head_kv, n_kv), "cell_cluster")
     # the kernels never select a cell of an out-of-range cluster: refuse such maps here, where they are seen
-    if ((cell < -1) | (cell >= cent.shape[2])).any() or (cent[..., -1] < 0).any():
+    if ((cell < -1) | (cell >= cent.shape[2])).any() or (cent[..., d] < 0).any():
         raise ValueError("cell_cluster entries must be -1 (not clustered) or a cluster index < n_cent, sizes >= 0")
     coarse_dev = parent = None
     if coarse is not None:
-        c_cent, c_sizes, c_parent = coarse
-        coarse_dev = _table(c_cent, c_sizes, ns, n_head_kv, d, "coarse centroids")
+        c_cent, c_sizes, c_parent = coarse[:3]
+        c_var = coarse[3] if len(coarse) > 3 else None
+        if (c_var is None) != (variances is None):
+            raise ValueError("give the variances of both levels (variances and coarse[3]) or of neither")
+        coarse_dev = _table(c_cent, c_sizes, c_var, ns, n_head_kv, d, "coarse centroids")
         parent = _index_map(c_parent, (ns, n_head_kv, cent.shape[2]), "parent")
         if ((parent < 0) | (parent >= coarse_dev.shape[2])).any():
             raise ValueError("parent entries must be coarse cluster indices < n_coarse")
@@ -325,14 +338,15 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
     out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
     params = GgmlCentroidParams(threshold=float(threshold), threshold_coarse=float(threshold_coarse),
                                 group=_GROUP[group], scale=0.0 if scale is None else float(scale),
-                                softcap=float(softcap))
+                                softcap=float(softcap), var_weight=float(var_weight))
     ptr = lambda a: None if a is None else a.ctypes.data
     args = CentroidEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
                             kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head,
                             n_head_kv=n_head_kv, n_kv=n_kv, ns=ns, mask_ns=mask_ns, n_cent=cent.shape[2],
                             n_coarse=0 if coarse_dev is None else coarse_dev.shape[2], q=ptr(q32), k=ptr(k_dev),
                             v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
-                            coarse=ptr(coarse_dev), parent=ptr(parent), params=ctypes.pointer(params), out=ptr(out))
+                            coarse=ptr(coarse_dev), parent=ptr(parent), params=ctypes.pointer(params), out=ptr(out),
+                            table_width=cent.shape[3])
     _call("sparq_llama_eval_centroid_attn", args)
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
@@ -365,7 +379,7 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threa
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
     x = np.ascontiguousarray(x)
-    table = np.zeros((H, n_clusters, d + 1), dtype=np.float32)
+    table = np.zeros((H, n_clusters, 2 * d + 1), dtype=np.float32)
     assignment = np.zeros((H, P), dtype=np.int32)
     n_run = ctypes.c_int(0)
     args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
@@ -373,7 +387,8 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threa
                           assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run))
     _call("sparq_llama_eval_kmeans", args)
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
-                    assignment[h].astype(np.int64), n_run.value) for h in range(H)]
+                    assignment[h].astype(np.int64), n_run.value, table[h, :, d + 1:].astype(np.float64))
+           for h in range(H)]
     return out[0] if single else out
 
 
@@ -434,21 +449,24 @@ class SqueezeCalibArgs(ctypes.Structure):
         [("q", ctypes.c_void_p), ("table", ctypes.c_void_p), ("coarse", ctypes.c_void_p), ("parent", ctypes.c_void_p),
          ("scale", ctypes.c_float), ("group", ctypes.c_int), ("keep", ctypes.c_float), ("keep_coarse", ctypes.c_float),
          ("n_threads", ctypes.c_int), ("threshold", ctypes.POINTER(ctypes.c_float)),
-         ("threshold_coarse", ctypes.POINTER(ctypes.c_float)), ("kept", ctypes.POINTER(ctypes.c_float))]
+         ("threshold_coarse", ctypes.POINTER(ctypes.c_float)), ("kept", ctypes.POINTER(ctypes.c_float)),
+         ("table_width", ctypes.c_int64), ("var_weight", ctypes.c_float)]
 
 
 def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: float, group: str = "max",
                       coarse: np.ndarray | None = None, parent: np.ndarray | None = None, keep_coarse: float = 0.0,
-                      n_threads: int | None = None) -> tuple[float, float, float]:
+                      n_threads: int | None = None, var_weight: float = 0.0) -> tuple[float, float, float]:
     """The calibration llama_squeeze_prepare runs, on arrays: q [L, n_rows, n_head, d] (calibration queries per
-    layer), table [L, n_head_kv, n_cent, d + 1] (centroids, then sizes); two levels: coarse [L, n_head_kv,
-    n_coarse, d + 1] and parent [L, n_head_kv, n_cent]. Returns (threshold, threshold_coarse, mean kept
-    fraction). Semantics: `reference_squeeze.calibrate_threshold` over every (layer, KV head, row)."""
+    layer), table [L, n_head_kv, n_cent, d + 1 or 2d + 1] (centroids, sizes, then variances); two levels: coarse
+    [L, n_head_kv, n_coarse, same width] and parent [L, n_head_kv, n_cent]; var_weight: the kept rule's variance
+    term (needs width 2d + 1). Returns (threshold, threshold_coarse, mean kept fraction). Semantics:
+    `reference_squeeze.calibrate_threshold` over every (layer, KV head, row)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     table = np.ascontiguousarray(table, dtype=np.float32)
-    if q.ndim != 4 or table.ndim != 4 or q.shape[0] != table.shape[0] or q.shape[3] + 1 != table.shape[3]:
-        raise ValueError(f"q must be [L, n_rows, n_head, d] and table [L, n_head_kv, n_cent, d + 1], got {q.shape} "
-                         f"and {table.shape}")
+    if q.ndim != 4 or table.ndim != 4 or q.shape[0] != table.shape[0] or table.shape[3] not in (q.shape[3] + 1,
+                                                                                              2 * q.shape[3] + 1):
+        raise ValueError(f"q must be [L, n_rows, n_head, d] and table [L, n_head_kv, n_cent, d + 1 or 2d + 1], got "
+                         f"{q.shape} and {table.shape}")
     if (coarse is None) != (parent is None):
         raise ValueError("coarse and parent go together (two levels)")
     n_layers, n_rows, n_head, d = q.shape
@@ -464,6 +482,7 @@ def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: f
                             parent=None if parent is None else parent.ctypes.data, scale=float(scale),
                             group={"max": 0, "mean": 1}[group], keep=float(keep), keep_coarse=float(keep_coarse),
                             n_threads=int(n_threads or os.cpu_count() or 1), threshold=ctypes.pointer(t),
-                            threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept))
+                            threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept),
+                            table_width=table.shape[3], var_weight=float(var_weight))
     _call("sparq_llama_eval_squeeze_calibrate", args)
     return t.value, tc.value, kept.value

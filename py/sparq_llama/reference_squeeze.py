@@ -10,14 +10,18 @@ last ``n_calib`` cells, which stay exact and whose queries calibrate the thresho
   ggml_argmax, which the graph version uses) and moves
   each centroid to the normalised mean of its members (an empty cluster keeps its centroid); it stops after
   ``n_iter`` iterations or when no assignment changes. The result's centroids are the means of the members'
-  *unnormalised* keys (what the attention scores use) with the cluster sizes N_i (0: empty, never read).
+  *unnormalised* keys (what the attention scores use) with the cluster sizes N_i (0: empty, never read) and
+  the members' per-component variances about them, D_i[e] = sum_k (k_e - C_i[e])^2 / N_i.
 * :func:`calibrate_threshold`: one global threshold T such that, over the calibration queries of every
   layer and KV head, the mean fraction of clustered keys kept equals the user's ``keep``.
 
 Online, per KV head h, query row t, G the query heads reading h and sigma the kq scale (:func:`centroid_attn`):
 
 1. z_g[i] = sigma * q_g . C_i for the clusters with N_i > 0, and the estimated attention weight of one key
-   of cluster i, S_g[i] = exp(z_g[i]) / sum_j N_j exp(z_g[j]).
+   of cluster i, S_g[i] = exp(z_g[i] + v_g[i]) / sum_j N_j exp(z_g[j]), with the variance term
+   v_g[i] = var_weight * sigma^2 / 2 * sum_e q_g[e]^2 D_i[e] (0 without var_weight: the paper's rule, the
+   exponential of the mean logit). For keys Gaussian about C_i with those variances, exp(z + v) at var_weight 1 is
+   E_k exp(sigma q.k): the term credits a spread-out cluster with the high-scoring members its mean hides.
 2. The group decides together (one selection per KV head, as the kernels gather K and V rows once per group):
    s[i] = max_g S_g[i] (``group="max"``: a cluster is read when any head wants it; the default) or the mean
    over g (``group="mean"``).
@@ -31,7 +35,8 @@ Two levels (optional): coarse centroids over the fine ones, each fine cluster li
 coarse level runs steps 1-3 against ``threshold_coarse`` with the coarse sizes; fine clusters are scored only
 under kept parents, against the coarse normaliser Z = sum_c N_c exp(z_c) (the fine one would read every fine
 centroid, which is what the coarse level avoids), and kept when their group score >= T, the best scored fine
-cluster always. Here S_g[i] = exp(z_g[i]) / Z_g.
+cluster always. Here S_g[i] = exp(z_g[i] + v_g[i]) / Z_g; the coarse level's variances are those of the coarse
+cluster's keys about the coarse centroid (:func:`coarse_level` computes them exactly from the fine table).
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from .reference import _check_mask
 
-__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "group_scores", "kept_fraction", "kmeans_cosine"]
+__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "group_scores", "kept_fraction",
+           "kmeans_cosine", "variance_term"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -53,11 +59,13 @@ GROUP_RULES = ("max", "mean")
 @dataclass(frozen=True)
 class Clusters:
     """One KV head's clustering of P keys: centroids [c, d] (means of unnormalised member keys), sizes [c],
-    assignment [P] (cluster of each key) and the number of iterations run."""
+    assignment [P] (cluster of each key), the number of iterations run and variances [c, d] (the members'
+    per-component variances about their centroid; 0 for an empty cluster)."""
     centroids: F64
     sizes: I64
     assignment: I64
     n_iter: int
+    variances: F64
 
 
 def _normalise(x: F64) -> F64:
@@ -94,26 +102,71 @@ def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8) -> Clusters
     centroids = np.zeros((n_clusters, x.shape[1]))
     np.add.at(centroids, assignment, x)
     centroids[sizes > 0] /= sizes[sizes > 0, None]
-    return Clusters(centroids, sizes, assignment, done)
+    variances = np.zeros_like(centroids)
+    np.add.at(variances, assignment, (x - centroids[assignment]) ** 2)
+    variances[sizes > 0] /= sizes[sizes > 0, None]
+    return Clusters(centroids, sizes, assignment, done, variances)
+
+
+def coarse_level(centroids: ArrayLike, sizes: ArrayLike, variances: ArrayLike, parent: ArrayLike,
+                 n_coarse: int) -> tuple[F64, F64, F64]:
+    """The coarse table of one KV head from its fine one: (centroids [n_coarse, d], sizes, variances) of the
+    coarse clusters, each the union of the fine clusters whose parent it is: the size-weighted mean of their
+    centroids (= the mean of their keys), the summed sizes, and the keys' variances about the coarse centroid,
+    sum_f N_f (D_f + (C_f - C)^2) / N (exact: the law of total variance)."""
+    c = np.asarray(centroids, dtype=np.float64)
+    n = np.asarray(sizes, dtype=np.float64)
+    var = np.asarray(variances, dtype=np.float64)
+    par = np.asarray(parent, dtype=np.int64)
+    size_c = np.bincount(par, weights=n, minlength=n_coarse)
+    cent_c = np.zeros((n_coarse, c.shape[1]))
+    np.add.at(cent_c, par, n[:, None] * c)
+    live = size_c > 0
+    cent_c[live] /= size_c[live, None]
+    var_c = np.zeros_like(cent_c)
+    np.add.at(var_c, par, n[:, None] * (var + (c - cent_c[par]) ** 2))
+    var_c[live] /= size_c[live, None]
+    return cent_c, size_c, var_c
+
+
+def variance_term(q: ArrayLike, variances: ArrayLike | None, scale: float, var_weight: float) -> F64 | float:
+    """v [G, n] = var_weight * scale^2 / 2 * sum_e q_g[e]^2 D_i[e] for queries q [G, d] and variances [n, d] (0.0
+    without var_weight)."""
+    if var_weight == 0.0:
+        return 0.0
+    if variances is None:
+        raise ValueError("var_weight > 0 needs the clusters' variances")
+    q = np.asarray(q, dtype=np.float64)
+    return 0.5 * var_weight * scale * scale * ((q * q) @ np.asarray(variances, dtype=np.float64).T)
+
+
+def _log_normaliser(z: F64, n: F64) -> F64:
+    """log Z_g = log sum_j N_j exp(z_g[j]) over the live clusters, from the logits z [G, n]."""
+    live = n > 0
+    zl = np.where(live, z + np.log(np.where(live, n, 1.0)), -np.inf)
+    m = zl.max(axis=1, keepdims=True)
+    return (m + np.log(np.exp(zl - m).sum(axis=1, keepdims=True)))[:, 0]
 
 
 def group_scores(q: ArrayLike, centroids: ArrayLike, sizes: ArrayLike, scale: float, group: str = "max",
-                 log_norm: F64 | None = None) -> F64:
-    """Group scores s [n] of one group's queries q [G, d] for the clusters (centroids [n, d], sizes [n]):
-    the max or mean over g of S_g[i] = exp(scale q_g . C_i) / Z_g, 0 for empty clusters. Z_g is
-    sum_j N_j exp(scale q_g . C_j) unless log_norm [G] (log Z_g) is given (the two-level lookup)."""
+                 log_norm: F64 | None = None, variances: ArrayLike | None = None, var_weight: float = 0.0) -> F64:
+    """Group scores s [n] of one group's queries q [G, d] for the clusters (centroids [n, d], sizes [n],
+    variances [n, d]): the max or mean over g of S_g[i] = exp(scale q_g . C_i + v_g[i]) / Z_g (v: the variance
+    term, :func:`variance_term`), 0 for empty clusters. Z_g is sum_j N_j exp(scale q_g . C_j) unless log_norm [G]
+    (log Z_g) is given (the two-level lookup)."""
     if group not in GROUP_RULES:
         raise ValueError(f"group must be one of {GROUP_RULES}, got {group!r}")
+    if not (math.isfinite(var_weight) and var_weight >= 0.0):
+        raise ValueError(f"var_weight must be finite and >= 0, got {var_weight!r}")
     q = np.asarray(q, dtype=np.float64)
     c = np.asarray(centroids, dtype=np.float64)
     n = np.asarray(sizes, dtype=np.float64)
     z = scale * (q @ c.T)  # [G, n]
     live = n > 0
     if log_norm is None:
-        zl = np.where(live, z + np.log(np.where(live, n, 1.0)), -np.inf)
-        m = zl.max(axis=1, keepdims=True)
-        log_norm = (m + np.log(np.exp(zl - m).sum(axis=1, keepdims=True)))[:, 0]
-    s = np.where(live, np.exp(z - np.asarray(log_norm)[:, None]), 0.0)
+        log_norm = _log_normaliser(z, n)
+    rule = z + variance_term(q, variances, scale, var_weight)
+    s = np.where(live, np.exp(rule - np.asarray(log_norm)[:, None]), 0.0)
     return s.max(axis=0) if group == "max" else s.mean(axis=0)
 
 
@@ -125,23 +178,22 @@ def _kept(s: F64, live: NDArray[np.bool_], threshold: float) -> NDArray[np.bool_
     return kept
 
 
-def _kept_clusters(qg: F64, cent: F64, sizes: F64, scale: float, threshold: float, group: str,
-                   coarse: tuple[F64, F64, I64] | None, threshold_coarse: float) -> NDArray[np.bool_]:
+def _kept_clusters(qg: F64, cent: F64, sizes: F64, var: F64 | None, scale: float, threshold: float, group: str,
+                   coarse: tuple[F64, F64, I64, F64 | None] | None, threshold_coarse: float,
+                   var_weight: float) -> NDArray[np.bool_]:
     """Kept fine clusters of one group's queries qg [G, d] (one or two levels)."""
     if coarse is None:
-        return _kept(group_scores(qg, cent, sizes, scale, group), sizes > 0, threshold)
-    c_cent, c_sizes, parent = coarse
-    zc = scale * (qg @ c_cent.T)
-    live_c = c_sizes > 0
-    zl = np.where(live_c, zc + np.log(np.where(live_c, c_sizes, 1.0)), -np.inf)
-    m = zl.max(axis=1, keepdims=True)
-    log_z = (m + np.log(np.exp(zl - m).sum(axis=1, keepdims=True)))[:, 0]
-    kept_c = _kept(group_scores(qg, c_cent, c_sizes, scale, group, log_z), live_c, threshold_coarse)
+        return _kept(group_scores(qg, cent, sizes, scale, group, None, var, var_weight), sizes > 0, threshold)
+    c_cent, c_sizes, parent, c_var = coarse
+    log_z = _log_normaliser(scale * (qg @ c_cent.T), c_sizes)
+    kept_c = _kept(group_scores(qg, c_cent, c_sizes, scale, group, log_z, c_var, var_weight), c_sizes > 0,
+                   threshold_coarse)
     scored = (sizes > 0) & kept_c[parent]
-    return _kept(group_scores(qg, cent, sizes, scale, group, log_z), scored, threshold)
+    return _kept(group_scores(qg, cent, sizes, scale, group, log_z, var, var_weight), scored, threshold)
 
 
-def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_cluster: I64) -> None:
+def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_cluster: I64, variances: F64 | None,
+                  var_weight: float) -> None:
     for name, arr in (("q", q), ("k", k), ("v", v), ("centroids", centroids)):
         if arr.ndim != 3:
             raise ValueError(f"{name} must be 3-D, got shape {arr.shape}")
@@ -157,26 +209,37 @@ def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_clust
         raise ValueError(f"cell_cluster must be [n_head_kv, n_kv] = [{n_head_kv}, {n_kv}], got {cell_cluster.shape}")
     if ((cell_cluster < -1) | (cell_cluster >= centroids.shape[1])).any():
         raise ValueError("cell_cluster entries must be -1 (not clustered) or a cluster index < n_cent")
+    if not (math.isfinite(var_weight) and var_weight >= 0.0):
+        raise ValueError(f"var_weight must be finite and >= 0, got {var_weight!r}")
+    if var_weight > 0.0 and variances is None:
+        raise ValueError("var_weight > 0 needs the clusters' variances")
+    if variances is not None and (variances.shape != centroids.shape or (variances < 0).any()):
+        raise ValueError(f"variances must be [n_head_kv, n_cent, d] = {centroids.shape} and >= 0, got {variances.shape}")
 
 
 def centroid_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, centroids: ArrayLike, sizes: ArrayLike,
                   cell_cluster: ArrayLike, threshold: float, mask: ArrayLike | None = None, *,
                   scale: float | None = None, softcap: float = 0.0, group: str = "max",
-                  coarse: tuple[ArrayLike, ArrayLike, ArrayLike] | None = None, threshold_coarse: float = 0.0,
+                  coarse: tuple[ArrayLike, ...] | None = None, threshold_coarse: float = 0.0,
+                  variances: ArrayLike | None = None, var_weight: float = 0.0,
                   return_selection: bool = False) -> F64 | tuple[F64, list[list[I64]]]:
     """Centroid-sparse attention in float64 (the oracle; semantics in the module doc).
 
     q [n_head, n_q, d]; k [n_head_kv, n_kv, d]; v [n_head_kv, n_kv, d_v]; centroids [n_head_kv, n_cent, d];
     sizes [n_head_kv, n_cent]; cell_cluster [n_head_kv, n_kv] (-1: not clustered); mask [n_q, n_kv] boolean
     (True = visible) or None. coarse = (centroids [n_head_kv, n_coarse, d], sizes [n_head_kv,
-    n_coarse], parent [n_head_kv, n_cent]) for the two-level lookup. Returns out [n_head, n_q, d_v] and, with
-    return_selection, the selected cells per KV head and row.
+    n_coarse], parent [n_head_kv, n_cent][, variances [n_head_kv, n_coarse, d]]) for the two-level lookup.
+    variances [n_head_kv, n_cent, d] and var_weight: the variance term of the scores (module doc). Returns out
+    [n_head, n_q, d_v] and, with return_selection, the selected cells per KV head and row.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     cent = np.asarray(centroids, dtype=np.float64)
     n_cl = np.asarray(sizes, dtype=np.float64)
     cc = np.asarray(cell_cluster, dtype=np.int64)
-    _check_inputs(q, k, v, cent, n_cl, cc)
+    var = None if variances is None else np.asarray(variances, dtype=np.float64)
+    _check_inputs(q, k, v, cent, n_cl, cc, var, var_weight)
+    if coarse is not None and var_weight > 0.0 and (len(coarse) < 4 or coarse[3] is None):
+        raise ValueError("var_weight > 0 with two levels needs the coarse variances (coarse[3])")
     if group not in GROUP_RULES:
         raise ValueError(f"group must be one of {GROUP_RULES}, got {group!r}")
     if not math.isfinite(threshold) or not math.isfinite(threshold_coarse):
@@ -191,12 +254,14 @@ def centroid_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, centroids: ArrayLike
     for h in range(n_head_kv):
         lv = None
         if coarse is not None:
-            c_cent, c_sizes, parent = (np.asarray(x) for x in coarse)
-            lv = (c_cent[h].astype(np.float64), c_sizes[h].astype(np.float64), parent[h].astype(np.int64))
+            c_cent, c_sizes, parent = (np.asarray(x) for x in coarse[:3])
+            c_var = np.asarray(coarse[3], dtype=np.float64)[h] if len(coarse) > 3 and coarse[3] is not None else None
+            lv = (c_cent[h].astype(np.float64), c_sizes[h].astype(np.float64), parent[h].astype(np.int64), c_var)
         rows = []
         for t in range(n_q):
             qg = q[h*G:(h + 1)*G, t]
-            kept = _kept_clusters(qg, cent[h], n_cl[h], sigma, threshold, group, lv, threshold_coarse)
+            kept = _kept_clusters(qg, cent[h], n_cl[h], None if var is None else var[h], sigma, threshold, group, lv,
+                                  threshold_coarse, var_weight)
             in_kept = np.where(cc[h] >= 0, kept[np.maximum(cc[h], 0)], True)
             cells = np.flatnonzero(vis[t] & in_kept).astype(np.int64)
             rows.append(cells)

@@ -45,6 +45,9 @@ class SqueezeConfig:
     n_iter: k-means iterations at most (stops early when no assignment moves).
     group: how the query heads of a GQA group decide together: "max" (a cluster is read when any head wants
         it) or "mean".
+    var_weight: the kept rule's variance term (ggml-centroid.h): a cluster's score adds var_weight * scale^2 / 2
+        * sum_e q_e^2 D_e (D: its members' per-component variances), the second-order estimate of its members'
+        mean weight; 0 is the paper's rule (the centroid alone). In [0, 100].
     """
 
     centroids: float = 0.05
@@ -55,15 +58,18 @@ class SqueezeConfig:
     n_calib: int = 100
     n_iter: int = 8
     group: Group = "max"
+    var_weight: float = 0.5
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        for name in ("centroids", "keep", "centroids_coarse"):
+        for name in ("centroids", "keep", "centroids_coarse", "var_weight"):
             set_(self, name, _finite_float(name, getattr(self, name)))
         if not 0.0 < self.keep <= 1.0:
             raise ValueError(f"keep must be in (0, 1], got {self.keep!r}")
         if not 0.0 < self.centroids <= 1.0:
             raise ValueError(f"centroids must be in (0, 1] (a fraction of the prefix), got {self.centroids!r}")
+        if not 0.0 <= self.var_weight <= 100.0:
+            raise ValueError(f"var_weight must be in [0, 100] (0: the mean rule), got {self.var_weight!r}")
         if self.keep_coarse is not None:
             set_(self, "keep_coarse", _finite_float("keep_coarse", self.keep_coarse))
         for name in ("levels", "n_calib", "n_iter"):
@@ -77,7 +83,7 @@ class SqueezeConfig:
         return LlamaSqueezeParams(
             centroids=self.centroids, keep=self.keep, levels=self.levels, centroids_coarse=self.centroids_coarse,
             keep_coarse=0.0 if self.keep_coarse is None else self.keep_coarse, n_calib=self.n_calib,
-            n_iter=self.n_iter, group=GROUPS.index(self.group))
+            n_iter=self.n_iter, group=GROUPS.index(self.group), var_weight=self.var_weight)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class SqueezeInfo:
     threshold_coarse: float
     kept_calib: float
     prefill: str = "auto"  # how a question's prefill reads the prefix: "auto", "sparse" or "dense" (set_prefill)
+    var_weight: float = 0.0  # the kept rule's variance term (0: the mean rule; sidecars before version 3)
 
 
 class LlamaSqueezeParams(ctypes.Structure):
@@ -108,6 +115,7 @@ class LlamaSqueezeParams(ctypes.Structure):
         ("n_calib", ctypes.c_int32),
         ("n_iter", ctypes.c_int32),
         ("group", ctypes.c_int32),
+        ("var_weight", ctypes.c_float),
         ("progress_callback", ProgressFn),
         ("progress_callback_user_data", ctypes.c_void_p),
     ]
@@ -127,6 +135,7 @@ class LlamaSqueezeInfo(ctypes.Structure):
         ("threshold_coarse", ctypes.c_float),
         ("kept_calib", ctypes.c_float),
         ("prefill", ctypes.c_int32),
+        ("var_weight", ctypes.c_float),
     ]
 
 
@@ -254,7 +263,8 @@ def info(ctx: Any) -> SqueezeInfo:
                        n_clustered=int(c.n_clustered), n_layers=int(c.n_layers), levels=int(c.levels),
                        threshold=float(c.threshold), threshold_coarse=float(c.threshold_coarse),
                        kept_calib=float(c.kept_calib),
-                       prefill=PREFILL_MODES[c.prefill] if 0 <= c.prefill < len(PREFILL_MODES) else str(c.prefill))
+                       prefill=PREFILL_MODES[c.prefill] if 0 <= c.prefill < len(PREFILL_MODES) else str(c.prefill),
+                       var_weight=float(c.var_weight))
 
 
 def sidecar_path(state_path: str) -> str:

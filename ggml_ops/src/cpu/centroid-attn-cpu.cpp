@@ -38,7 +38,7 @@ struct centroid_shape {
 // Offsets (in 4-byte units) of one wave row's scratch and of one thread's scratch.
 struct centroid_layout {
     size_t kept, kept_coarse, partials, row_size;
-    size_t z, score, log_z, sel, logits, tmp_k, tmp_v, thread_size;
+    size_t z, score, log_z, qsq, sel, logits, tmp_k, tmp_v, thread_size;
     size_t total_bytes;
 };
 
@@ -78,6 +78,7 @@ centroid_layout make_layout(const centroid_shape & s, int n_tasks) {
     l.z      = o; o += pad16(s.group * n_c);      // scaled dot products q_g . C_i
     l.score  = o; o += pad16(n_c);                // group scores
     l.log_z  = o; o += pad16(2 * s.group);        // log normaliser per head (double)
+    l.qsq    = o; o += pad16(s.group * s.d);      // the squared query components (the variance term)
     l.sel    = o; o += pad16(k_block);            // selected cells of a block (int32)
     l.logits = o; o += pad16(s.group * k_block);
     l.tmp_k  = o; o += pad16(s.d);
@@ -121,7 +122,7 @@ struct centroid_ctx {
         }
         return (const uint16_t *) ((const char *) mask->data + t * mask->nb[1] + (st % mask->ne[3]) * mask->nb[3]);
     }
-    // row i of a centroid table ([d + 1, n, n_head_kv, ns]: components, then the size)
+    // row i of a centroid table ([d + 1 or 2d + 1, n, n_head_kv, ns]: components, size, variances)
     static const float * table_row(const ggml_tensor * t, int64_t i, int64_t h, int64_t st) {
         return (const float *) ((const char *) t->data + i * t->nb[1] + h * t->nb[2] + st * t->nb[3]);
     }
@@ -139,8 +140,34 @@ struct centroid_ctx {
     }
 };
 
-// Group score of cluster i from the scaled dot products z [G][n]: max or mean over the heads of
-// exp(z_g[i] - log_z[g]).
+// Adds the variance term var_weight scale^2 / 2 sum_d q_gd^2 D_id to the rule logits z [G][n] of cluster i
+// (qsq [G][d]: the squared query components). No-op without var_weight.
+void add_variance_term(const centroid_ctx & c, const ggml_tensor * table, int64_t n, int64_t i, int64_t h, int64_t st,
+                       const float * qsq, float * z) {
+    if (c.p.var_weight <= 0.0f) {
+        return;
+    }
+    const float coef = 0.5f * c.p.var_weight * c.p.scale * c.p.scale;
+    const float * var = centroid_ctx::table_row(table, i, h, st) + c.s.d + 1;
+    for (int64_t g = 0; g < c.s.group; ++g) {
+        float dot = 0.0f;
+        ggml_vec_dot_f32((int) c.s.d, &dot, 0, qsq + g * c.s.d, 0, var, 0, 1);
+        z[g * n + i] += coef * dot;
+    }
+}
+
+// The squared query components of the row's heads into qsq [G][d] (the variance term's query side).
+void square_queries(const centroid_ctx & c, int64_t h, int64_t t, int64_t st, float * qsq) {
+    for (int64_t g = 0; g < c.s.group; ++g) {
+        const float * qg = c.q_row(h * c.s.group + g, t, st);
+        for (int64_t e = 0; e < c.s.d; ++e) {
+            qsq[g * c.s.d + e] = qg[e] * qg[e];
+        }
+    }
+}
+
+// Group score of cluster i from the rule logits z [G][n] (the scaled dot products, plus the variance term): max or
+// mean over the heads of exp(z_g[i] - log_z[g]).
 float group_score(const centroid_ctx & c, const float * z, int64_t n, int64_t i, const double * log_z) {
     double agg = 0.0;
     for (int64_t g = 0; g < c.s.group; ++g) {
@@ -151,9 +178,9 @@ float group_score(const centroid_ctx & c, const float * z, int64_t n, int64_t i,
 }
 
 // Group scores of the clusters i with live[i] (others get -1): max or mean over the group's heads of
-// exp(z_g[i] - log_z[g]). z: [G][n] scaled dot products (filled here for live clusters).
+// exp(z_g[i] - log_z[g]). z: [G][n] rule logits (filled here for live clusters).
 void group_scores(const centroid_ctx & c, const ggml_tensor * table, int64_t n, const uint8_t * live_of,
-                  const double * log_z, int64_t h, int64_t t, int64_t st, float * z, float * score) {
+                  const double * log_z, int64_t h, int64_t t, int64_t st, const float * qsq, float * z, float * score) {
     const int64_t G = c.s.group, d = c.s.d;
     for (int64_t i = 0; i < n; ++i) {
         score[i] = -1.0f;
@@ -166,6 +193,7 @@ void group_scores(const centroid_ctx & c, const ggml_tensor * table, int64_t n, 
             ggml_vec_dot_f32((int) d, &dot, 0, c.q_row(h * G + g, t, st), 0, ci, 0, 1);
             z[g * n + i] = c.p.scale * dot;
         }
+        add_variance_term(c, table, n, i, h, st, qsq, z);
         score[i] = group_score(c, z, n, i, log_z);
     }
 }
@@ -220,14 +248,24 @@ void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
     float * score = th + c.l.score;
     uint8_t * kept = (uint8_t *) (c.row(w) + c.l.kept);
     double * log_z = (double *) (th + c.l.log_z);
+    float * qsq = th + c.l.qsq;
     const int64_t n_cent = c.s.n_cent, d = c.s.d;
 
     const ggml_tensor * level1 = c.coarse ? c.coarse : c.cent;
     const int64_t n1 = c.coarse ? c.s.n_coarse : n_cent;
+    if (c.p.var_weight > 0.0f) {
+        square_queries(c, h, t, st, qsq);
+    }
     log_normaliser(c, level1, n1, h, t, st, z, log_z);
-    // level-1 scores from the normaliser pass's dot products (head 0's -inf marks an empty cluster)
+    // level-1 scores from the normaliser pass's dot products and the variance term (head 0's -inf marks an empty
+    // cluster)
     for (int64_t i = 0; i < n1; ++i) {
-        score[i] = z[i] == -INFINITY ? -1.0f : group_score(c, z, n1, i, log_z);
+        if (z[i] == -INFINITY) {
+            score[i] = -1.0f;
+            continue;
+        }
+        add_variance_term(c, level1, n1, i, h, st, qsq, z);
+        score[i] = group_score(c, z, n1, i, log_z);
     }
     if (!c.coarse) {
         keep_clusters(score, n_cent, c.p.threshold, kept);
@@ -241,7 +279,7 @@ void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
         const int32_t pi = parent[i];
         kept[i] = centroid_ctx::table_row(c.cent, i, h, st)[d] > 0.0f && pi >= 0 && pi < n1 && kept_c[pi];
     }
-    group_scores(c, c.cent, n_cent, kept, log_z, h, t, st, z, score);
+    group_scores(c, c.cent, n_cent, kept, log_z, h, t, st, qsq, z, score);
     keep_clusters(score, n_cent, c.p.threshold, kept);
 }
 

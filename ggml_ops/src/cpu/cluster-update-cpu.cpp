@@ -4,6 +4,8 @@
 // Tasks are (problem h, slice of components): each task sums its components of every row of problem h into its
 // cluster's output row, rows in order, so threads never write the same element and the sums are deterministic.
 // The sizes and, in the spherical mode, the norms need every component of a row: a second pass after a barrier.
+// GGML_CLUSTER_TABLE_VAR adds a third, after the means are final: per (problem, slice) the squared deviations of the
+// members from their mean, rows in order, then divided by the size.
 #include "cluster-update-cpu.h"
 
 #include "attn-cpu-common.h"
@@ -21,7 +23,8 @@ struct cluster_view {
     const ggml_tensor * x, * assign, * prev;
     ggml_tensor * dst;
     int64_t d, P, H, n, width;
-    bool table;
+    bool table;  // the table modes (means and sizes)
+    bool var;    // GGML_CLUSTER_TABLE_VAR: then the variances
 
     const float * x_row(int64_t p, int64_t h) const {
         return (const float *) ((const char *) x->data + p * x->nb[1] + h * x->nb[2]);
@@ -84,6 +87,33 @@ void finish_problem(const cluster_view & v, int64_t h, int64_t * count) {
     }
 }
 
+// Pass 3 (GGML_CLUSTER_TABLE_VAR): variances of components [c0, c1) of problem h about the final means, into
+// columns d + 1 + c.
+void variance_slice(const cluster_view & v, int64_t h, int64_t c0, int64_t c1) {
+    for (int64_t i = 0; i < v.n; ++i) {
+        std::fill(v.out_row(i, h) + v.d + 1 + c0, v.out_row(i, h) + v.d + 1 + c1, 0.0f);
+    }
+    const int32_t * a = v.assign_row(h);
+    for (int64_t p = 0; p < v.P; ++p) {
+        if (a[p] < 0 || a[p] >= v.n) {
+            continue;
+        }
+        const float * xr = v.x_row(p, h);
+        float * o = v.out_row(a[p], h);
+        for (int64_t c = c0; c < c1; ++c) {
+            const float e = xr[c] - o[c];
+            o[v.d + 1 + c] += e * e;
+        }
+    }
+    for (int64_t i = 0; i < v.n; ++i) {
+        float * o = v.out_row(i, h);
+        const float inv = o[v.d] > 0.0f ? 1.0f / o[v.d] : 0.0f;
+        for (int64_t c = c0; c < c1; ++c) {
+            o[v.d + 1 + c] *= inv;
+        }
+    }
+}
+
 // GGML_CLUSTER_ASSIGN: rows [r0, r1) of sim (row r = problem r / P, row r % P), each the index of its largest
 // value, ties to the higher index: ggml_argmax's CPU loop (ggml_vec_argmax_f32).
 void assign_rows(const ggml_tensor * sim, ggml_tensor * dst, int64_t r0, int64_t r1) {
@@ -117,8 +147,11 @@ void ggml_compute_forward_cluster_update(const ggml_compute_params * params, ggm
     cluster_view v;
     v.x = dst->src[0]; v.assign = dst->src[1]; v.prev = dst->src[2]; v.dst = dst;
     v.d = v.x->ne[0]; v.P = v.x->ne[1]; v.H = v.x->ne[2]; v.n = dst->ne[1]; v.width = dst->ne[0];
-    v.table = ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_TABLE;
+    const int32_t mode = ggml_get_op_params_i32(dst, 0);
+    v.table = mode == GGML_CLUSTER_TABLE || mode == GGML_CLUSTER_TABLE_VAR;
+    v.var = mode == GGML_CLUSTER_TABLE_VAR;
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float));
+    GGML_ASSERT(v.width == (v.var ? 2 * v.d + 1 : v.table ? v.d + 1 : v.d));
 
     attn_cpu::task_counter tasks{params->threadpool, params->ith, params->nth};
     if (params->ith == 0) {
@@ -134,6 +167,13 @@ void ggml_compute_forward_cluster_update(const ggml_compute_params * params, ggm
     // the counts need no scratch beyond one int64 per cluster: the work buffer, one slot per thread
     int64_t * count = (int64_t *) GGML_PAD((uintptr_t) params->wdata, 64) + params->ith * v.n;
     tasks.run(v.H, [&](int64_t h) { finish_problem(v, h, count); });
+    if (v.var) {
+        ggml_barrier(params->threadpool);
+        tasks.run(v.H * n_slices, [&](int64_t t) {
+            const int64_t h = t / n_slices, c0 = (t % n_slices) * k_slice;
+            variance_slice(v, h, c0, std::min(v.d, c0 + k_slice));
+        });
+    }
 }
 
 size_t ggml_cluster_update_cpu_work_size(const ggml_tensor * dst, int n_tasks) {

@@ -6,7 +6,8 @@
 // the row's selection. Rows go in waves (bounded scratch for long prefill batches); per wave, four kernels,
 // chained by programmatic dependent launch (each waits on the device for its predecessor):
 //   S1. level-1 scores (grid: blocks of S_CLUSTERS clusters x rows): z_g[i] = scale q_g . C_i of every head of
-//       the group (a warp per cluster) and each block's softmax statistics (max, sum N exp(z - max)) per head.
+//       the group (a warp per cluster) and each block's softmax statistics (max, sum N exp(z - max)) per head;
+//       the stored logits then get the variance term (var_weight > 0), which the statistics leave out.
 //       Level 1 is the coarse table with two levels, else the fine one.
 //   S2. select (one block per row): the normaliser log Z_g from the block statistics, the level-1 group scores,
 //       the kept clusters (>= threshold, the best always: ties to the lower index). Two levels: then the fine
@@ -70,7 +71,7 @@ struct centroid_args {
 };
 
 struct centroid_scratch {
-    float   * z1;      // [W][G][n1]: level-1 scaled dot products, -inf for empty clusters (kernel S1)
+    float   * z1;      // [W][G][n1]: level-1 rule logits (dot products, variance term), -inf: empty (kernel S1)
     double  * part1;   // [W][n_chunks1][G][2]: block max and sum N exp(z - max) (kernel S1)
     uint8_t * kept;    // [W][n_cent]: kept fine clusters (kernel S2)
     uint8_t * kept_c;  // [W][n_coarse]: kept coarse clusters (kernel S2, two levels)
@@ -178,6 +179,21 @@ __device__ __forceinline__ float warp_dot(const float * qg, int64_t d, const flo
     return warp_sum(dot);
 }
 
+// The variance term of a cluster for head g: var_weight scale^2 / 2 sum_d q_gd^2 D_d, D in a warp's registers.
+__device__ __forceinline__ float warp_variance_term(const centroid_args & a, const float * qg,
+                                                    const float (&var)[TABLE_REGS]) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    float dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < TABLE_REGS; ++e) {
+        const int64_t i = lane + WARP_SIZE*e;
+        if (i < a.d) {
+            dot += qg[i] * qg[i] * var[e];
+        }
+    }
+    return 0.5f * a.p.var_weight * a.p.scale * a.p.scale * warp_sum(dot);
+}
+
 // ---- S1: level-1 scaled dot products and block statistics --------------------------------------------
 
 // TR components per lane (d <= 32 TR); each warp holds S1_ROWS table rows in flight.
@@ -237,6 +253,47 @@ __global__ void __launch_bounds__(S_THREADS) centroid_level1(const centroid_args
 #pragma unroll
             for (int u = 0; u < S1_ROWS; ++u) {
                 sz[k0 + u] = size[u];
+            }
+        }
+    }
+    if (a.p.var_weight > 0.0f) {
+        // the stored rule logits get the variance term (the block statistics above are the normaliser's: means
+        // only); the same warps and lanes as above, so each lane 0 adds to the values it wrote
+        for (int k0 = warp*S1_ROWS; k0 < S_CLUSTERS; k0 += S_WARPS*S1_ROWS) {
+            float va[S1_ROWS][TR];
+            bool live[S1_ROWS];
+#pragma unroll
+            for (int u = 0; u < S1_ROWS; ++u) {
+                const int64_t i = i0 + k0 + u;
+                const float * row = i < n1 ? (a.coarse ? coarse_row(a, i, c) : cent_row(a, i, c)) : nullptr;
+                live[u] = row && row[d] > 0.0f;
+#pragma unroll
+                for (int e = 0; e < TR; ++e) {
+                    const int64_t x = lane + WARP_SIZE*e;
+                    va[u][e] = live[u] && x < d ? row[d + 1 + x] : 0.0f;
+                }
+            }
+            const float coef = 0.5f * a.p.var_weight * a.p.scale * a.p.scale;
+            for (int64_t g = 0; g < G; ++g) {
+                const float * qg = q_row(a, c.h*G + g, c);
+                float qq[TR];
+#pragma unroll
+                for (int e = 0; e < TR; ++e) {
+                    const int64_t x = lane + WARP_SIZE*e;
+                    qq[e] = x < d ? qg[x] * qg[x] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < S1_ROWS; ++u) {
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < TR; ++e) {
+                        dot += qq[e] * va[u][e];
+                    }
+                    dot = warp_sum(dot);
+                    if (lane == 0 && live[u]) {
+                        z1[g*n1 + i0 + k0 + u] += coef * dot;
+                    }
+                }
             }
         }
     }
@@ -329,9 +386,16 @@ __global__ void __launch_bounds__(S_THREADS) centroid_select(const centroid_args
         const int32_t pi = parent[i];
         float score = -1.0f;
         if (row[a.d] > 0.0f && pi >= 0 && pi < n1 && kept1[pi]) {  // warp-uniform
-            float ce[TABLE_REGS];
+            float ce[TABLE_REGS], va[TABLE_REGS];
             load_table_row(row, a.d, ce);
-            score = group_score(a, log_z, [&](int64_t g) { return a.p.scale * warp_dot(q_row(a, c.h*G + g, c), a.d, ce); });
+            if (a.p.var_weight > 0.0f) {
+                load_table_row(row + a.d + 1, a.d, va);
+            }
+            score = group_score(a, log_z, [&](int64_t g) {
+                const float * qg = q_row(a, c.h*G + g, c);
+                const float z = a.p.scale * warp_dot(qg, a.d, ce);
+                return a.p.var_weight > 0.0f ? z + warp_variance_term(a, qg, va) : z;
+            });
         }
         if (lane == 0) {
             fscore[i] = score;

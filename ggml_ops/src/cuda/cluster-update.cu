@@ -31,25 +31,17 @@ struct cluster_args {
     char * dst;
     int64_t d, P, H, n;
     size_t x_nb1, x_nb2, a_nb1, p_nb1, p_nb2, o_nb1, o_nb2;
-    bool table;
+    bool table;  // the table modes
+    bool var;    // GGML_CLUSTER_TABLE_VAR: the variances after the table
 };
 
-// REGS components per lane: d <= 32 REGS.
-template <int REGS>
-__global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(const cluster_args a) {
-    pdl_wait();
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int64_t i = (int64_t) blockIdx.x*CU_WARPS + warp, h = blockIdx.y;
-    if (i >= a.n) {  // warp-uniform; no block barrier below
-        return;
-    }
+// Calls add(xv, nb) for the rows of problem h assigned to cluster i, in increasing row index, CU_BATCH member
+// rows loaded at once: xv[m][e] = component lane + 32 e of the m-th row (0 past d), m < nb. Returns the count.
+template <int REGS, typename AddFn>
+__device__ __forceinline__ int64_t scan_members(const cluster_args & a, int64_t i, int64_t h, AddFn add) {
+    const int lane = threadIdx.x % WARP_SIZE;
     const int32_t * as = (const int32_t *) (a.assign + h*a.a_nb1);
     const char * xh = a.x + h*a.x_nb2;
-    float acc[REGS];
-#pragma unroll
-    for (int e = 0; e < REGS; ++e) {
-        acc[e] = 0.0f;
-    }
     int64_t count = 0;
     for (int64_t p0 = 0; p0 < a.P; p0 += CU_SCAN*WARP_SIZE) {
         int32_t av[CU_SCAN];
@@ -84,30 +76,80 @@ __global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(cons
                         xv[m][e] = m < nb && c < a.d ? xr[c] : 0.0f;
                     }
                 }
-#pragma unroll
-                for (int m = 0; m < CU_BATCH; ++m) {
-                    if (m < nb) {
-#pragma unroll
-                        for (int e = 0; e < REGS; ++e) {
-                            acc[e] += xv[m][e];
-                        }
-                    }
-                }
+                add(xv, nb);
             }
         }
     }
+    return count;
+}
+
+// REGS components per lane: d <= 32 REGS.
+template <int REGS>
+__global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(const cluster_args a) {
+    pdl_wait();
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int64_t i = (int64_t) blockIdx.x*CU_WARPS + warp, h = blockIdx.y;
+    if (i >= a.n) {  // warp-uniform; no block barrier below
+        return;
+    }
+    float acc[REGS];
+#pragma unroll
+    for (int e = 0; e < REGS; ++e) {
+        acc[e] = 0.0f;
+    }
+    const int64_t count = scan_members<REGS>(a, i, h, [&](const float (&xv)[CU_BATCH][REGS], int nb) {
+#pragma unroll
+        for (int m = 0; m < CU_BATCH; ++m) {
+            if (m < nb) {
+#pragma unroll
+                for (int e = 0; e < REGS; ++e) {
+                    acc[e] += xv[m][e];
+                }
+            }
+        }
+    });
     float * out = (float *) (a.dst + i*a.o_nb1 + h*a.o_nb2);
     if (a.table) {  // the mean of the members, then the size (zeros for an empty cluster)
         const float inv = count > 0 ? __frcp_rn((float) count) : 0.0f;  // IEEE, as the CPU (fast math would approximate)
 #pragma unroll
         for (int e = 0; e < REGS; ++e) {
             const int64_t c = lane + WARP_SIZE*e;
+            acc[e] = acc[e] * inv;  // the mean, as written
             if (c < a.d) {
-                out[c] = acc[e] * inv;
+                out[c] = acc[e];
             }
         }
         if (lane == 0) {
             out[a.d] = (float) count;
+        }
+        if (!a.var) {
+            return;
+        }
+        // the variances: a second scan of the members, their squared deviations from the mean in row order
+        float sq[REGS];
+#pragma unroll
+        for (int e = 0; e < REGS; ++e) {
+            sq[e] = 0.0f;
+        }
+        scan_members<REGS>(a, i, h, [&](const float (&xv)[CU_BATCH][REGS], int nb) {
+#pragma unroll
+            for (int m = 0; m < CU_BATCH; ++m) {
+                if (m < nb) {
+#pragma unroll
+                    for (int e = 0; e < REGS; ++e) {
+                        const float dev = __fsub_rn(xv[m][e], acc[e]);
+                        sq[e] = __fadd_rn(sq[e], __fmul_rn(dev, dev));  // no contraction: the CPU's order of roundings
+                    }
+                }
+            }
+        });
+        const float inv_n = count > 0 ? __frcp_rn((float) count) : 0.0f;
+#pragma unroll
+        for (int e = 0; e < REGS; ++e) {
+            const int64_t c = lane + WARP_SIZE*e;
+            if (c < a.d) {
+                out[a.d + 1 + c] = sq[e] * inv_n;
+            }
         }
         return;
     }
@@ -216,7 +258,9 @@ void ggml_cuda_cluster_update(ggml_backend_cuda_context & ctx, ggml_tensor * dst
         a.p_nb1 = prev->nb[1]; a.p_nb2 = prev->nb[2];
     }
     a.o_nb1 = dst->nb[1]; a.o_nb2 = dst->nb[2];
-    a.table = ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_TABLE;
+    const int32_t mode = ggml_get_op_params_i32(dst, 0);
+    a.table = mode == GGML_CLUSTER_TABLE || mode == GGML_CLUSTER_TABLE_VAR;
+    a.var = mode == GGML_CLUSTER_TABLE_VAR;
     GGML_ASSERT(a.table || prev);
     const dim3 grid((unsigned) ((a.n + CU_WARPS - 1) / CU_WARPS), (unsigned) a.H);
     const ggml_cuda_kernel_launch_params lp(grid, CU_WARPS*WARP_SIZE, 0, ctx.stream());

@@ -80,13 +80,14 @@ struct squeeze_kv_layer {
     bool        active = false;  // decoded with ggml_centroid_attn (otherwise dense, see reason)
     std::string reason;
     int64_t     d = 0, n_head_kv = 0, n_cent = 0, n_coarse = 0;
-    std::vector<float>   table;        // [n_head_kv][n_cent][d + 1]: member means, then the size
+    int64_t     width = 0;             // floats per table row: 2d + 1 (means, size, variances); d + 1 from old sidecars
+    std::vector<float>   table;        // [n_head_kv][n_cent][width]: member means, the size, the members' variances
     std::vector<int32_t> assign;       // [n_head_kv][n_clustered]: the cluster of each clustered position
-    std::vector<float>   coarse_table; // [n_head_kv][n_coarse][d + 1] (two levels)
+    std::vector<float>   coarse_table; // [n_head_kv][n_coarse][width] (two levels)
     std::vector<int32_t> parent;       // [n_head_kv][n_cent] (two levels)
-    ggml_tensor * cent   = nullptr;    // [d + 1, n_cent, n_head_kv, n_stream] f32
+    ggml_tensor * cent   = nullptr;    // [width, n_cent, n_head_kv, n_stream] f32
     ggml_tensor * cell   = nullptr;    // [kv_size, n_head_kv, n_stream] i32, -1 outside the clustered prefix
-    ggml_tensor * coarse = nullptr;    // [d + 1, n_coarse, n_head_kv, n_stream] f32
+    ggml_tensor * coarse = nullptr;    // [width, n_coarse, n_head_kv, n_stream] f32
     ggml_tensor * par    = nullptr;    // [n_cent, n_head_kv, n_stream] i32
     mutable bool logged  = false;      // a graph-time fallback reason was logged
 };

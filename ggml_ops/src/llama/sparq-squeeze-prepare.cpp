@@ -42,6 +42,7 @@ struct calib_layer {
     const float * q = nullptr;  // [n_rows][n_head][d], owned by the caller (the prepared state, or the eval's input)
     int64_t n_head = 0;
     float   scale  = 0.0f;
+    float   var_weight = 0.0f;  // the kept rule's variance term (tables of width 2d + 1)
 };
 
 // ---- the scores of one (layer, KV head) ----------------------------------------------------------------------
@@ -84,20 +85,20 @@ static void dot_rows(const float * q, int64_t d, const float * c, float * out) {
     }
 }
 
-// out[r*n + i] = scale * q_r . C_i for the query rows q [n_q][d] and the n rows of a table [n][d + 1]. Blocks of
-// 4 query rows: a centroid is read once per block, not once per row.
+// out[r*n + i] = scale * q_r . C_i for the query rows q [n_q][d] and the n rows C_i = table + i*stride (d floats
+// each). Blocks of 4 query rows: a centroid is read once per block, not once per row.
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 // most of the calibration's time: an FMA build besides the baseline one, chosen when the library loads
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
-static void table_logits(const float * q, int64_t n_q, const float * table, int64_t n, int64_t d, float scale,
-                         float * out) {
+static void table_logits(const float * q, int64_t n_q, const float * table, int64_t n, int64_t stride, int64_t d,
+                         float scale, float * out) {
     constexpr int NR = 4;
     float dots[NR];
     int64_t r = 0;
     for (; r + NR <= n_q; r += NR) {
         for (int64_t i = 0; i < n; ++i) {
-            dot_rows<NR>(q + r*d, d, table + i*(d + 1), dots);
+            dot_rows<NR>(q + r*d, d, table + i*stride, dots);
             for (int k = 0; k < NR; ++k) {
                 out[(r + k)*n + i] = scale*dots[k];
             }
@@ -105,7 +106,7 @@ static void table_logits(const float * q, int64_t n_q, const float * table, int6
     }
     for (; r < n_q; ++r) {
         for (int64_t i = 0; i < n; ++i) {
-            dot_rows<1>(q + r*d, d, table + i*(d + 1), dots);
+            dot_rows<1>(q + r*d, d, table + i*stride, dots);
             out[r*n + i] = scale*dots[0];
         }
     }
@@ -115,19 +116,26 @@ static void table_logits(const float * q, int64_t n_q, const float * table, int6
 // and the cluster sizes, read contiguously.
 struct head_logits {
     std::vector<float> q;     // [n_rows*G][d] the group's query rows
-    std::vector<float> top;   // [n_rows*G][n_top] against the top level (the coarse one with two levels)
-    std::vector<float> fine;  // [n_rows*G][n_f] against the fine level (two levels, fine pass only)
+    std::vector<float> qsq;   // [n_rows*G][d] their squares (the variance term)
+    std::vector<float> top;   // [n_rows*G][n_top] against the top level (the coarse one with two levels): the
+                              // normaliser's logits scale q.C
+    std::vector<float> top_rule;  // the same plus the variance term (var_weight > 0; else empty: top is the rule)
+    std::vector<float> fine;  // [n_rows*G][n_f] rule logits against the fine level (two levels, fine pass only)
+    std::vector<float> tmp;   // scratch of the variance term
+    const float * top_scores() const { return top_rule.empty() ? top.data() : top_rule.data(); }
     std::vector<float> size;  // [n_c + n_f] cluster sizes, the coarse ones first (n_c = 0 with one level)
     double n_total = 0.0;     // the head's clustered keys (the fine sizes' sum)
 };
 
 static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, bool coarse_pass, head_logits & hl) {
     const squeeze_kv_layer & L = *cl.L;
-    const int64_t d = L.d, G = cl.n_head / L.n_head_kv, n_q = n_rows*G;
+    const int64_t d = L.d, G = cl.n_head / L.n_head_kv, n_q = n_rows*G, W = L.width;
     const bool two = L.n_coarse > 0;
     const int64_t n_c = two ? L.n_coarse : 0, n_f = L.n_cent;
-    const float * coarse = two ? L.coarse_table.data() + h*n_c*(d + 1) : nullptr;
-    const float * fine = L.table.data() + h*n_f*(d + 1);
+    const float * coarse = two ? L.coarse_table.data() + h*n_c*W : nullptr;
+    const float * fine = L.table.data() + h*n_f*W;
+    const bool var = cl.var_weight > 0.0f;
+    GGML_ASSERT(!var || W == 2*d + 1);
     hl.q.resize((size_t) n_q*d);
     for (int64_t t = 0; t < n_rows; ++t) {
         std::memcpy(hl.q.data() + t*G*d, cl.q + (t*cl.n_head + h*G)*d, (size_t) G*d*sizeof(float));
@@ -135,14 +143,38 @@ static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, b
     hl.size.resize((size_t) (n_c + n_f));
     hl.n_total = 0.0;
     for (int64_t i = 0; i < n_c + n_f; ++i) {
-        hl.size[i] = i < n_c ? coarse[i*(d + 1) + d] : fine[(i - n_c)*(d + 1) + d];
+        hl.size[i] = i < n_c ? coarse[i*W + d] : fine[(i - n_c)*W + d];
         hl.n_total += i < n_c ? 0.0 : hl.size[i];
     }
-    hl.top.resize((size_t) n_q*(two ? n_c : n_f));
-    table_logits(hl.q.data(), n_q, two ? coarse : fine, two ? n_c : n_f, d, cl.scale, hl.top.data());
+    // the variance term var_weight scale^2 / 2 (q*q) . D_i added to logits [n_q][n] of the table's rows
+    const float coef = 0.5f*cl.var_weight*cl.scale*cl.scale;
+    auto add_variance = [&](const float * table, int64_t n, std::vector<float> & logits) {
+        hl.tmp.resize((size_t) n_q*n);
+        table_logits(hl.qsq.data(), n_q, table + d + 1, n, W, d, coef, hl.tmp.data());
+        for (size_t e = 0; e < hl.tmp.size(); ++e) {
+            logits[e] += hl.tmp[e];
+        }
+    };
+    if (var) {
+        hl.qsq.resize(hl.q.size());
+        for (size_t e = 0; e < hl.q.size(); ++e) {
+            hl.qsq[e] = hl.q[e]*hl.q[e];
+        }
+    }
+    const int64_t n_top = two ? n_c : n_f;
+    hl.top.resize((size_t) n_q*n_top);
+    table_logits(hl.q.data(), n_q, two ? coarse : fine, n_top, W, d, cl.scale, hl.top.data());
+    hl.top_rule.clear();
+    if (var) {
+        hl.top_rule = hl.top;
+        add_variance(two ? coarse : fine, n_top, hl.top_rule);
+    }
     if (two && !coarse_pass) {
         hl.fine.resize((size_t) n_q*n_f);
-        table_logits(hl.q.data(), n_q, fine, n_f, d, cl.scale, hl.fine.data());
+        table_logits(hl.q.data(), n_q, fine, n_f, W, d, cl.scale, hl.fine.data());
+        if (var) {
+            add_variance(fine, n_f, hl.fine);
+        }
     }
 }
 
@@ -190,9 +222,10 @@ static void group_scores(const calib_layer & cl, int64_t t, int group, bool coar
             z += size[i]*top_exp[i];
         }
         norm[j] = { m, z };
+        const float * lr = hl.top_scores() + (t*G + j)*n_top;  // the rule's logits (lg itself without variances)
         for (int64_t i = 0; i < n_top; ++i) {
             if (size[i] > 0.0f) {
-                combine(group, G, comb[i], top_exp[i]/z);
+                combine(group, G, comb[i], (lr == lg ? top_exp[i] : std::exp((double) lr[i] - m))/z);
             }
         }
         if (two && !coarse_pass) {
@@ -230,7 +263,8 @@ static void candidates(const calib_layer & cl, int64_t h, bool coarse_pass, floa
     cand.resize(n_f);
     for (int64_t i = 0; i < n_f; ++i) {
         const int32_t p = L.parent[h*n_f + i];
-        cand[i] = size[n_c + i] > 0.0f && (p == best_c || comb[p] >= t_coarse);
+        // the float score against the float threshold, as the op compares them (the cluster at T itself is kept)
+        cand[i] = size[n_c + i] > 0.0f && (p == best_c || (float) comb[p] >= t_coarse);
     }
 }
 
@@ -300,7 +334,7 @@ static void bin_row(const calib_layer & cl, int64_t t, int group, bool coarse_pa
     }
     std::vector<const float *> top(G), scored(G);
     for (int64_t j = 0; j < G; ++j) {
-        top[j] = hl.top.data() + (t*G + j)*n_top;
+        top[j] = hl.top_scores() + (t*G + j)*n_top;
         scored[j] = fine_under_coarse ? hl.fine.data() + (t*G + j)*n_f : top[j];
     }
     buf.assign((size_t) n_c, 0.0); // the coarse scores that choose the fine candidates
@@ -518,9 +552,12 @@ static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, 
 }
 
 // Coarse level: k-means of the fine centroids (their components) per head on `backend`; the coarse table is the
-// size-weighted mean of the member centroids (= the mean of the member keys) and the summed size.
+// size-weighted mean of the member centroids (= the mean of the member keys), the summed size and (tables with
+// variances) the member keys' variances about the coarse centroid, sum_f N_f (D_f + (C_f - C)^2) / N: the law of
+// total variance, exact from the fine table.
 static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t n_coarse, int n_iter) {
-    const int64_t d = L.d, H = L.n_head_kv, n = L.n_cent;
+    const int64_t d = L.d, H = L.n_head_kv, n = L.n_cent, W = L.width;
+    GGML_ASSERT(W == d + 1 || W == 2*d + 1);
     ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_free> ctx(ggml_init(ip));
     ggml_tensor * x = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, d, n, H);
@@ -530,7 +567,7 @@ static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, 
     }
     std::vector<float> comp((size_t) d*n*H);
     for (int64_t r = 0; r < n*H; ++r) {
-        std::memcpy(comp.data() + r*d, L.table.data() + r*(d + 1), d*sizeof(float));
+        std::memcpy(comp.data() + r*d, L.table.data() + r*W, d*sizeof(float));
     }
     ggml_backend_tensor_set(x, comp.data(), 0, ggml_nbytes(x));
     sparq_kmeans_result res;
@@ -540,22 +577,40 @@ static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, 
     }
     L.n_coarse = n_coarse;
     L.parent = res.assignment;
-    L.coarse_table.assign((size_t) H*n_coarse*(d + 1), 0.0f);
-    std::vector<double> acc((size_t) H*n_coarse*(d + 1), 0.0);
+    L.coarse_table.assign((size_t) H*n_coarse*W, 0.0f);
+    std::vector<double> acc((size_t) H*n_coarse*W, 0.0);  // sums of N C (then N (D + (C_f - C)^2)) and N
     for (int64_t h = 0; h < H; ++h) {
         for (int64_t i = 0; i < n; ++i) {
-            const float * c = L.table.data() + (h*n + i)*(d + 1);
-            double * a = acc.data() + (h*n_coarse + L.parent[h*n + i])*(d + 1);
+            const float * c = L.table.data() + (h*n + i)*W;
+            double * a = acc.data() + (h*n_coarse + L.parent[h*n + i])*W;
             for (int64_t e = 0; e < d; ++e) {
                 a[e] += (double) c[d]*c[e];
             }
             a[d] += c[d];
         }
     }
+    for (int64_t r = 0; r < H*n_coarse; ++r) {  // the means
+        const double size = acc[r*W + d];
+        for (int64_t e = 0; e < d; ++e) {
+            acc[r*W + e] = size > 0.0 ? acc[r*W + e]/size : 0.0;
+        }
+    }
+    if (W == 2*d + 1) {
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t i = 0; i < n; ++i) {
+                const float * c = L.table.data() + (h*n + i)*W;
+                double * a = acc.data() + (h*n_coarse + L.parent[h*n + i])*W;
+                for (int64_t e = 0; e < d; ++e) {
+                    const double dev = (double) c[e] - a[e];
+                    a[d + 1 + e] += (double) c[d]*((double) c[d + 1 + e] + dev*dev);
+                }
+            }
+        }
+    }
     for (int64_t r = 0; r < H*n_coarse; ++r) {
-        const double size = acc[r*(d + 1) + d];
-        for (int64_t e = 0; e <= d; ++e) {
-            L.coarse_table[r*(d + 1) + e] = (float) (e == d ? size : size > 0.0 ? acc[r*(d + 1) + e]/size : 0.0);
+        const double size = acc[r*W + d];
+        for (int64_t e = 0; e < W; ++e) {
+            L.coarse_table[r*W + e] = (float) (e <= d ? acc[r*W + e] : size > 0.0 ? acc[r*W + e]/size : 0.0);
         }
     }
     return "";
@@ -582,12 +637,13 @@ static bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_ca
     ggml_tensor * k    = ggml_new_tensor_4d(ctx.get(), k_cache->type, d, n, n_head_kv, 1);
     ggml_tensor * v    = ggml_new_tensor_4d(ctx.get(), v_cache->type, d_v, n, n_head_kv, 1);
     ggml_tensor * mask = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F16, n, 1, 1, 1);
-    ggml_tensor * cent = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, d + 1, 8, n_head_kv, 1);
+    ggml_tensor * cent = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, 2*d + 1, 8, n_head_kv, 1);
     ggml_tensor * cell = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, n, n_head_kv, 1);
-    ggml_tensor * coarse = two_levels ? ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, d + 1, 2, n_head_kv, 1) : nullptr;
+    ggml_tensor * coarse = two_levels ? ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, 2*d + 1, 2, n_head_kv, 1) : nullptr;
     ggml_tensor * parent = two_levels ? ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, 8, n_head_kv, 1) : nullptr;
     ggml_centroid_params p = ggml_centroid_default_params();
     p.threshold = 0.5f;
+    p.var_weight = 0.5f;
     if (ggml_centroid_attn_check(q, k, v, mask, cent, cell, coarse, parent, &p) != nullptr) {
         return false;
     }
@@ -598,7 +654,8 @@ static bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_ca
 // ---- sidecar ------------------------------------------------------------------------------------------------
 
 constexpr char     SIDECAR_MAGIC[4] = { 'S', 'Q', 'Z', 'P' };
-constexpr uint32_t SIDECAR_VERSION  = 2;  // 2: + the calibration queries (version 1 is still read)
+constexpr uint32_t SIDECAR_VERSION  = 3;  // 2: + the calibration queries; 3: + var_weight and the tables' variances
+                                          // (versions 1 and 2 are still read: the mean rule, tables of width d + 1)
 
 // What a saved prefix must match: the model's shape and description, and a hash of its first token embeddings.
 static std::string model_fingerprint(const llama_model & model) {
@@ -801,7 +858,8 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
             return "no backend of this context holds layer " + std::to_string(layer.il) + "'s cache";
         }
         L.n_cent = n_cent;
-        L.table.assign((size_t) L.n_head_kv*n_cent*(L.d + 1), 0.0f);
+        L.width = 2*L.d + 1;  // the k-means table holds the variances
+        L.table.assign((size_t) L.n_head_kv*n_cent*L.width, 0.0f);
         L.assign.assign((size_t) L.n_head_kv*n_clustered, 0);
         // a chunk of heads at a time keeps the similarity matrix [n_cent, P, heads] f32 within the budget
         const int64_t per_head = n_cent*n_clustered*(int64_t) sizeof(float);
@@ -814,7 +872,8 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
             if (!err.empty()) {
                 return "layer " + std::to_string(layer.il) + ": " + err;
             }
-            std::copy(res.table.begin(), res.table.end(), L.table.begin() + h0*n_cent*(L.d + 1));
+            GGML_ASSERT((int64_t) res.table.size() == n_h*n_cent*L.width);
+            std::copy(res.table.begin(), res.table.end(), L.table.begin() + h0*n_cent*L.width);
             std::copy(res.assignment.begin(), res.assignment.end(), L.assign.begin() + h0*n_clustered);
         }
         if (n_coarse > 0) {
@@ -851,6 +910,7 @@ std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const ll
         cl.L      = &L;
         cl.n_head = hp.n_head(il);
         cl.scale  = st.calib_scale.at((int32_t) il);
+        cl.var_weight = st.params.var_weight;
         cl.q      = it->second.data();
         if ((int64_t) it->second.size() != (int64_t) n_calib*cl.n_head*L.d) {
             return "layer " + std::to_string(il) + ": captured query rows have an unexpected size";
@@ -1036,7 +1096,7 @@ std::string sparq_squeeze_access::save(llama_context & ctx, const char * path) {
     w.str(sqp::model_fingerprint(ctx.model));
     const auto & p = st->params;
     w.val(p.centroids); w.val(p.keep); w.val(p.levels); w.val(p.centroids_coarse); w.val(p.keep_coarse);
-    w.val(p.n_calib); w.val(p.n_iter); w.val(p.group);
+    w.val(p.n_calib); w.val(p.n_iter); w.val(p.group); w.val(p.var_weight);
     w.val(st->n_prefix); w.val(st->n_clustered);
     w.val(st->threshold); w.val(st->threshold_coarse); w.val(st->kept_calib);
     w.vec(st->tokens);
@@ -1046,7 +1106,7 @@ std::string sparq_squeeze_access::save(llama_context & ctx, const char * path) {
         w.val<uint32_t>(kv->layers[ikv].il);
         w.val<uint8_t>(L.active ? 1 : 0);
         w.str(L.reason);
-        w.val(L.d); w.val(L.n_head_kv); w.val(L.n_cent); w.val(L.n_coarse);
+        w.val(L.d); w.val(L.n_head_kv); w.val(L.n_cent); w.val(L.n_coarse); w.val(L.width);
         w.vec(L.table); w.vec(L.assign); w.vec(L.coarse_table); w.vec(L.parent);
     }
     w.val<uint32_t>((uint32_t) st->calib_q.size());
@@ -1098,10 +1158,12 @@ std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, cons
     p.centroids = r.val<float>(); p.keep = r.val<float>(); p.levels = r.val<int32_t>();
     p.centroids_coarse = r.val<float>(); p.keep_coarse = r.val<float>(); p.n_calib = r.val<int32_t>();
     p.n_iter = r.val<int32_t>(); p.group = r.val<int32_t>();
+    p.var_weight = version >= 3 ? r.val<float>() : 0.0f;  // older files: the mean rule, whose thresholds they hold
     st->n_prefix = r.val<int32_t>(); st->n_clustered = r.val<int32_t>();
     st->threshold = r.val<float>(); st->threshold_coarse = r.val<float>(); st->kept_calib = r.val<float>();
     r.vec(st->tokens, 1u << 30);
-    if (!r.ok || st->n_clustered < 1 || st->n_clustered > st->n_prefix || (int32_t) st->tokens.size() != st->n_prefix) {
+    if (!r.ok || st->n_clustered < 1 || st->n_clustered > st->n_prefix || (int32_t) st->tokens.size() != st->n_prefix ||
+        llama_squeeze_check(&p) != nullptr) {
         return std::string(path) + " is truncated or damaged";
     }
     if (tokens != nullptr) {
@@ -1122,14 +1184,16 @@ std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, cons
         L.active = r.val<uint8_t>() != 0;
         L.reason = r.str(1u << 12);
         L.d = r.val<int64_t>(); L.n_head_kv = r.val<int64_t>(); L.n_cent = r.val<int64_t>(); L.n_coarse = r.val<int64_t>();
+        L.width = version >= 3 ? r.val<int64_t>() : L.d + 1;
         const uint64_t max_n = uint64_t(1) << 36;
         r.vec(L.table, max_n); r.vec(L.assign, max_n); r.vec(L.coarse_table, max_n); r.vec(L.parent, max_n);
         if (!r.ok || il != kv->layers[ikv].il || L.d != hp.n_embd_head_k(il) || L.n_head_kv != hp.n_head_kv(il)) {
             return std::string(path) + " is truncated, damaged or from a different cache layout (layer " + std::to_string(il) + ")";
         }
-        if (L.active && ((int64_t) L.table.size() != L.n_head_kv*L.n_cent*(L.d + 1) ||
+        if (L.active && ((L.width != L.d + 1 && L.width != 2*L.d + 1) || (p.var_weight > 0.0f && L.width != 2*L.d + 1) ||
+                         (int64_t) L.table.size() != L.n_head_kv*L.n_cent*L.width ||
                          (int64_t) L.assign.size() != L.n_head_kv*st->n_clustered ||
-                         (int64_t) L.coarse_table.size() != L.n_head_kv*L.n_coarse*(L.d + 1) ||
+                         (int64_t) L.coarse_table.size() != L.n_head_kv*L.n_coarse*L.width ||
                          (int64_t) L.parent.size() != (L.n_coarse > 0 ? L.n_head_kv*L.n_cent : 0))) {
             return std::string(path) + ": layer " + std::to_string(il) + "'s tables have inconsistent sizes";
         }
@@ -1210,6 +1274,7 @@ struct llama_squeeze_params llama_squeeze_default_params(void) {
     p.n_calib          = 100;
     p.n_iter           = 8;
     p.group            = GGML_CENTROID_GROUP_MAX;
+    p.var_weight       = 0.5f;
     p.progress_callback = nullptr;
     p.progress_callback_user_data = nullptr;
     return p;
@@ -1247,6 +1312,9 @@ const char * llama_squeeze_check(const struct llama_squeeze_params * p) {
     }
     if (p->group != GGML_CENTROID_GROUP_MAX && p->group != GGML_CENTROID_GROUP_MEAN) {
         return fail("group must be max (0) or mean (1), got %d", p->group);
+    }
+    if (!(p->var_weight >= 0.0f && p->var_weight <= 100.0f)) {
+        return fail("var_weight must be in [0, 100] (0: the mean rule), got %g", (double) p->var_weight);
     }
     return nullptr;
 }
@@ -1337,6 +1405,7 @@ struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ct
     info.prefill          = st->prefill;
     info.threshold_coarse = st->threshold_coarse;
     info.kept_calib       = st->kept_calib;
+    info.var_weight       = st->params.var_weight;
     for (const auto & L : st->layers) {
         info.n_layers += L.active ? 1 : 0;
     }
@@ -1360,16 +1429,19 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         a->n_cent < 1 || a->n_coarse < 0 || (two && (!a->coarse || !a->parent)) || !(a->keep > 0.0f && a->keep <= 1.0f)) {
         return fail("bad sizes, missing two-level tables or keep outside (0, 1]");
     }
-    const int64_t d = a->d, H = a->n_head_kv;
+    const int64_t d = a->d, H = a->n_head_kv, W = a->table_width > 0 ? a->table_width : d + 1;
+    if ((W != d + 1 && W != 2*d + 1) || !(a->var_weight >= 0.0f) || (a->var_weight > 0.0f && W != 2*d + 1)) {
+        return fail("table_width must be d + 1 or 2d + 1 (needed for var_weight > 0), var_weight >= 0");
+    }
     std::vector<squeeze_kv_layer> layers(a->n_layers);
     std::vector<sqp::calib_layer> cls(a->n_layers);
     for (int64_t l = 0; l < a->n_layers; ++l) {
         auto & L = layers[l];
-        L.d = d; L.n_head_kv = H; L.n_cent = a->n_cent; L.n_coarse = a->n_coarse;
-        const size_t nt = (size_t) H*a->n_cent*(d + 1);
+        L.d = d; L.n_head_kv = H; L.n_cent = a->n_cent; L.n_coarse = a->n_coarse; L.width = W;
+        const size_t nt = (size_t) H*a->n_cent*W;
         L.table.assign(a->table + l*nt, a->table + (l + 1)*nt);
         if (two) {
-            const size_t nc = (size_t) H*a->n_coarse*(d + 1), np = (size_t) H*a->n_cent;
+            const size_t nc = (size_t) H*a->n_coarse*W, np = (size_t) H*a->n_cent;
             L.coarse_table.assign(a->coarse + l*nc, a->coarse + (l + 1)*nc);
             L.parent.assign(a->parent + l*np, a->parent + (l + 1)*np);
             for (int32_t p : L.parent) {
@@ -1382,6 +1454,7 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         cls[l].L = &L;
         cls[l].n_head = a->n_head;
         cls[l].scale = a->scale;
+        cls[l].var_weight = a->var_weight;
         cls[l].q = a->q + l*nq;
     }
     *a->kept = sqp::calibrate_levels(cls, (int) a->n_rows, a->group, two ? 2 : 1, a->keep, a->keep_coarse,

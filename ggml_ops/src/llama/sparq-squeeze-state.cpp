@@ -1,7 +1,7 @@
 // A prepared prefix for centroid-sparse attention, on llama.cpp's KV cache side:
 //   - which cells hold the prefix, and whether they still do (every cache change outside a graph marks the
 //     state for a check before the next graph; a changed clustered cell drops it);
-//   - the device tables graphs read: per layer the centroid table [d+1, n_cent, n_head_kv, n_stream] and the
+//   - the device tables graphs read: per layer the centroid table [width, n_cent, n_head_kv, n_stream] and the
 //     cell -> cluster map [kv_size, n_head_kv, n_stream] (-1 outside the clustered prefix), both built from the
 //     host copies (so preparing and loading a sidecar install the same thing);
 //   - the graph side: ggml_centroid_attn over the cache view (squeeze_build_attn).
@@ -131,12 +131,12 @@ std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state 
             ggml_init_params ip = { 4u*kv.layers.size()*ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
             ctx.reset(ggml_init(ip));
         }
-        L.cent = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, L.d + 1, L.n_cent, L.n_head_kv, ns);
+        L.cent = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, L.width, L.n_cent, L.n_head_kv, ns);
         L.cell = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, kv_size, L.n_head_kv, ns);
         ggml_format_name(L.cent, "squeeze_cent_l%u", layer.il);
         ggml_format_name(L.cell, "squeeze_cell_l%u", layer.il);
         if (L.n_coarse > 0) {
-            L.coarse = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, L.d + 1, L.n_coarse, L.n_head_kv, ns);
+            L.coarse = ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, L.width, L.n_coarse, L.n_head_kv, ns);
             L.par    = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, L.n_cent, L.n_head_kv, ns);
         }
     }
@@ -157,7 +157,7 @@ std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state 
             continue;
         }
         // the squeezed stream's slice of each table; the map is -1 except at the clustered cells
-        const size_t cent_stream = ggml_row_size(GGML_TYPE_F32, (L.d + 1)*L.n_cent*L.n_head_kv);
+        const size_t cent_stream = ggml_row_size(GGML_TYPE_F32, L.width*L.n_cent*L.n_head_kv);
         ggml_backend_tensor_set(L.cent, L.table.data(), cent_stream*st.stream, cent_stream);
         std::vector<int32_t> map((size_t) kv_size*L.n_head_kv*ns, -1);
         for (int64_t h = 0; h < L.n_head_kv; ++h) {
@@ -168,7 +168,7 @@ std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state 
         }
         ggml_backend_tensor_set(L.cell, map.data(), 0, ggml_nbytes(L.cell));
         if (L.coarse) {
-            const size_t coarse_stream = ggml_row_size(GGML_TYPE_F32, (L.d + 1)*L.n_coarse*L.n_head_kv);
+            const size_t coarse_stream = ggml_row_size(GGML_TYPE_F32, L.width*L.n_coarse*L.n_head_kv);
             ggml_backend_tensor_set(L.coarse, L.coarse_table.data(), coarse_stream*st.stream, coarse_stream);
             const size_t par_stream = ggml_row_size(GGML_TYPE_I32, L.n_cent*L.n_head_kv);
             ggml_backend_tensor_set(L.par, L.parent.data(), par_stream*st.stream, par_stream);
@@ -261,6 +261,7 @@ ggml_tensor * squeeze_build_attn(ggml_context * ctx0, llm_graph_result * res, co
     op.group            = (ggml_centroid_group) st->params.group;
     op.scale            = kq_scale;
     op.softcap          = softcap;
+    op.var_weight       = st->params.var_weight;
     if (const char * err = ggml_centroid_attn_check(qv, k, v, kq_mask, cent, cell, coarse, parent, &op)) {
         return fallback(err);
     }
