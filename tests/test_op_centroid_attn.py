@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 from sparq_llama import ops
 from sparq_llama.reference import dense_attn
-from sparq_llama.reference_squeeze import centroid_attn, coarse_level, group_scores, kmeans_cosine
+from sparq_llama.reference_squeeze import (
+    centroid_attn,
+    coarse_level,
+    group_scores,
+    kmeans_cosine,
+)
 
 BACKENDS = ["cpu"]  # the CUDA kernel runs these cases in tests/test_op_centroid_attn_cuda.py (against this CPU op too)
 TOL = {"f32": 2e-5, "f16": 2e-5, "bf16": 2e-5}  # on values rounded to the KV type first

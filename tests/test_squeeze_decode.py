@@ -216,7 +216,7 @@ def test_keep_one_equals_dense(llm, doc, questions, dense_answer):
 
 @pytest.mark.parametrize("keep", [0.3, 0.1])
 def test_small_keep_really_selects(llm, doc, questions, dense_answer, keep):
-    d_tokens, d_logits = dense_answer
+    d_tokens, _ = dense_answer
     ctx = Ctx.of(llm)
     rows = questions[0] + d_tokens[:15]
     # the op over every cluster (keep = 1)
