@@ -40,13 +40,16 @@ using namespace attn_cuda;  // pdl_wait, pdl_release, to_f32, load8, load8_row
 constexpr int      A_THREADS   = 256;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
 constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
+constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
 // Kernel A: K^T rows in flight per thread (16 bytes of each for f16/bf16) and blocks per SM (the register
-// budget: 64K / (256 * blocks) per thread). More resident blocks hide the latency of each block's short
-// serial phases (mask and position loads, the reductions); one to two heads per pass fit the budget of 3.
+// budget: 64K / (256 * blocks) per thread; a_min_blocks below). For K^T, two blocks of 16 rows in flight beat
+// three of 8 (bench/harness_a/NOTES.md, H100, Llama-2 heads, with the shorter prologue and epilogue: 39.2 ->
+// 36.4 us at 32k, 65.3 -> 58.6 at 64k): half the DRAM round trips per block, and 2 blocks per SM make 1.94
+// waves of the 32k grid (16 x 32 blocks) where 3 made 1.29, whose last 0.29 wave ran ~12 us alone at a
+// fraction of the bandwidth.
 template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
-    return (NG <= 2 ? 8 : 4) / (sizeof(T) == 4 ? 2 : 1);
+    return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
-template <int NG> constexpr int a_min_blocks() { return NG <= 2 ? 3 : 2; }
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
@@ -72,6 +75,9 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
+// Kernel A's blocks per SM: 2 for K^T (above) and for 4-8 heads per pass; the gather and exact scores of 1-2
+// heads keep 3 (no rows in flight to trade for it: more blocks hide their per-cell round trips).
+template <int POL, int NG> constexpr int a_min_blocks() { return POL == SC_KT || NG > 2 ? 2 : 3; }
 enum counter { CTR_N_W = 0, CTR_N_S = 1, CTR_N_CAND = 2, CTR_N_F = 3 };
 enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, RI_N_SEL = 5, RI_ZERO_FIRST = 6, N_RI = 8 };
 
@@ -94,6 +100,7 @@ struct sparq_args {
     int32_t n_chunks_a, n_chunks_b;
     int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
     bool vec_kt, vec_kv, vec_logits;
+    bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
 };
@@ -153,6 +160,38 @@ __device__ __forceinline__ void load_raw8_row(const T * row, int64_t e0, int64_t
     memcpy(&r, v, sizeof(r));
 }
 
+// Kernel A's K^T loads: each row is read once per decode step, so they skip L1 and leave L2 first
+// (evict-first policy), which keeps the logits that kernels P and B read next in L2. Plain loads before sm_80.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+#if __CUDA_ARCH__ >= 800
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ uint4 load16_stream(const void * p, uint64_t pol) {
+    uint4 r;
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(pol));
+#else
+    GGML_UNUSED(pol);
+    r = *(const uint4 *) p;
+#endif
+    return r;
+}
+__device__ __forceinline__ void load_raw8_stream(const half * p, raw8<half> & r, uint64_t pol) { r.u = load16_stream(p, pol); }
+__device__ __forceinline__ void load_raw8_stream(const nv_bfloat16 * p, raw8<nv_bfloat16> & r, uint64_t pol) {
+    r.u = load16_stream(p, pol);
+}
+__device__ __forceinline__ void load_raw8_stream(const float * p, raw8<float> & r, uint64_t pol) {
+    const uint4 a = load16_stream(p, pol), b = load16_stream(p + 4, pol);
+    r.a = make_float4(__uint_as_float(a.x), __uint_as_float(a.y), __uint_as_float(a.z), __uint_as_float(a.w));
+    r.b = make_float4(__uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z), __uint_as_float(b.w));
+}
+
 // ---- row addressing --------------------------------------------------------------------------------
 
 struct row_coords {
@@ -172,6 +211,50 @@ __device__ __forceinline__ const int32_t * pos_row(const sparq_args & a, const r
 }
 __device__ __forceinline__ bool visible(const uint16_t * m, int64_t j) { return !m || m[j] != F16_NEG_INF; }
 __device__ __forceinline__ int64_t position(const int32_t * p, int64_t j) { return p ? p[j] : j; }
+
+// Kernel A: the mask and positions of a thread's cells [j0, j0 + A_CELLS), loaded as they are (16-byte loads
+// where a.vec_mask / a.vec_pos allow and the 8 cells exist) before the block's first barrier and used after
+// it, so that they, I1 and the query components take one round trip (the position loads used to wait for the
+// mask's, and the query's for both). Elsewhere cells_use reads them one by one.
+struct cells_raw {
+    uint4 m;       // 8 f16 mask values
+    int4  p0, p1;  // 8 positions
+};
+__device__ __forceinline__ void cells_load(const sparq_args & a, const uint16_t * m, const int32_t * pr, int64_t j0,
+                                           cells_raw & r) {
+    static_assert(A_CELLS == 8, "one 16-byte mask load and two position loads per thread");
+    const bool full = j0 + A_CELLS <= a.n_kv;
+    r.m  = make_uint4(0, 0, 0, 0);
+    r.p0 = make_int4(0, 0, 0, 0);
+    r.p1 = r.p0;
+    if (full && m && a.vec_mask) {
+        r.m = *(const uint4 *) (m + j0);
+    }
+    if (full && pr && a.vec_pos) {
+        r.p0 = ((const int4 *) (pr + j0))[0];
+        r.p1 = ((const int4 *) (pr + j0))[1];
+    }
+}
+// vis bit u: cell j0 + u exists and is visible; the visible cells' count and smallest / largest position.
+__device__ __forceinline__ void cells_use(const sparq_args & a, const uint16_t * m, const int32_t * pr, int64_t j0,
+                                          const cells_raw & r, uint32_t & vis, int & n_vis, int & p_min, int & p_max) {
+    const bool full = j0 + A_CELLS <= a.n_kv;
+    const bool vm = full && m && a.vec_mask, vp = full && pr && a.vec_pos;
+    const uint16_t * mv = (const uint16_t *) &r.m;
+    const int32_t pv[A_CELLS] = { r.p0.x, r.p0.y, r.p0.z, r.p0.w, r.p1.x, r.p1.y, r.p1.z, r.p1.w };
+    vis = 0; n_vis = 0; p_min = INT32_MAX; p_max = INT32_MIN;
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        const int64_t j = j0 + u;
+        if (vm ? mv[u] != F16_NEG_INF : j < a.n_kv && visible(m, j)) {
+            vis |= 1u << u;
+            ++n_vis;
+            const int32_t pj = vp ? pv[u] : (int32_t) position(pr, j);
+            p_min = min(p_min, pj);
+            p_max = max(p_max, pj);
+        }
+    }
+}
 
 // The softcap's tanh in double: ggml-cuda builds with fast math, whose tanhf is the hardware approximation
 // (relative error ~5e-4, far above the f32 reference tolerance).
@@ -532,7 +615,9 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
                                 int64_t g0, float * qs) {
     const int64_t G = a.group, d = a.d;
     const int k1 = a.p.k1;
-    __syncthreads();  // qs of the previous pass is no longer read
+    if (g0 > 0) {
+        __syncthreads();  // qs of the previous pass is no longer read (none before the first: its loads go out with I1's)
+    }
     if (POL == SC_KT || POL == SC_GATHER) {
         for (int idx = threadIdx.x; idx < NG*k1; idx += blockDim.x) {
             const int gg = idx / k1, i = idx % k1;
@@ -678,13 +763,27 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     SPARQ_TIMING_PRINT("P: start, merge, sample, select", w, 5);
 }
 
+// Kernel A (grid: chunks of A_CHUNK cells x rows; A_THREADS threads, A_CELLS cells each). Per pass of NG heads:
+// the approximate logits of the chunk's cells, -inf for hidden cells, and the chunk's max and sum of exponentials
+// per head; once per block the chunk's visible count and position range. Phases, each chosen so that a block
+// spends its life with K^T loads in flight (bench/harness_a/NOTES.md):
+//   prologue: I1, the first pass's query components, the mask and the positions in one round trip (one barrier);
+//   K^T rows a_unroll at a time (evict-first, no L1);
+//   epilogue: one barrier for every head's block max, one for the sums; the visible count and position range
+//   ride along (their warp results are in shared memory since the prologue). The reduction trees are
+//   block_reduce's (warp butterfly, then the A_WARPS warp results in lanes 0 .. A_WARPS-1 of one butterfly), so
+//   the statistics are bit for bit those of one block_reduce per value (was 5 per head and pass, 3 barriers
+//   each); the logits' products and their order are unchanged. Checked bit for bit against the previous kernel
+//   for f16/bf16/f32, 1-8 heads per pass, two passes, a dead head, gather/exact/none, ragged lengths, no or a
+//   misaligned mask (harness: bench/harness_a, port_matrix).
 template <typename T, int POL, int NG>
-__global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
+__global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
-    __shared__ float redf[32];
-    __shared__ int   redi[32];
+    __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
+    __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
     pdl_wait();
     __shared__ int   i1_buf[MAX_HEAD_DIM];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
@@ -697,159 +796,204 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<NG>()) sparq_scores(co
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
     const int64_t j0 = chunk*A_CHUNK + (int64_t) threadIdx.x*A_CELLS;
+    cells_raw cr;
+    cells_load(a, m, pr, j0, cr);  // in flight with I1 and the first pass's query (used after its barrier)
 
-    uint32_t vis = 0;  // bit u: cell j0 + u is visible
-    int n_vis = 0, p_min = INT32_MAX, p_max = INT32_MIN;
-#pragma unroll
-    for (int u = 0; u < A_CELLS; ++u) {
-        const int64_t j = j0 + u;
-        if (j < n_kv && visible(m, j)) {
-            vis |= 1u << u;
-            ++n_vis;
-            const int32_t pj = (int32_t) position(pr, j);
-            p_min = min(p_min, pj);
-            p_max = max(p_max, pj);
+    uint32_t vis;  // bit u: cell j0 + u is visible
+    int n_vis, p_min, p_max;
+    if (POL == SC_NONE) {
+        cells_use(a, m, pr, j0, cr, vis, n_vis, p_min, p_max);
+        if (threadIdx.x < G) {
+            for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+                s.cmax[(w*G + g)*a.n_chunks_a + chunk] = -INFINITY;
+                s.csum[(w*G + g)*a.n_chunks_a + chunk] = 0.0f;
+            }
         }
+        n_vis = block_reduce(n_vis, op_add(), 0, red_cells[0]);
+        p_min = block_reduce(p_min, op_min(), INT32_MAX, red_cells[0]);
+        p_max = block_reduce(p_max, op_max(), INT32_MIN, red_cells[0]);
+        if (threadIdx.x == 0) {
+            int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
+            cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
+        }
+        return;
     }
 
-    if (POL != SC_NONE) {
-        for (int64_t g0 = 0; g0 < G; g0 += NG) {
+    // the first pass's query (no barrier before it), then the cells' statistics: each warp's go to shared memory
+    // here and are read after the first pass's barriers (nothing of cr and the statistics stays live in the loop)
+    load_query_pass<POL, NG>(a, s, w, c, 0, qs);
+    cells_use(a, m, pr, j0, cr, vis, n_vis, p_min, p_max);
+    n_vis = warp_reduce(n_vis, op_add());
+    p_min = warp_reduce(p_min, op_min());
+    p_max = warp_reduce(p_max, op_max());
+    if (lane == 0) {
+        red_cells[0][warp] = n_vis; red_cells[1][warp] = p_min; red_cells[2][warp] = p_max;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += NG) {
+        if (g0 > 0) {
             load_query_pass<POL, NG>(a, s, w, c, g0, qs);
-            float acc[NG][A_CELLS];
+        }
+        float acc[NG][A_CELLS];
 #pragma unroll
-            for (int g = 0; g < NG; ++g) {
+        for (int g = 0; g < NG; ++g) {
 #pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    acc[g][u] = 0.0f;
-                }
+            for (int u = 0; u < A_CELLS; ++u) {
+                acc[g][u] = 0.0f;
             }
-            if (POL == SC_KT) {
-                // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load,
-                // A_UNROLL rows in flight
-                const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
-                const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
-                constexpr int A_UNROLL = a_unroll<T, NG>();
-                for (int i = 0; i < k1; i += A_UNROLL) {
-                    raw8<T> x[A_UNROLL];
-                    if (vec) {
-#pragma unroll
-                        for (int uu = 0; uu < A_UNROLL; ++uu) {
-                            load_raw8((const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu]);
-                        }
-                    }
+        }
+        if (POL == SC_KT) {
+            // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load (two for f32),
+            // A_UNROLL rows in flight
+            const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
+            const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
+            constexpr int A_UNROLL = a_unroll<T, NG>();
+#pragma unroll 1
+            for (int i = 0; i < k1; i += A_UNROLL) {
+                raw8<T> x[A_UNROLL];
+                if (vec) {
+                    const uint64_t pol = l2_evict_first();  // one instruction: cheaper than a register pair in the loop
 #pragma unroll
                     for (int uu = 0; uu < A_UNROLL; ++uu) {
-                        if (i + uu >= k1) {
-                            continue;
-                        }
-                        float xf[A_CELLS];
-                        if (vec) {
-#pragma unroll
-                            for (int u = 0; u < A_CELLS; ++u) {
-                                xf[u] = raw8_at(x[uu], u);
-                            }
-                        } else {
-                            const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
-#pragma unroll
-                            for (int u = 0; u < A_CELLS; ++u) {
-                                xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
-                            }
-                        }
-#pragma unroll
-                        for (int g = 0; g < NG; ++g) {
-                            const float qv = qs[g*k1 + i + uu];
-#pragma unroll
-                            for (int u = 0; u < A_CELLS; ++u) {
-                                acc[g][u] += qv * xf[u];
-                            }
-                        }
+                        load_raw8_stream((const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu], pol);
                     }
                 }
-            } else {
-                // default layout (gather k1 components of each row-major K row) or exact scores
 #pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    const int64_t j = j0 + u;
-                    if (j >= n_kv) {
+                for (int uu = 0; uu < A_UNROLL; ++uu) {
+                    if (i + uu >= k1) {
                         continue;
                     }
-                    const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
-                    if (POL == SC_GATHER) {
-                        for (int i = 0; i < k1; ++i) {
-                            const float x = to_f32(krow[i1_buf[i]]);
+                    float xf[A_CELLS];
+                    if (vec) {
 #pragma unroll
-                            for (int g = 0; g < NG; ++g) {
-                                acc[g][u] += qs[g*k1 + i] * x;
-                            }
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            xf[u] = raw8_at(x[uu], u);
                         }
                     } else {
-                        for (int64_t i = 0; i < d; ++i) {
-                            const float x = to_f32(krow[i]);
+                        const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
 #pragma unroll
-                            for (int g = 0; g < NG; ++g) {
-                                acc[g][u] += qs[g*d + i] * x;
-                            }
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
                         }
+                    }
 #pragma unroll
-                        for (int g = 0; g < NG; ++g) {
-                            acc[g][u] = logit_exact(a, acc[g][u]);
+                    for (int g = 0; g < NG; ++g) {
+                        const float qv = qs[g*k1 + i + uu];
+#pragma unroll
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            acc[g][u] += qv * xf[u];
                         }
                     }
                 }
             }
-            // hidden cells: -inf; write the logits; the chunk's max and sum of exponentials per head
+        } else {
+            // default layout (gather k1 components of each row-major K row) or exact scores
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                const int64_t j = j0 + u;
+                if (j >= n_kv) {
+                    continue;
+                }
+                const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
+                if (POL == SC_GATHER) {
+                    for (int i = 0; i < k1; ++i) {
+                        const float x = to_f32(krow[i1_buf[i]]);
+#pragma unroll
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] += qs[g*k1 + i] * x;
+                        }
+                    }
+                } else {
+                    for (int64_t i = 0; i < d; ++i) {
+                        const float x = to_f32(krow[i]);
+#pragma unroll
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] += qs[g*d + i] * x;
+                        }
+                    }
+#pragma unroll
+                    for (int g = 0; g < NG; ++g) {
+                        acc[g][u] = logit_exact(a, acc[g][u]);
+                    }
+                }
+            }
+        }
+        // hidden cells: -inf; write the logits; every head's block max through one barrier
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                acc[g][u] = (vis >> u) & 1 ? acc[g][u] : -INFINITY;
+                mx = fmaxf(mx, acc[g][u]);
+            }
+            if (g0 + g >= G) {
+                continue;
+            }
+            float * lrow = s.logits + (w*G + g0 + g)*n_kv;
+            if (a.vec_logits && j0 + A_CELLS <= n_kv) {
+                ((float4 *) (lrow + j0))[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+                ((float4 *) (lrow + j0))[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            } else {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    if (j0 + u < n_kv) {
+                        lrow[j0 + u] = acc[g][u];
+                    }
+                }
+            }
+            mx = warp_reduce(mx, op_max());
+            if (lane == 0) {
+                red_max[g][warp] = mx;
+            }
+        }
+        __syncthreads();
+        // the chunk's sum of exponentials per head, through the second barrier
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            if (g0 + g >= G) {
+                continue;
+            }
+            const float mx = warp_reduce(lane < A_WARPS ? red_max[g][lane] : -INFINITY, op_max());
+            float sum = 0.0f;
+            if (mx != -INFINITY) {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    sum += (vis >> u) & 1 ? __expf(acc[g][u] - mx) : 0.0f;
+                }
+            }
+            sum = warp_reduce(sum, op_add());
+            if (lane == 0) {
+                red_sum[g][warp] = sum;
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // red_* are next written after the next pass's first barrier (load_query_pass), which warp 0 reaches
+            // only after these reads
 #pragma unroll
             for (int g = 0; g < NG; ++g) {
                 if (g0 + g >= G) {
-                    break;
+                    continue;
                 }
-                float mx = -INFINITY;
-#pragma unroll
-                for (int u = 0; u < A_CELLS; ++u) {
-                    acc[g][u] = (vis >> u) & 1 ? acc[g][u] : -INFINITY;
-                    mx = fmaxf(mx, acc[g][u]);
-                }
-                float * lrow = s.logits + (w*G + g0 + g)*n_kv;
-                if (a.vec_logits && j0 + A_CELLS <= n_kv) {
-                    ((float4 *) (lrow + j0))[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-                    ((float4 *) (lrow + j0))[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < A_CELLS; ++u) {
-                        if (j0 + u < n_kv) {
-                            lrow[j0 + u] = acc[g][u];
-                        }
-                    }
-                }
-                mx = block_reduce(mx, op_max(), -INFINITY, redf);
-                float sum = 0.0f;
-                if (mx != -INFINITY) {
-#pragma unroll
-                    for (int u = 0; u < A_CELLS; ++u) {
-                        sum += (vis >> u) & 1 ? __expf(acc[g][u] - mx) : 0.0f;
-                    }
-                }
-                sum = block_reduce(sum, op_add(), 0.0f, redf);
-                if (threadIdx.x == 0) {
+                const float mx  = warp_reduce(lane < A_WARPS ? red_max[g][lane] : -INFINITY, op_max());
+                const float sum = warp_reduce(lane < A_WARPS ? red_sum[g][lane] : 0.0f, op_add());
+                if (lane == 0) {
                     s.cmax[(w*G + g0 + g)*a.n_chunks_a + chunk] = mx;
                     s.csum[(w*G + g0 + g)*a.n_chunks_a + chunk] = sum;
                 }
             }
-        }
-    } else if (threadIdx.x < G) {
-        for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
-            s.cmax[(w*G + g)*a.n_chunks_a + chunk] = -INFINITY;
-            s.csum[(w*G + g)*a.n_chunks_a + chunk] = 0.0f;
+            if (g0 == 0) {
+                const bool in = lane < A_WARPS;
+                const int nv = warp_reduce(in ? red_cells[0][lane] : 0, op_add());
+                const int lo = warp_reduce(in ? red_cells[1][lane] : INT32_MAX, op_min());
+                const int hi = warp_reduce(in ? red_cells[2][lane] : INT32_MIN, op_max());
+                if (lane == 0) {
+                    int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
+                    cv[0] = nv; cv[1] = lo; cv[2] = hi;
+                }
+            }
         }
     }
-    n_vis = block_reduce(n_vis, op_add(), 0, redi);
-    p_min = block_reduce(p_min, op_min(), INT32_MAX, redi);
-    p_max = block_reduce(p_max, op_max(), INT32_MIN, redi);
-    if (threadIdx.x == 0) {
-        int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
-        cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
-    }
-
 }
 
 // Kernel P, one block per row: merges kernel A's chunk statistics and sets the row's candidate threshold. A
@@ -1623,6 +1767,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.vec_kt     = kt && aligned16(kt->data) && strides16(kt);
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
+    a.vec_mask   = mask && aligned16(mask->data) && mask->nb[1] % 16 == 0 && mask->nb[3] % 16 == 0;
+    a.vec_pos    = pos && aligned16(pos->data) && pos->nb[3] % 16 == 0;
     a.timing     = getenv("SPARQ_CUDA_TIMING") != nullptr;
     // SPARQ_CUDA_RADIX_SELECT=1: kernels P and S select with v5c's radix passes and S builds I2 from the bitmap
     // (same results; for measuring v6a against it, bench/notes_cuda.md)
