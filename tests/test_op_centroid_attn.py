@@ -80,10 +80,11 @@ def all_scores(q, cent, sizes, scale, group, coarse, var, var_weight):
         for h in range(n_head_kv):
             for t in range(n_q):
                 qg = q[s, h*G:(h + 1)*G, t]
-                fine.append(group_scores(qg, cent[s, h], sizes[s, h], scale, group, None, var[s, h], var_weight))
+                fine.append(group_scores(qg, cent[s, h], sizes[s, h], scale, group, None,
+                                         None if var is None else var[s, h], var_weight))
                 if coarse is not None:
                     coarse_s.append(group_scores(qg, coarse[0][s, h], coarse[1][s, h], scale, group, None,
-                                                 coarse[3][s, h], var_weight))
+                                                 coarse[3][s, h] if len(coarse) > 3 else None, var_weight))
     return np.concatenate(fine), (np.concatenate(coarse_s) if coarse_s else None)
 
 

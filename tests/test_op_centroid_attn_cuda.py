@@ -200,7 +200,7 @@ def test_kmeans_matches_cpu_and_reference_on_separated_blobs(d: int) -> None:
         # another fixed point on the next)
         np.testing.assert_allclose(got[h].centroids, cpu[h].centroids, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got[h].variances, cpu[h].variances, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got[h].variances, cpu[h].variances, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
 
 
@@ -217,7 +217,7 @@ def test_kmeans_iterations_match_cpu_on_a_7b_head_shape(n_iter: int) -> None:
         assert np.array_equal(got[h].assignment, cpu[h].assignment)
         assert np.array_equal(got[h].sizes, cpu[h].sizes)
         np.testing.assert_allclose(got[h].centroids, cpu[h].centroids, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got[h].variances, cpu[h].variances, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got[h].variances, cpu[h].variances, rtol=1e-4, atol=1e-6)
 
 
 def test_kmeans_on_cuda_is_deterministic_and_a_fixed_point() -> None:
@@ -249,4 +249,18 @@ def test_kmeans_assignment_ties_go_to_the_higher_cluster_as_on_the_cpu() -> None
         want = kmeans_cosine(x[h].astype(np.float64), 12, n_iter=6)
         assert got[h].assignment.tolist() == cpu[h].assignment.tolist() == want.assignment.tolist()
         assert got[h].sizes.tolist() == cpu[h].sizes.tolist() == want.sizes.tolist()
-    assert ops.kmeans_cosine(np.ones((5, 3)), 3, backend="cuda").sizes.tolist() == [0, 0, 5]
+    dup = ops.kmeans_cosine(np.ones((5, 3)), 3, backend="cuda")
+    assert dup.sizes.tolist() == [0, 0, 5] and (dup.variances == 0).all()  # identical members: exactly no spread
+
+
+def test_kmeans_variances_of_tight_clusters_far_from_the_origin() -> None:
+    # the CUDA table takes the variances in its one scan from the deviations to each cluster's first member; keys at
+    # 300 +- 0.01 per component would lose every digit to cancellation in E[x^2] - mean^2 (float32)
+    rng = np.random.default_rng(15)
+    centers = 300.0 * rng.standard_normal((6, 32))
+    x = (centers[rng.integers(0, 6, size=(2, 600))] + 0.01 * rng.standard_normal((2, 600, 32))).astype(np.float32)
+    got = ops.kmeans_cosine(x, 6, n_iter=5, backend="cuda")
+    for h in range(2):  # the float64 variances of the members it chose (which blob a near-tie joins does not matter)
+        for c in np.flatnonzero(got[h].sizes):
+            want = x[h][got[h].assignment == c].astype(np.float64).var(0)
+            np.testing.assert_allclose(got[h].variances[c], want, rtol=2e-2, atol=1e-7)

@@ -71,3 +71,16 @@ def test_edge_cases_and_errors() -> None:
         ops.kmeans_cosine(keys, 2, n_iter=0)
     with pytest.raises(ValueError, match="keys"):
         ops.kmeans_cosine(keys[0], 1)
+
+
+def test_variances_of_tight_clusters_far_from_the_origin() -> None:
+    # the variances are taken about the final means (a pass after them), not as E[x^2] - mean^2: keys at 300 +- 0.01
+    # per component would lose every digit to cancellation in float32
+    rng = np.random.default_rng(15)
+    centers = 300.0 * rng.standard_normal((6, 32))
+    x = (centers[rng.integers(0, 6, size=(2, 600))] + 0.01 * rng.standard_normal((2, 600, 32))).astype(np.float32)
+    got = ops.kmeans_cosine(x, 6, n_iter=5, n_threads=2)
+    for h in range(2):  # the float64 variances of the members it chose (which blob a near-tie joins does not matter)
+        for c in np.flatnonzero(got[h].sizes):
+            want = x[h][got[h].assignment == c].astype(np.float64).var(0)
+            np.testing.assert_allclose(got[h].variances[c], want, rtol=2e-2, atol=1e-7)

@@ -9,7 +9,9 @@
 // the warps of one block and their neighbours read the same array), the same order of work as the
 // similarity matrix the k-means iteration's ggml_mul_mat / ggml_argmax already produce and read; each member
 // row is read once. The spherical norm is summed in double, as on the CPU (a warp tree instead of a loop: the
-// normalised rows can differ from the CPU's in the last bit).
+// normalised rows can differ from the CPU's in the last bit). The variances (GGML_CLUSTER_TABLE_VAR) come from the
+// same scan as shifted sums (see the kernel), where the CPU takes a second pass about the mean: the same quantity
+// to float32 rounding, not bit for bit.
 #include "cluster-update.cuh"
 #include "attn-cuda-common.cuh"
 
@@ -83,8 +85,11 @@ __device__ __forceinline__ int64_t scan_members(const cluster_args & a, int64_t 
     return count;
 }
 
-// REGS components per lane: d <= 32 REGS.
-template <int REGS>
+// REGS components per lane: d <= 32 REGS. VAR (GGML_CLUSTER_TABLE_VAR): the members' variances too, in the same
+// scan, from their deviations from the first member (shifted sums: var = (S2 - S1^2 / N) / N, which stays exact for
+// identical members and has no cancellation for a tight cluster far from the origin). A second scan about the mean,
+// as the CPU kernel does, cost the k-means of a 7B layer ~35 ms (one scan of the assignments per cluster).
+template <int REGS, bool VAR>
 __global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(const cluster_args a) {
     pdl_wait();
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
@@ -92,64 +97,55 @@ __global__ void __launch_bounds__(CU_WARPS*WARP_SIZE) cluster_update_kernel(cons
     if (i >= a.n) {  // warp-uniform; no block barrier below
         return;
     }
-    float acc[REGS];
+    float acc[REGS], k0[VAR ? REGS : 1], s1[VAR ? REGS : 1], s2[VAR ? REGS : 1];
 #pragma unroll
     for (int e = 0; e < REGS; ++e) {
         acc[e] = 0.0f;
+        if constexpr (VAR) {
+            k0[e] = 0.0f; s1[e] = 0.0f; s2[e] = 0.0f;
+        }
     }
+    bool first = true;  // warp-uniform: no member seen yet
     const int64_t count = scan_members<REGS>(a, i, h, [&](const float (&xv)[CU_BATCH][REGS], int nb) {
+        if constexpr (VAR) {
+            if (first) {
+#pragma unroll
+                for (int e = 0; e < REGS; ++e) {
+                    k0[e] = xv[0][e];
+                }
+                first = false;
+            }
+        }
 #pragma unroll
         for (int m = 0; m < CU_BATCH; ++m) {
             if (m < nb) {
 #pragma unroll
                 for (int e = 0; e < REGS; ++e) {
                     acc[e] += xv[m][e];
+                    if constexpr (VAR) {
+                        const float dev = xv[m][e] - k0[e];
+                        s1[e] += dev;
+                        s2[e] += dev * dev;
+                    }
                 }
             }
         }
     });
     float * out = (float *) (a.dst + i*a.o_nb1 + h*a.o_nb2);
-    if (a.table) {  // the mean of the members, then the size (zeros for an empty cluster)
+    if (a.table) {  // the mean of the members, then the size (zeros for an empty cluster); VAR: then the variances
         const float inv = count > 0 ? __frcp_rn((float) count) : 0.0f;  // IEEE, as the CPU (fast math would approximate)
 #pragma unroll
         for (int e = 0; e < REGS; ++e) {
             const int64_t c = lane + WARP_SIZE*e;
-            acc[e] = acc[e] * inv;  // the mean, as written
             if (c < a.d) {
-                out[c] = acc[e];
+                out[c] = acc[e] * inv;
+                if constexpr (VAR) {
+                    out[a.d + 1 + c] = fmaxf(0.0f, s2[e] - s1[e] * s1[e] * inv) * inv;
+                }
             }
         }
         if (lane == 0) {
             out[a.d] = (float) count;
-        }
-        if (!a.var) {
-            return;
-        }
-        // the variances: a second scan of the members, their squared deviations from the mean in row order
-        float sq[REGS];
-#pragma unroll
-        for (int e = 0; e < REGS; ++e) {
-            sq[e] = 0.0f;
-        }
-        scan_members<REGS>(a, i, h, [&](const float (&xv)[CU_BATCH][REGS], int nb) {
-#pragma unroll
-            for (int m = 0; m < CU_BATCH; ++m) {
-                if (m < nb) {
-#pragma unroll
-                    for (int e = 0; e < REGS; ++e) {
-                        const float dev = __fsub_rn(xv[m][e], acc[e]);
-                        sq[e] = __fadd_rn(sq[e], __fmul_rn(dev, dev));  // no contraction: the CPU's order of roundings
-                    }
-                }
-            }
-        });
-        const float inv_n = count > 0 ? __frcp_rn((float) count) : 0.0f;
-#pragma unroll
-        for (int e = 0; e < REGS; ++e) {
-            const int64_t c = lane + WARP_SIZE*e;
-            if (c < a.d) {
-                out[a.d + 1 + c] = sq[e] * inv_n;
-            }
         }
         return;
     }
@@ -241,6 +237,17 @@ bool ggml_cuda_cluster_update_supported(int device, const ggml_tensor * op) {
            x->ne[2] <= 65535;
 }
 
+template <bool VAR>
+static void launch_update(const cluster_args & a, const ggml_cuda_kernel_launch_params & lp) {
+    if (a.d <= 4*WARP_SIZE) {
+        ggml_cuda_kernel_launch(cluster_update_kernel<4, VAR>, lp, a);
+    } else if (a.d <= 8*WARP_SIZE) {
+        ggml_cuda_kernel_launch(cluster_update_kernel<8, VAR>, lp, a);
+    } else {
+        ggml_cuda_kernel_launch(cluster_update_kernel<CU_MAX_DIM/WARP_SIZE, VAR>, lp, a);
+    }
+}
+
 void ggml_cuda_cluster_update(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(ggml_cuda_cluster_update_supported(ctx.device, dst));
     if (ggml_get_op_params_i32(dst, 0) == GGML_CLUSTER_ASSIGN) {
@@ -264,11 +271,9 @@ void ggml_cuda_cluster_update(ggml_backend_cuda_context & ctx, ggml_tensor * dst
     GGML_ASSERT(a.table || prev);
     const dim3 grid((unsigned) ((a.n + CU_WARPS - 1) / CU_WARPS), (unsigned) a.H);
     const ggml_cuda_kernel_launch_params lp(grid, CU_WARPS*WARP_SIZE, 0, ctx.stream());
-    if (a.d <= 4*WARP_SIZE) {
-        ggml_cuda_kernel_launch(cluster_update_kernel<4>, lp, a);
-    } else if (a.d <= 8*WARP_SIZE) {
-        ggml_cuda_kernel_launch(cluster_update_kernel<8>, lp, a);
+    if (a.var) {
+        launch_update<true>(a, lp);
     } else {
-        ggml_cuda_kernel_launch(cluster_update_kernel<CU_MAX_DIM/WARP_SIZE>, lp, a);
+        launch_update<false>(a, lp);
     }
 }
