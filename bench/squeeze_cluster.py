@@ -44,10 +44,10 @@ def main() -> int:
     n_layer, n_head_kv, d = hs.n_layer, hs.n_head_kv, hs.d
     P = args.prefix - args.calib
     n = max(1, round(args.centroids * P))
-    per_layer, iters = [], []
+    per_layer, iters, phases = [], [], None
     if args.resident:
-        per_layer, iters = ops.bench_kmeans(d=d, P=P, H=n_head_kv, n_clusters=n, n_iter=args.iters, n_layers=n_layer,
-                                            n_threads=args.threads, backend=args.backend)
+        per_layer, iters, phases = ops.bench_kmeans(d=d, P=P, H=n_head_kv, n_clusters=n, n_iter=args.iters,
+                                                    n_layers=n_layer, n_threads=args.threads, backend=args.backend)
     else:
         rng = np.random.default_rng(0)
         keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)
@@ -63,12 +63,17 @@ def main() -> int:
     print(f"{args.shape}, prefix {args.prefix} ({P} clustered cells, {n} clusters per KV head, {n_head_kv} KV heads x "
           f"{n_layer} layers, d = {d}), {args.iters} iterations on {where}: {total:.2f} s "
           f"({np.mean(per_layer) * 1e3:.0f} ms per layer, iterations run {min(iters)}-{max(iters)})")
+    if phases is not None:
+        setup, iterations, table = phases.mean(axis=0) * 1e3
+        print(f"per layer: setup {setup:.1f} ms, iterations {iterations:.1f} ms, table {table:.1f} ms")
     record = {**provenance(), "shape": args.shape, "prefix": args.prefix, "clustered_cells": P, "clusters": n,
               "layers": n_layer, "kv_heads": n_head_kv, "head_dim": d, "iterations": args.iters,
               "iterations_run": iters, "backend": args.backend, "threads": args.threads,
               "keys": "random Gaussian pool, on the backend (--resident)" if args.resident else "random Gaussian",
               "resident": args.resident,
-              "total_s": total, "per_layer_s": per_layer}
+              "total_s": total, "per_layer_s": per_layer,
+              "phase_s": None if phases is None else {"setup": phases[:, 0].tolist(), "iterations": phases[:, 1].tolist(),
+                                                      "table": phases[:, 2].tolist()}}
     write_record(args.out, record)
     return 0
 

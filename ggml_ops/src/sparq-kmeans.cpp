@@ -51,6 +51,7 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     if (n_iter < 1) {
         return "k-means: n_iter must be >= 1";
     }
+    const int64_t t_start = ggml_time_us();
     // persistent state on the backend: normalised rows, centroids, the assignment, the initial rows
     ggml_init_params ip = { ggml_tensor_overhead() * 8, nullptr, /*no_alloc =*/ true };
     km::ctx_ptr state(ggml_init(ip));
@@ -81,6 +82,7 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
             return "k-means: the initial graph failed";
         }
     }
+    const int64_t t_iter = ggml_time_us();
     std::vector<int32_t> prev(P * H, -1);
     res.assignment.assign(P * H, 0);
     res.n_iter = 0;
@@ -102,6 +104,7 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
         }
         prev = res.assignment;
     }
+    const int64_t t_table = ggml_time_us();
     {  // the centroid table of the unnormalised rows
         km::ctx_ptr fin = km::graph_context();
         ggml_cgraph * gt = ggml_new_graph(fin.get());
@@ -110,8 +113,16 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
         if (!km::run_graph(backend, galloc.get(), gt)) {
             return "k-means: the table graph failed";
         }
-        res.table.resize(ggml_nelements(table));
-        ggml_backend_tensor_get(table, res.table.data(), 0, ggml_nbytes(table));
+        float * dst = res.table_dst;
+        if (dst == nullptr) {
+            res.table.resize(ggml_nelements(table));
+            dst = res.table.data();
+        }
+        ggml_backend_tensor_get(table, dst, 0, ggml_nbytes(table));
     }
+    const int64_t t_end = ggml_time_us();
+    res.phase_s[0] = 1e-6 * (double) (t_iter - t_start);
+    res.phase_s[1] = 1e-6 * (double) (t_table - t_iter);
+    res.phase_s[2] = 1e-6 * (double) (t_end - t_table);
     return "";
 }

@@ -13,6 +13,10 @@ struct sparq_kmeans_result {
     std::vector<float>   table;       // [H][n][2d + 1]: member means of the unnormalised rows, the size, the variances
     std::vector<int32_t> assignment;  // [H][P]
     int                  n_iter = 0;  // iterations run (stops early when no assignment changes)
+    // in: where to read the table back to (H * n * (2d + 1) floats, e.g. the caller's own copy); null: into table.
+    // A prepared 7B layer's table is 53 MB: a fresh vector's page faults and a second copy cost ~10 ms each.
+    float *              table_dst = nullptr;
+    double               phase_s[3] = {};  // wall seconds: setup (state, normalising), iterations, the table
 };
 
 // x: [d, P, H] f32, contiguous, allocated on `backend`. Returns "" on success, else what went wrong.

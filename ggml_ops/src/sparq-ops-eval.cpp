@@ -516,11 +516,14 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
     }
     std::mt19937 rng(4321);
     const random_pool pool(rng);
+    // the tables' host copy, as a prepared prefix keeps it: allocated (and its pages touched) once, not per layer
+    std::vector<float> table((size_t) a->H * a->n_clusters * (2 * a->d + 1), 0.0f);
     for (int layer = -1; layer < a->n_layers; ++layer) {  // layer -1: a warm-up, not reported
         fill_random(x, pool, rng);  // each layer its own keys, on the backend before the clock starts
         ggml_backend_synchronize(backend.get());
         const int64_t t0 = ggml_time_us();
         sparq_kmeans_result res;
+        res.table_dst = table.data();
         const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res);
         const int64_t t1 = ggml_time_us();
         if (!msg.empty()) {
@@ -529,6 +532,9 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
         if (layer >= 0) {
             a->layer_s[layer] = 1e-6 * (double) (t1 - t0);
             a->iters_out[layer] = res.n_iter;
+            if (a->phase_s) {
+                std::copy(res.phase_s, res.phase_s + 3, a->phase_s + 3 * layer);
+            }
         }
     }
     return 0;

@@ -867,13 +867,12 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
         for (int64_t h0 = 0; h0 < L.n_head_kv; h0 += chunk) {
             const int64_t n_h = std::min(chunk, L.n_head_kv - h0);
             sparq_kmeans_result res;
+            res.table_dst = L.table.data() + h0*n_cent*L.width;  // read back in place: [n_h][n_cent][width]
             err = sqp::cluster_heads(backend, layer.k, kv_size, st.stream, L.d, h0, n_h, st.cells, n_cent,
                                      st.params.n_iter, res);
             if (!err.empty()) {
                 return "layer " + std::to_string(layer.il) + ": " + err;
             }
-            GGML_ASSERT((int64_t) res.table.size() == n_h*n_cent*L.width);
-            std::copy(res.table.begin(), res.table.end(), L.table.begin() + h0*n_cent*L.width);
             std::copy(res.assignment.begin(), res.assignment.end(), L.assign.begin() + h0*n_clustered);
         }
         if (n_coarse > 0) {
