@@ -128,9 +128,10 @@ class Llama(_UpstreamLlama):
         keys. Later prompts that start with the prefix reuse it (`create_completion(document + question)`): only
         the question is evaluated, and attention reads the kept clusters of the prefix and every other token
         exactly. More settings: the fields of `SqueezeConfig` (levels, centroids_coarse, keep_coarse, n_calib,
-        n_iter, group). Quality depends on the cluster count: on SmolLM2 a needle in a 4k document is lost at the
-        paper's 5% even with keep=0.3, and found as often as dense finds it at centroids=0.5, keep=0.1 (README,
-        bench/notes_squeeze_quality.md); measure on your task (bench/squeeze_quality.py) before trusting 5%.
+        n_iter, group, var_weight). Quality depends on the kept rule: on SmolLM2 a needle in a 4k document is found
+        at 5% clusters and keep=0.1 in 93-100% of the cases dense finds it with the default var_weight=0.5, and in
+        none with var_weight=0 (the paper's centroid-only rule; README, bench/notes_squeeze_quality.md); measure on
+        your task (bench/squeeze_quality.py).
         progress: a tqdm bar on stderr. Needs flash attention (the default with sparq-llama's
         fixed_context/sparq options; `Llama(..., flash_attn=True)` otherwise). ValueError with the reason when
         the prefix does not fit the context or llama.cpp cannot prepare it.
