@@ -179,7 +179,12 @@ __device__ __forceinline__ float warp_dot(const float * qg, int64_t d, const flo
     return warp_sum(dot);
 }
 
-// The variance term of a cluster for head g: var_weight scale^2 / 2 sum_d q_gd^2 D_d, D in a warp's registers.
+// The variance term's factor var_weight scale^2 / 2 (ggml-centroid.h).
+__device__ __forceinline__ float variance_coef(const centroid_args & a) {
+    return 0.5f * a.p.var_weight * a.p.scale * a.p.scale;
+}
+
+// The variance term of a cluster for head g: variance_coef * sum_d q_gd^2 D_d, D in a warp's registers.
 __device__ __forceinline__ float warp_variance_term(const centroid_args & a, const float * qg,
                                                     const float (&var)[TABLE_REGS]) {
     const int lane = threadIdx.x % WARP_SIZE;
@@ -191,7 +196,7 @@ __device__ __forceinline__ float warp_variance_term(const centroid_args & a, con
             dot += qg[i] * qg[i] * var[e];
         }
     }
-    return 0.5f * a.p.var_weight * a.p.scale * a.p.scale * warp_sum(dot);
+    return variance_coef(a) * warp_sum(dot);
 }
 
 // ---- S1: level-1 scaled dot products and block statistics --------------------------------------------
@@ -273,7 +278,7 @@ __global__ void __launch_bounds__(S_THREADS) centroid_level1(const centroid_args
                     va[u][e] = live[u] && x < d ? row[d + 1 + x] : 0.0f;
                 }
             }
-            const float coef = 0.5f * a.p.var_weight * a.p.scale * a.p.scale;
+            const float coef = variance_coef(a);
             for (int64_t g = 0; g < G; ++g) {
                 const float * qg = q_row(a, c.h*G + g, c);
                 float qq[TR];

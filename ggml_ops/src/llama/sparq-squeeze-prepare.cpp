@@ -122,9 +122,11 @@ struct head_logits {
     std::vector<float> top_rule;  // the same plus the variance term (var_weight > 0; else empty: top is the rule)
     std::vector<float> fine;  // [n_rows*G][n_f] rule logits against the fine level (two levels, fine pass only)
     std::vector<float> tmp;   // scratch of the variance term
-    const float * top_scores() const { return top_rule.empty() ? top.data() : top_rule.data(); }
     std::vector<float> size;  // [n_c + n_f] cluster sizes, the coarse ones first (n_c = 0 with one level)
     double n_total = 0.0;     // the head's clustered keys (the fine sizes' sum)
+
+    // the top level's rule logits (the scores' exponents), per row [n_top]
+    const float * top_scores() const { return top_rule.empty() ? top.data() : top_rule.data(); }
 };
 
 static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, bool coarse_pass, head_logits & hl) {
