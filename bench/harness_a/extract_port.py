@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Extract kernel A (and the device code before it) of a sparq-attn.cu into port_gen.cuh for the harness.
 
-    python3 bench/harness_a/extract_port.py /work/wt-ka/ggml_ops/src/cuda
+    python3 bench/harness_a/extract_port.py [SRC_DIR]     # default: this tree's ggml_ops/src/cuda
 
 The harness includes port_gen.cuh inside `namespace port` when built with -DKA_PORT, so it tests the ported
 kernel's exact text against its copy of today's kernel (variant a). Only device code before kernel P's launch
@@ -10,7 +10,7 @@ wrapper is taken; attn-cuda-common.cuh's helpers come along without its ggml inc
 import pathlib
 import sys
 
-src = pathlib.Path(sys.argv[1])
+src = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parents[2] / "ggml_ops/src/cuda"
 common = (src / "attn-cuda-common.cuh").read_text()
 common = common.replace("#pragma once", "").replace('#include "common.cuh"', "")
 sa = (src / "sparq-attn.cu").read_text()

@@ -1,11 +1,12 @@
 #!/bin/bash
-# Checks and times the ported kernel A (port_gen.cuh, made by extract_port.py from the branch) against a.
+# Checks and times the tree's kernel A (port_gen.cuh, made here by extract_port.py) against a (the pre-port copy).
 #   bash bench/harness_a/run_port.sh       (writes into $OUT, else /tmp/ka_out)
 set -o pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/ka_out}
 mkdir -p "$OUT"
 t0=$(date +%s)
+python3 extract_port.py || exit 1  # port_gen.cuh: kernel A of this tree's sparq-attn.cu (generated, not tracked)
 nvcc -std=c++17 -arch=sm_90 -O3 -use_fast_math -DKA_PORT -Xptxas -v -o /tmp/ka ka.cu > "$OUT/ptxas_port.txt" 2>&1 || { cat "$OUT/ptxas_port.txt"; exit 1; }
 echo "compiled in $(( $(date +%s) - t0 )) s"
 /tmp/ka --reps 200 --only a,port,reg_u16_b2_h,pipe_u8_b2_h,roof,flat > "$OUT/timing_port.txt" 2>&1; echo "rc $?"

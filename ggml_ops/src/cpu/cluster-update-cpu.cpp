@@ -36,23 +36,27 @@ struct cluster_view {
     }
 };
 
-// Sums of components [c0, c1) of problem h's rows per cluster (and, for the task holding component 0, the sizes
-// into the table's last column, or the sizes are recounted in pass 2 for the spherical mode).
+// Calls add(x_row, out_row) for problem h's rows that have a cluster, in row order (the summation order every
+// backend keeps).
+template <typename F> void for_members(const cluster_view & v, int64_t h, F && add) {
+    const int32_t * a = v.assign_row(h);
+    for (int64_t p = 0; p < v.P; ++p) {
+        if (a[p] >= 0 && a[p] < v.n) {
+            add(v.x_row(p, h), v.out_row(a[p], h));
+        }
+    }
+}
+
+// Sums of components [c0, c1) of problem h's rows per cluster (the sizes are counted in pass 2).
 void sum_slice(const cluster_view & v, int64_t h, int64_t c0, int64_t c1) {
     for (int64_t i = 0; i < v.n; ++i) {
         std::fill(v.out_row(i, h) + c0, v.out_row(i, h) + c1, 0.0f);
     }
-    const int32_t * a = v.assign_row(h);
-    for (int64_t p = 0; p < v.P; ++p) {
-        if (a[p] < 0 || a[p] >= v.n) {
-            continue;
-        }
-        const float * xr = v.x_row(p, h);
-        float * o = v.out_row(a[p], h);
+    for_members(v, h, [&](const float * xr, float * o) {
         for (int64_t c = c0; c < c1; ++c) {
             o[c] += xr[c];
         }
-    }
+    });
 }
 
 // Pass 2 for problem h: sizes, then means (table) or normalised sums / prev rows (spherical).
@@ -93,18 +97,12 @@ void variance_slice(const cluster_view & v, int64_t h, int64_t c0, int64_t c1) {
     for (int64_t i = 0; i < v.n; ++i) {
         std::fill(v.out_row(i, h) + v.d + 1 + c0, v.out_row(i, h) + v.d + 1 + c1, 0.0f);
     }
-    const int32_t * a = v.assign_row(h);
-    for (int64_t p = 0; p < v.P; ++p) {
-        if (a[p] < 0 || a[p] >= v.n) {
-            continue;
-        }
-        const float * xr = v.x_row(p, h);
-        float * o = v.out_row(a[p], h);
+    for_members(v, h, [&](const float * xr, float * o) {
         for (int64_t c = c0; c < c1; ++c) {
             const float e = xr[c] - o[c];
             o[v.d + 1 + c] += e * e;
         }
-    }
+    });
     for (int64_t i = 0; i < v.n; ++i) {
         float * o = v.out_row(i, h);
         const float inv = o[v.d] > 0.0f ? 1.0f / o[v.d] : 0.0f;
