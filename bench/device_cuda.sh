@@ -312,6 +312,66 @@ stage_gapncu() {  # parts 3-5 of stage_gap
     done
 }
 
+stage_gap64() {
+    # Session 12: SparQ's per-token time grows ~66 us per layer per 32k cells in llama-bench (1.39x at 32k,
+    # 1.70x at 64k) but the op bench's only ~30 us: where the rest goes. Exact-selection fallbacks of kernel S
+    # (SPARQ_CUDA_TIMING) at 32k and 64k; stage gap64ncu: ncu of the op's kernels at 64k (median and max per kernel).
+    local m; m=$(llama2_model) || return 1
+    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
+    for d in 32768 65536; do
+        SPARQ_CUDA_TIMING=1 "${lb[@]}" -p 0 -n 8 -r 1 -d $d -sparq 1 > "$OUT/gap64_timing_$d.txt" 2>&1
+        echo "timing at $d: $(grep -c 'exact fallback' "$OUT/gap64_timing_$d.txt") fallback lines of $(grep -c '^S:' "$OUT/gap64_timing_$d.txt") S lines"
+        grep 'exact fallback' "$OUT/gap64_timing_$d.txt" | sort | uniq -c | sort -rn | head -4 || true
+    done
+}
+
+stage_gap64ncu() {
+    local m; m=$(llama2_model) || return 1
+    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
+    ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 65536 -sparq 1 \
+        > "$OUT/gap64_ncu_sparq.csv" 2> "$OUT/gap64_ncu_sparq.log"
+    echo "ncu, op kernels in llama-bench decode at 64k:"; python3 bench/ncu_summary.py "$OUT/gap64_ncu_sparq.csv"
+}
+
+stage_gap64b() {
+    # part 2: per-token time at 32k/64k of dense, SparQ, and SparQ's upkeep alone (-sparq-min-kv above the depth:
+    # flash attention with the K^T write and V-sum upkeep), then ncu of dense decode's flash kernels at 64k
+    local m; m=$(llama2_model) || return 1
+    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128)
+    "${lb[@]}" -p 0 -n 32 -r 2 -d 32768,65536 -sparq 0,1 -sparq-min-kv 0,1000000 -o json > "$OUT/gap64_bench.json" 2> "$OUT/gap64_bench.log" \
+        && python3 -c "import json,sys; [print(f\"d {r['n_depth']} sparq {r['sparq']} min_kv {r['sparq_min_kv']}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap64_bench.json" \
+        || { echo "gap64 bench failed"; tail -5 "$OUT/gap64_bench.log"; }
+    ncu --metrics gpu__time_duration.sum --csv -k regex:"flash_attn_ext_vec|flash_attn_combine|flash_attn_stream" "${lb[@]}" -p 0 -n 3 -r 1 -d 65536 -sparq 0 \
+        > "$OUT/gap64_ncu_flash.csv" 2> "$OUT/gap64_ncu_flash.log"
+    echo "ncu, flash kernels in llama-bench at 64k (prefill's too):"; python3 bench/ncu_summary.py "$OUT/gap64_ncu_flash.csv"
+}
+
+stage_tg() {  # benchmark (b)'s Llama-2 rows at 32k and 64k, -r 3
+    local m; m=$(llama2_model) || return 1
+    tg_llama2 "$m" tg
+}
+
+stage_sampleab() {
+    # Session 12: kernel P's threshold sample, new (rank >= 16, target 8 n_top) vs before (SPARQ_CUDA_SAMPLE_V6=1),
+    # interleaved in one call: llama-bench tg32 at 32k and 64k (Llama-2 shape), dense, SparQ, SparQ with the old sample
+    local m; m=$(llama2_model) || return 1
+    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -r 3 -k1 32 -k2 128 -sparq-min-kv 0 -o json)
+    for round in 1; do
+        for d in 32768 65536; do
+            "${lb[@]}" -d $d -sparq 0 > "$OUT/sampleab_${round}_${d}_dense.json" 2>/dev/null
+            "${lb[@]}" -d $d -sparq 1 > "$OUT/sampleab_${round}_${d}_new.json" 2>/dev/null
+            SPARQ_CUDA_SAMPLE_V6=1 "${lb[@]}" -d $d -sparq 1 > "$OUT/sampleab_${round}_${d}_v6.json" 2>/dev/null
+            python3 - "$OUT" $round $d <<'PYEOF'
+import json, sys
+out, rnd, d = sys.argv[1:]
+ms = {v: 1000 / json.load(open(f"{out}/sampleab_{rnd}_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "new", "v6")}
+print(f"round {rnd} d {d}: dense {ms['dense']:.2f} ms, sparq new {ms['new']:.2f} ms ({ms['dense']/ms['new']:.2f}x), "
+      f"sparq v6 sample {ms['v6']:.2f} ms ({ms['dense']/ms['v6']:.2f}x)")
+PYEOF
+        done
+    done
+}
+
 stage_recheck() {
     # After the session-8 changes (threshold at the zero score in kernels P and B; the decode step's V-sum upkeep;
     # the faster calibration): the CUDA op tests of the threshold paths, benchmark (b) for the Llama-2 shape at 32k

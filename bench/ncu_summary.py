@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Median duration per kernel from `ncu --metrics gpu__time_duration.sum --csv` output (for bench notes).
 
-    python bench/ncu_summary.py FILE.csv            # name, count, median, in first-seen order
+    python bench/ncu_summary.py FILE.csv            # name, count, median, max, in first-seen order
     python bench/ncu_summary.py FILE.csv --total    # also the total per name, largest total first, and the sum
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(path: str, total: bool = False) -> int:
         times[r[ki].split("(")[0][:60]].append(float(r[vi].replace(",", "")) * SCALE.get(r[ui], 1.0))
     items = sorted(times.items(), key=lambda kv: -sum(kv[1])) if total else list(times.items())
     for name, ts in items:
-        line = f"{name:60s} n={len(ts):4d} median={sorted(ts)[len(ts) // 2]:9.1f} us"
+        line = f"{name:60s} n={len(ts):4d} median={sorted(ts)[len(ts) // 2]:9.1f} max={max(ts):9.1f} us"
         print(line + (f" total={sum(ts):10.1f} us" if total else ""))
     if total:
         print(f"{'all kernels':60s} n={sum(map(len, times.values())):4d} total={sum(map(sum, times.values())):10.1f} us")

@@ -53,7 +53,14 @@ template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
-constexpr int      SAMPLE      = 1024;                   // cells sampled for the candidate threshold
+// Kernel P's sample for the candidate threshold: at least SAMPLE cells (rows permitting), and at most SAMPLE_MAX,
+// strided so that the threshold's rank in the sample is at least SAMPLE_RANK (sample_plan). The count of a row's
+// cells above the sample's r-th key is ~ stride * Gamma(r): at rank 6 (a 64k row with a fixed 1024-cell sample)
+// ~5e-4 of the rows fell below n_top and took kernel S's exact fallback over all cells (~2.3 ms each, ~1.2 ms per
+// decode token of the Llama-2 shape at 64k; bench/notes_cuda.md, session 12); at rank 16 that is ~3e-9.
+constexpr int      SAMPLE      = 1024;
+constexpr int      SAMPLE_MAX  = 4096;
+constexpr int      SAMPLE_RANK = 16;
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
 constexpr int      MAX_HEAD_DIM = 1024;
 constexpr uint16_t F16_NEG_INF = 0xFC00;
@@ -103,6 +110,7 @@ struct sparq_args {
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
+    bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
 };
 
 struct sparq_scratch {
@@ -632,11 +640,29 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
     __syncthreads();
 }
 
+// Kernel P's threshold sample of a sparse row: every stride-th cell, n_samp cells; the threshold is the sample's key at
+// rank + 1, so ~target = rank * stride cells pass it. The target is 8 n_top (4 n_top before session 12), at most
+// half the candidate list's capacity, at least 4 n_top + 16.
+struct sample_plan {
+    int64_t stride, n_samp, rank;
+};
+__device__ inline sample_plan plan_sample(int64_t n_kv, int64_t n_top, int64_t cap, bool v6) {
+    if (v6) {  // 1024 cells, target 4 n_top + 16
+        const int64_t stride = max((int64_t) 1, n_kv / SAMPLE);
+        return { stride, (n_kv + stride - 1) / stride, (4*n_top + 16) / stride };
+    }
+    const int64_t target = max(4*n_top + 16, min(8*n_top + 64, cap / 2));
+    int64_t stride = min(n_kv / SAMPLE, target / SAMPLE_RANK);
+    stride = max(stride, (n_kv + SAMPLE_MAX - 1) / SAMPLE_MAX);
+    stride = max(stride, (int64_t) 1);
+    return { stride, (n_kv + stride - 1) / stride, target / stride };
+}
+
 // Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
 __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
     long long t_marks[5];
     t_marks[0] = t_start;
-    __shared__ uint32_t skey[2*SAMPLE];
+    __shared__ uint32_t skey[SAMPLE_MAX];
     __shared__ uint32_t hist[HIST_WORDS];
     __shared__ select_state sst;
     __shared__ int64_t info[N_RI];
@@ -690,9 +716,9 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     SPARQ_TIMING_MARK(2);
     __syncthreads();  // rstat (global, this block) and info
     if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
-        // threshold: the sample's value at the rank that leaves ~4 * n_top cells above it
-        const int64_t stride = max((int64_t) 1, n_kv / SAMPLE);
-        const int64_t n_samp = (n_kv + stride - 1) / stride;  // < 2 * SAMPLE
+        // threshold: the sample's value at the rank that leaves ~target cells above it
+        const sample_plan sp = plan_sample(n_kv, a.n_top, a.cap, a.sample_v6);
+        const int64_t stride = sp.stride, n_samp = sp.n_samp;
         const float * lrow = s.logits + w*G*n_kv;
         const int64_t w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
         const row_coords c = coords_of(a, r);
@@ -728,7 +754,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         block_sum_min_max(cnt, kmin, kmax, red3);
         const int64_t n_valid = cnt;
         SPARQ_TIMING_MARK(3);
-        const int64_t rank = (4 * (int64_t) a.n_top + 16) / stride;  // ~4 n_top cells pass (cap: 4 k2 + 4096)
+        const int64_t rank = sp.rank;
         if (rank < n_valid && a.bucket_sel) {
             // the lower bound of the bucket that holds the sample's (rank+1)-th key: at most a bucket's worth of
             // extra candidates pass (any threshold is correct: it only filters)
@@ -1774,6 +1800,9 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // (same results; for measuring v6a against it, bench/notes_cuda.md)
     static const bool radix_select = getenv("SPARQ_CUDA_RADIX_SELECT") != nullptr;
     a.bucket_sel = !radix_select;
+    // SPARQ_CUDA_SAMPLE_V6=1: kernel P's threshold sample as before session 12 (for measuring in one run)
+    static const bool sample_v6 = getenv("SPARQ_CUDA_SAMPLE_V6") != nullptr;
+    a.sample_v6 = sample_v6;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
