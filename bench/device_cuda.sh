@@ -372,6 +372,29 @@ PYEOF
     done
 }
 
+stage_sweepab() {
+    # Session 12: kernel B's one-round sweep (visibility from kernel A's logits, positions only where the chunk can
+    # hold window or sink cells) vs the v6 sweep (SPARQ_CUDA_SWEEP_V6=1): op tests, ncu per kernel at 32k and 64k
+    # (Llama-2 heads, B = 1), ncu sections of both sweeps at 64k, the op bench at 32k/64k/128k for both
+    python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_cuda.log" | tail -2
+    for v in new v6; do
+        local env=(); [ $v = v6 ] && env=(SPARQ_CUDA_SWEEP_V6=1)
+        for sq in 32768 65536; do
+            env "${env[@]}" ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq $sq --batch 1 --runs 2 \
+                > "$OUT/sweepab_ncu_${v}_$sq.csv" 2>&1
+            echo "sweep $v, S = $sq:"; python3 bench/ncu_summary.py "$OUT/sweepab_ncu_${v}_$sq.csv"
+        done
+        env "${env[@]}" ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+            -k regex:sparq_sweep --launch-skip 1 --launch-count 1 python3 bench/cuda_profile.py --seq 65536 --batch 1 --runs 2 \
+            > "$OUT/sweepab_detail_$v.txt" 2>&1
+        grep -E "Duration|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit Rate|DRAM Throughput|Memory Throughput|Stall" "$OUT/sweepab_detail_$v.txt" | head -12
+    done
+    for v in new v6; do
+        local env=(); [ $v = v6 ] && env=(SPARQ_CUDA_SWEEP_V6=1)
+        env "${env[@]}" python3 bench/cuda_op.py --runs 50 --seqs 32768,65536,131072 --batches 1 --out "$OUT/sweepab_op_$v.json" 2>&1 | tail -4
+    done
+}
+
 stage_recheck() {
     # After the session-8 changes (threshold at the zero score in kernels P and B; the decode step's V-sum upkeep;
     # the faster calibration): the CUDA op tests of the threshold paths, benchmark (b) for the Llama-2 shape at 32k

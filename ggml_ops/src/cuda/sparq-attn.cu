@@ -111,6 +111,7 @@ struct sparq_args {
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
     bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
+    bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
 };
 
 struct sparq_scratch {
@@ -520,12 +521,15 @@ __device__ bucket_state bucket_find(int64_t n, uint32_t need, uint32_t lo, int s
 // are issued together. The one formula for the sample, the sweep and the fallback, so their keys agree.
 template <int N>
 __device__ __forceinline__ void group_scores(const float * lrow, int64_t n_kv, int64_t G, const float * rstat,
-                                             const int64_t (&j)[N], const bool (&cand)[N], float (&c)[N]) {
+                                             const int64_t (&j)[N], const bool (&cand)[N], float (&c)[N],
+                                             int64_t g_first = 0) {  // g_first > 0: c holds the heads before it
+    if (g_first == 0) {
 #pragma unroll
-    for (int u = 0; u < N; ++u) {
-        c[u] = 0.0f;
+        for (int u = 0; u < N; ++u) {
+            c[u] = 0.0f;
+        }
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = g_first; g < G; ++g) {
         float lv[N];
 #pragma unroll
         for (int u = 0; u < N; ++u) {
@@ -1139,8 +1143,13 @@ __host__ __device__ inline smem_s_layout smem_s_plan(int64_t cap, int64_t k2) {
 constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 
 // Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
-// lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing). Masks and positions
-// first, then the logits of the candidates: two rounds of loads per thread.
+// lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing).
+// Sparse rows with a top to find (session 12): one round of loads per thread. A cell is visible iff kernel A wrote a
+// finite logit (hidden cells get -inf there), so the first head's logits replace the mask; the positions are loaded
+// with them only where kernel A's position range of the chunk (A_CHUNK == B_CHUNK) reaches the window or the sinks.
+// Other rows (dense, empty, no top) and SPARQ_CUDA_SWEEP_V6=1: masks and positions first, then the logits of the
+// candidates (two or three rounds).
+static_assert(A_CHUNK == B_CHUNK, "kernel B reads kernel A's chunk statistics of its own chunk");
 __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ __align__(16) uint64_t local[];  // this block's candidates (B_CHUNK <= cap)
     __shared__ float rst[2*MAX_G];
@@ -1164,6 +1173,10 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const bool find_cand = kind == ROW_SPARSE && a.n_top > 0;
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+    const bool from_logits = find_cand && !a.sweep_v6;
+    const int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
+    // positions are needed where a cell of the chunk can be in the window or the sinks
+    const bool need_pos = !from_logits || (cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi));
     for (int64_t i = threadIdx.x; i < 2*G; i += blockDim.x) {
         rst[i] = s.rstat[w*2*G + i];
     }
@@ -1176,22 +1189,43 @@ __global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, con
 
     const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
     bool vis[B_CELLS], mark[B_CELLS], cand[B_CELLS];
-    int64_t cells[B_CELLS];
+    int64_t cells[B_CELLS], pos_c[B_CELLS];
+    float score[B_CELLS] = {};
+    if (from_logits) {  // the first head's logits and the needed positions in one round
+#pragma unroll
+        for (int u = 0; u < B_CELLS; ++u) {
+            const int64_t j = cells[u] = strip + u*WARP_SIZE + lane;
+            score[u] = j < n_kv ? lrow[j] : -INFINITY;  // the logit until the score below
+            pos_c[u] = need_pos && j < n_kv ? position(pr, j) : 0;
+        }
+    }
     int n_w = 0, n_s = 0;
 #pragma unroll
     for (int u = 0; u < B_CELLS; ++u) {
         const int64_t j = cells[u] = strip + u*WARP_SIZE + lane;
-        vis[u] = j < n_kv && visible(m, j);
-        const int64_t pj = vis[u] ? position(pr, j) : 0;
-        const bool in_w = kind == ROW_SPARSE && vis[u] && pj > w_lo;
-        const bool in_s = kind == ROW_SPARSE && vis[u] && pj < s_hi;
+        if (from_logits) {
+            vis[u] = score[u] != -INFINITY;
+        } else {
+            vis[u] = j < n_kv && visible(m, j);
+            pos_c[u] = vis[u] ? position(pr, j) : 0;
+        }
+        const bool in_w = kind == ROW_SPARSE && vis[u] && need_pos && pos_c[u] > w_lo;
+        const bool in_s = kind == ROW_SPARSE && vis[u] && need_pos && pos_c[u] < s_hi;
         n_w += in_w;
         n_s += in_s;
         mark[u] = kind == ROW_DENSE ? vis[u] : (in_w || in_s);
         cand[u] = find_cand && vis[u] && !mark[u];
     }
-    float score[B_CELLS] = {};
-    if (find_cand) {
+    if (from_logits) {
+        // group_scores' first head from the loaded logits (0 + x, as there), then the other heads
+#pragma unroll
+        for (int u = 0; u < B_CELLS; ++u) {
+            score[u] = cand[u] ? 0.0f + __expf(score[u] - rst[0]) * rst[G] : 0.0f;
+        }
+        if (G > 1) {
+            group_scores(lrow, n_kv, G, rst, cells, cand, score, 1);
+        }
+    } else if (find_cand) {
         group_scores(lrow, n_kv, G, rst, cells, cand, score);
     }
 #pragma unroll
@@ -1803,6 +1837,9 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // SPARQ_CUDA_SAMPLE_V6=1: kernel P's threshold sample as before session 12 (for measuring in one run)
     static const bool sample_v6 = getenv("SPARQ_CUDA_SAMPLE_V6") != nullptr;
     a.sample_v6 = sample_v6;
+    // SPARQ_CUDA_SWEEP_V6=1: kernel B's sweep as before session 12 (masks and positions of every cell)
+    static const bool sweep_v6 = getenv("SPARQ_CUDA_SWEEP_V6") != nullptr;
+    a.sweep_v6 = sweep_v6;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
