@@ -1150,7 +1150,9 @@ constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise
 // Other rows (dense, empty, no top) and SPARQ_CUDA_SWEEP_V6=1: masks and positions first, then the logits of the
 // candidates (two or three rounds).
 static_assert(A_CHUNK == B_CHUNK, "kernel B reads kernel A's chunk statistics of its own chunk");
-__global__ void __launch_bounds__(B_THREADS) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
+// 8 blocks per SM (32 registers, 4 bytes of spill after the loads): at 48 registers 5 fitted, and a 64k step's 1024
+// blocks ran in 1.55 waves (ncu, session 12).
+__global__ void __launch_bounds__(B_THREADS, 8) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ __align__(16) uint64_t local[];  // this block's candidates (B_CHUNK <= cap)
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
