@@ -3,6 +3,7 @@
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
     python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc]]]]
+    python bench/squeeze_quality.py --seed 1 --n 20 ...      # a held-out example set
 
 The quality harness's retrieval task (`sparq_llama.eval.tasks`: needles with distractors in a haystack): each
 example's context is the fixed prefix, prefilled densely once; per setting it is prepared (clustered and
@@ -25,12 +26,13 @@ from sparq_llama.models import fetch
 from tqdm import tqdm
 
 
-def retrieval_setup(length: int, n: int, threads: int) -> tuple[Engine, list[tasks.Example]]:
-    """SmolLM2 and n retrieval examples of `length` tokens, needles at depths spread over 0.1 .. 0.9."""
+def retrieval_setup(length: int, n: int, threads: int, seed: int = 0) -> tuple[Engine, list[tasks.Example]]:
+    """SmolLM2 and n retrieval examples of `length` tokens, needles at depths spread over 0.1 .. 0.9 (the seed picks
+    the haystack, needles and distractors: another seed is a held-out set)."""
     engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=length + 64, n_threads=threads))
     depths = tuple(round(0.1 + 0.8 * i / max(1, n - 1), 3) for i in range(n))
     return engine, tasks.retrieval_examples(engine, lengths=(length,), depths=depths, n_per_cell=1,
-                                            n_distractors=2, seed=0)
+                                            n_distractors=2, seed=seed)
 
 
 def run_examples(engine: Engine, examples: list[tasks.Example],
@@ -63,6 +65,7 @@ def main() -> int:
                          "levels 1, var: the kept rule's var_weight, kc: keep_coarse; defaults SqueezeConfig's)")
     ap.add_argument("--centroids", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_quality.json")
     args = ap.parse_args()
 
@@ -76,7 +79,7 @@ def main() -> int:
             var["keep_coarse"] = float(rest[3])
         settings.append((spec if rest else f"keep{float(keep):g}-{group}",
                          squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels, **var)))
-    engine, examples = retrieval_setup(args.length, args.n, args.threads)
+    engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed)
 
     def score_settings(ex: tasks.Example) -> dict[str, dict]:
         out = {}
@@ -95,7 +98,7 @@ def main() -> int:
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
     write_record(args.out, {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
                             "settings": {name: config.__dict__ for name, config in settings},
-                            "threads": args.threads, "accuracy": acc, "relative_to_dense": rel,
+                            "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,
                             "wall_s": round(time.time() - t0, 1), "examples": records})
     engine.close()
     return 0

@@ -98,7 +98,7 @@ def test_saved_prefix_loads_and_answers_the_same(smollm2_path, document, tmp_pat
         info = llm.fixed_context
         n_prefix = int(re.search(r"loaded a prepared prefix of (\d+) tokens", log).group(1))
         assert info.prepared and info.n_prefix == n_prefix and info.kept_calib == pytest.approx(0.3, abs=0.01)
-        assert info.var_weight == 0.5  # the default kept rule, saved with the thresholds calibrated for it
+        assert info.var_weight == 1.0  # the default kept rule, saved with the thresholds calibrated for it
     finally:
         llm.close()
 

@@ -241,13 +241,14 @@ struct llama_squeeze_params {
     int32_t n_iter;            // k-means iterations at most (default 8; stops early when nothing moves)
     int32_t group;             // enum ggml_centroid_group: a GQA group keeps a cluster by the max (0) or mean (1)
     float   var_weight;        // the kept rule's variance term (ggml-centroid.h), >= 0; 0: the paper's mean rule
-                               // (default 0.5: bench/notes_squeeze_quality.md)
+                               // (default 1, the Gaussian value, chosen on a held-out example set:
+                               // bench/notes_squeeze_quality.md, session 12)
     bool  (*progress_callback)(float progress, void * user_data); // NULL: none; returning false cancels
     void *  progress_callback_user_data;
 };
 
 // centroids 0.05, keep 0.1, levels 1, centroids_coarse 0.01, keep_coarse 0, n_calib 100, n_iter 8, group max,
-// var_weight 0.5.
+// var_weight 1.
 SPARQ_API struct llama_squeeze_params llama_squeeze_default_params(void);
 
 // NULL when the values are valid, otherwise what is wrong (thread-local storage, valid until the next call).

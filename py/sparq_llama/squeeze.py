@@ -59,7 +59,7 @@ class SqueezeConfig:
     n_calib: int = 100
     n_iter: int = 8
     group: Group = "max"
-    var_weight: float = 0.5
+    var_weight: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -1275,7 +1275,7 @@ struct llama_squeeze_params llama_squeeze_default_params(void) {
     p.n_calib          = 100;
     p.n_iter           = 8;
     p.group            = GGML_CENTROID_GROUP_MAX;
-    p.var_weight       = 0.5f;
+    p.var_weight       = 1.0f;
     p.progress_callback = nullptr;
     p.progress_callback_user_data = nullptr;
     return p;
