@@ -1,8 +1,9 @@
-"""llama-bench's centroid-sparse sweep (-squeeze-keep, -squeeze-centroids): the -d prefix is prepared once per
+"""llama-bench's centroid-sparse sweep (-squeeze-keep, -squeeze-centroids, -squeeze-var): the -d prefix is prepared once per
 test and stays prepared over the repetitions; bad values fail clearly before any test runs."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -33,11 +34,26 @@ def test_keep_sweep_prepares_the_depth_once_and_keeps_it(tiny_model):
     assert res.stderr.count("centroid-sparse prefix of sequence 0: 400 tokens") == 4
 
 
+def test_var_sweep_reaches_the_kept_rule(tiny_model):
+    # -squeeze-var 0,1: one test per kept rule with a prefix, dense once; the calibrated threshold differs between the
+    # two rules (the variance term raises the clusters' scores), so each setting reached the preparation
+    res = run(["llama-bench", "-m", str(tiny_model), "-p", "0", "-n", "2", "-d", "400", "-r", "1", "-t", "2",
+               "-squeeze-keep", "0,0.2", "-squeeze-centroids", "0.1", "-squeeze-var", "0,1", "-o", "json", "-v"],
+              timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert sorted((r["squeeze_keep"], r["squeeze_var"]) for r in rows) == [(0.0, 0.0), (0.2, 0.0), (0.2, 1.0)]
+    thresholds = re.findall(r"centroid-sparse prefix of sequence 0: 400 tokens .*? T = ([0-9.e+-]+)", res.stderr)
+    assert len(thresholds) == 2 and thresholds[0] != thresholds[1], res.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, message", [
     (["-squeeze-keep", "0.1", "-p", "0", "-n", "4"], "-squeeze-keep needs a prefix to cluster"),
     (["-squeeze-keep", "1.5", "-d", "64"], "invalid parameter for argument: -squeeze-keep"),
     (["-squeeze-keep", "abc", "-d", "64"], "invalid parameter for argument: -squeeze-keep"),
     (["-squeeze-keep", "0.1", "-squeeze-centroids", "0", "-d", "64"], "invalid parameter for argument: -squeeze-centroids"),
+    (["-squeeze-keep", "0.1", "-squeeze-var", "101", "-d", "64"], "invalid parameter for argument: -squeeze-var"),
+    (["-squeeze-keep", "0.1", "-squeeze-var", "-1", "-d", "64"], "invalid parameter for argument: -squeeze-var"),
 ])
 def test_bad_squeeze_values_fail_before_any_test(tiny_model, args, message):
     res = run(["llama-bench", "-m", str(tiny_model), "-r", "1", "-t", "1", *args], timeout=120)
