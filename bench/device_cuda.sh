@@ -395,6 +395,18 @@ stage_sweepab() {
     done
 }
 
+stage_final12() {
+    # Session 12's measurement of record (after the sample, the one-round sweep, B at 8 blocks per SM): ncu per kernel
+    # at 32k and 64k, the op bench at B = 1, llama-bench tg at 32k / 64k for the Llama-2 shape (-r 3)
+    for sq in 32768 65536; do
+        ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq $sq --batch 1 --runs 2 > "$OUT/final12_ncu_$sq.csv" 2>&1
+        echo "S = $sq:"; python3 bench/ncu_summary.py "$OUT/final12_ncu_$sq.csv"
+    done
+    python3 bench/cuda_op.py --runs 50 --seqs 4096,32768,65536,131072 --batches 1 --out "$OUT/final12_op.json" 2>&1 | tail -6
+    local m; m=$(llama2_model) || return 1
+    tg_llama2 "$m" final12
+}
+
 stage_recheck() {
     # After the session-8 changes (threshold at the zero score in kernels P and B; the decode step's V-sum upkeep;
     # the faster calibration): the CUDA op tests of the threshold paths, benchmark (b) for the Llama-2 shape at 32k
