@@ -407,6 +407,12 @@ stage_final12() {
     tg_llama2 "$m" final12
 }
 
+stage_squeezegpu() {
+    # the GPU branch of the centroid-sparse prefill mode auto (tests/test_squeeze_cuda.py) and the centroid op's CUDA tests
+    python3 -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py tests/test_op_centroid_attn_cuda.py 2>&1 \
+        | tee "$OUT/test_squeeze_gpu.log" | tail -4
+}
+
 stage_recheck() {
     # After the session-8 changes (threshold at the zero score in kernels P and B; the decode step's V-sum upkeep;
     # the faster calibration): the CUDA op tests of the threshold paths, benchmark (b) for the Llama-2 shape at 32k
