@@ -6,6 +6,11 @@ the layer's KV is not in host memory, since per-row selection is slower than fla
 "auto"; this file checks the GPU branch against its oracle, the plain cache's prefill of the same cells (bit for
 bit: the same flash-attention graph over the same KV), and that "sparse" takes the op there. A random-weight model
 of the Llama-2 layout (bench/random_gguf.py) stands in for SmolLM2, which the GPU machine has no registry to fetch.
+
+Not yet passed on a GPU: its first run (H100, session 12, `bench/device_cuda.sh build squeezegpu`) ended in a
+segmentation fault inside llama_model_load_from_file, called by llama-cpp-python's Llama with sparq-llama's CUDA
+build, also at n_gpu_layers=0, before any centroid-sparse code ran; the binaries (llama-bench, llama-completion) load
+the same models there. Open in issue 7's notes.
 """
 from __future__ import annotations
 
