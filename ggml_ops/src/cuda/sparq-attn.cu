@@ -645,8 +645,8 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
 }
 
 // Kernel P's threshold sample of a sparse row: every stride-th cell, n_samp cells; the threshold is the sample's key at
-// rank + 1, so ~target = rank * stride cells pass it. The target is 8 n_top (4 n_top before session 12), at most
-// half the candidate list's capacity, at least 4 n_top + 16.
+// rank + 1, so ~target = rank * stride cells pass it. The target is 8 n_top + 64 (4 n_top + 16 before session 12),
+// at most half the candidate list's capacity, at least 4 n_top + 16.
 struct sample_plan {
     int64_t stride, n_samp, rank;
 };
