@@ -1144,15 +1144,17 @@ constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise
 
 // Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
 // lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing).
-// Sparse rows with a top to find (session 12): one round of loads per thread. A cell is visible iff kernel A wrote a
-// finite logit (hidden cells get -inf there), so the first head's logits replace the mask; the positions are loaded
-// with them only where kernel A's position range of the chunk (A_CHUNK == B_CHUNK) reaches the window or the sinks.
+// Sparse rows with a top to find (session 12): one round of loads per thread. A cell with a finite logit from kernel A
+// is visible (hidden cells get -inf there), so the first head's logits replace the mask except for cells at -inf;
+// the positions are loaded with them only where kernel A's position range of the chunk (A_CHUNK == B_CHUNK) reaches
+// the window or the sinks.
 // Other rows (dense, empty, no top) and SPARQ_CUDA_SWEEP_V6=1: masks and positions first, then the logits of the
 // candidates (two or three rounds).
 static_assert(A_CHUNK == B_CHUNK, "kernel B reads kernel A's chunk statistics of its own chunk");
-// 8 blocks per SM (32 registers, 4 bytes of spill after the loads): at 48 registers 5 fitted, and a 64k step's 1024
-// blocks ran in 1.55 waves (ncu, session 12).
-__global__ void __launch_bounds__(B_THREADS, 8) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
+// At least 6 blocks per SM (40 registers, no spill; 8 spilled 88 bytes once the mask fallback for -inf logits came
+// in): at 48 registers 5 fitted and a 64k step's 1024 blocks ran in 1.55 waves, but 8 blocks per SM measured the same
+// (19.6 vs 19.3 us under ncu, session 12).
+__global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ __align__(16) uint64_t local[];  // this block's candidates (B_CHUNK <= cap)
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
@@ -1206,7 +1208,9 @@ __global__ void __launch_bounds__(B_THREADS, 8) sparq_sweep(const sparq_args a, 
     for (int u = 0; u < B_CELLS; ++u) {
         const int64_t j = cells[u] = strip + u*WARP_SIZE + lane;
         if (from_logits) {
-            vis[u] = score[u] != -INFINITY;
+            // a finite logit means visible; -inf is a hidden cell, or a visible one whose approximate logit
+            // overflowed (the mask says which: read only for these cells)
+            vis[u] = score[u] != -INFINITY || (j < n_kv && visible(m, j));
         } else {
             vis[u] = j < n_kv && visible(m, j);
             pos_c[u] = vis[u] ? position(pr, j) : 0;
