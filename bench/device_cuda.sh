@@ -8,6 +8,9 @@
 #   bench/device_cuda.sh build gap; gapncu   where SparQ's end-to-end time goes beyond the op (Llama-2 shape)
 #   bench/device_cuda.sh build recheck       op tests of the threshold paths, (b) at 32k/64k, squeeze prepare time
 #   bench/device_cuda.sh build fused test centroidtest   session 9: fused V-sum upkeep measured, all CUDA op tests
+#   bench/device_cuda.sh build gap64 gap64ncu sampleab sweepab   session 12: kernel S's fallbacks at 64k, A/B of
+#                                            kernel P's sample and kernel B's sweep (env switches, one call each)
+#   bench/device_cuda.sh build test final12; e2e; batched; squeezegpu   session 12's records, the GPU prefill test
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -331,19 +334,6 @@ stage_gap64ncu() {
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 65536 -sparq 1 \
         > "$OUT/gap64_ncu_sparq.csv" 2> "$OUT/gap64_ncu_sparq.log"
     echo "ncu, op kernels in llama-bench decode at 64k:"; python3 bench/ncu_summary.py "$OUT/gap64_ncu_sparq.csv"
-}
-
-stage_gap64b() {
-    # part 2: per-token time at 32k/64k of dense, SparQ, and SparQ's upkeep alone (-sparq-min-kv above the depth:
-    # flash attention with the K^T write and V-sum upkeep), then ncu of dense decode's flash kernels at 64k
-    local m; m=$(llama2_model) || return 1
-    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128)
-    "${lb[@]}" -p 0 -n 32 -r 2 -d 32768,65536 -sparq 0,1 -sparq-min-kv 0,1000000 -o json > "$OUT/gap64_bench.json" 2> "$OUT/gap64_bench.log" \
-        && python3 -c "import json,sys; [print(f\"d {r['n_depth']} sparq {r['sparq']} min_kv {r['sparq_min_kv']}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap64_bench.json" \
-        || { echo "gap64 bench failed"; tail -5 "$OUT/gap64_bench.log"; }
-    ncu --metrics gpu__time_duration.sum --csv -k regex:"flash_attn_ext_vec|flash_attn_combine|flash_attn_stream" "${lb[@]}" -p 0 -n 3 -r 1 -d 65536 -sparq 0 \
-        > "$OUT/gap64_ncu_flash.csv" 2> "$OUT/gap64_ncu_flash.log"
-    echo "ncu, flash kernels in llama-bench at 64k (prefill's too):"; python3 bench/ncu_summary.py "$OUT/gap64_ncu_flash.csv"
 }
 
 stage_tg() {  # benchmark (b)'s Llama-2 rows at 32k and 64k, -r 3
