@@ -718,6 +718,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         info[RI_ZERO_FIRST] = 0;
     }
     SPARQ_TIMING_MARK(2);
+    SPARQ_TIMING_MARK(3);  // set on every path (again after the sample where there is one)
     __syncthreads();  // rstat (global, this block) and info
     if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
         // threshold: the sample's value at the rank that leaves ~target cells above it
