@@ -71,6 +71,10 @@ def test_window_and_sinks_follow_cell_positions(seed):
     dict(n_head_kv=3, group=3, d=64, n_kv=12345, k1=8, k2=1024),     # SmolLM2, large k2 (long candidate list)
     dict(n_head_kv=1, group=16, d=128, n_kv=9000, k1=32, k2=64),     # wide group: several passes over K^T and V
     dict(n_head_kv=1, group=2, d=512, n_kv=5000, k1=128, k2=128),    # d = 512: two vectors per thread
+    # kernel P's sample (plan_sample, session 12): past 64k the stride keeps the threshold's rank >= 16; past ~212k
+    # cells the 4096-cell sample bounds the stride instead (rank 13 here)
+    dict(n_head_kv=2, group=1, d=128, n_kv=70000, k1=32, k2=128),
+    dict(n_head_kv=1, group=2, d=64, n_kv=260000, k1=16, k2=128),
 ])
 @pytest.mark.parametrize("mean", ["on", "off"])
 def test_long_sequences_match_reference_and_cpu(shape, mean):
