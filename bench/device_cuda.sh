@@ -21,6 +21,8 @@ mkdir -p "$OUT" /tmp/m
 REPO=$PWD
 BUILD=$REPO/build/cuda
 export PYTHONPATH=$REPO/py:/tmp/site PYTHONUNBUFFERED=1 SPARQ_LLAMA_LIB_DIR=$BUILD/bin
+# llama-bench as benchmark (b) runs it (the model's -m follows): full offload, f16 KV, SparQ k1 32, k2 128 on every layer
+LB_SPARQ=("$BUILD/bin/llama-bench" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
 status=0
 
 setup_python() {
@@ -264,7 +266,7 @@ stage_gap() {
     #   5. ncu of every kernel of decode steps at depth 0 (the kernel inventory per step, dense vs SparQ).
     # Parts 3-5 are stage gapncu (one device call each: gap after build, gapncu in the next, warm call).
     local m; m=$(llama2_model) || return 1
-    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
+    local lb=("${LB_SPARQ[@]}" -m "$m")
     "${lb[@]}" -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -sparq-policy sparq,window -o json > "$OUT/gap_bench.json" 2> "$OUT/gap_bench.log" \
         && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq-'+r['sparq_policy'] if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap_bench.json" \
         || { echo "gap bench failed"; tail -5 "$OUT/gap_bench.log"; }
@@ -301,7 +303,7 @@ squeeze_prepare_32k() {  # MODEL TAG: centroid-sparse prepare of a 32k prefix (r
 
 stage_gapncu() {  # parts 3-5 of stage_gap
     local m; m=$(llama2_model) || return 1
-    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
+    local lb=("${LB_SPARQ[@]}" -m "$m")
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 32768 -sparq 1 \
         > "$OUT/gap_ncu_sparq32k.csv" 2> "$OUT/gap_ncu_sparq32k.log"
     echo "ncu, op kernels in llama-bench decode at 32k:"; python3 bench/ncu_summary.py "$OUT/gap_ncu_sparq32k.csv"
@@ -320,7 +322,7 @@ stage_gap64() {
     # 1.70x at 64k) but the op bench's only ~30 us: where the rest goes. Exact-selection fallbacks of kernel S
     # (SPARQ_CUDA_TIMING) at 32k and 64k; stage gap64ncu: ncu of the op's kernels at 64k (median and max per kernel).
     local m; m=$(llama2_model) || return 1
-    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
+    local lb=("${LB_SPARQ[@]}" -m "$m")
     for d in 32768 65536; do
         SPARQ_CUDA_TIMING=1 "${lb[@]}" -p 0 -n 8 -r 1 -d $d -sparq 1 > "$OUT/gap64_timing_$d.txt" 2>&1
         echo "timing at $d: $(grep -c 'exact fallback' "$OUT/gap64_timing_$d.txt") fallback lines of $(grep -c '^S:' "$OUT/gap64_timing_$d.txt") S lines"
@@ -330,7 +332,7 @@ stage_gap64() {
 
 stage_gap64ncu() {
     local m; m=$(llama2_model) || return 1
-    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -k1 32 -k2 128 -sparq-min-kv 0)
+    local lb=("${LB_SPARQ[@]}" -m "$m")
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 65536 -sparq 1 \
         > "$OUT/gap64_ncu_sparq.csv" 2> "$OUT/gap64_ncu_sparq.log"
     echo "ncu, op kernels in llama-bench decode at 64k:"; python3 bench/ncu_summary.py "$OUT/gap64_ncu_sparq.csv"
@@ -345,7 +347,7 @@ stage_sampleab() {
     # Session 12: kernel P's threshold sample, new (rank >= 16, target 8 n_top) vs before (SPARQ_CUDA_SAMPLE_V6=1),
     # interleaved in one call: llama-bench tg32 at 32k and 64k (Llama-2 shape), dense, SparQ, SparQ with the old sample
     local m; m=$(llama2_model) || return 1
-    local lb=("$BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -ctk f16 -ctv f16 -p 0 -n 32 -r 3 -k1 32 -k2 128 -sparq-min-kv 0 -o json)
+    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
     for round in 1; do
         for d in 32768 65536; do
             "${lb[@]}" -d $d -sparq 0 > "$OUT/sampleab_${round}_${d}_dense.json" 2>/dev/null

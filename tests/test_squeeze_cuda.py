@@ -21,9 +21,7 @@ import pytest
 import sparq_llama
 from conftest import REPO
 from sparq_llama import Llama
-from test_sparq_decode import Ctx
-
-from llama_cpp import llama_cpp as lc  # isort: skip
+from test_squeeze_decode import prefill_in_each_mode, prefill_question
 
 sys.path.insert(0, str(REPO / "bench"))
 import random_gguf
@@ -43,11 +41,6 @@ def gpu_llm(tmp_path_factory):
     llm.close()
 
 
-def _back_to_prefix(llm: Llama) -> None:
-    lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, N_PREFIX, -1)
-    llm.n_tokens = N_PREFIX
-
-
 def test_prefill_auto_reads_the_prefix_densely_on_the_gpu(gpu_llm):
     rng = np.random.default_rng(12)
     n_vocab = gpu_llm.n_vocab()
@@ -55,20 +48,10 @@ def test_prefill_auto_reads_the_prefix_densely_on_the_gpu(gpu_llm):
     question = rng.integers(10, n_vocab, N_QUESTION).tolist()
     info = gpu_llm.prepare_fixed_context(doc, keep=0.1, centroids=0.1, progress=False)
     assert info.prefill == "auto"
-    ctx = Ctx.of(gpu_llm)
-
-    def prefill() -> np.ndarray:
-        out = ctx.prefill(question, pos0=N_PREFIX, all_logits=True)
-        _back_to_prefix(gpu_llm)
-        return out
-
-    auto = prefill()
-    assert gpu_llm.set_fixed_context_prefill("sparse").prefill == "sparse"
-    sparse = prefill()
-    assert gpu_llm.set_fixed_context_prefill("dense").prefill == "dense"
-    dense = prefill()
+    modes = prefill_in_each_mode(gpu_llm, question, N_PREFIX)
+    auto, sparse, dense = modes["auto"], modes["sparse"], modes["dense"]
     gpu_llm.clear_fixed_context()
-    plain = prefill()
+    plain = prefill_question(gpu_llm, question, N_PREFIX)
     assert np.isfinite(auto).all() and np.isfinite(sparse).all()
     np.testing.assert_array_equal(dense, plain)
     np.testing.assert_array_equal(auto, plain)

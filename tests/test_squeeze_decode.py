@@ -194,6 +194,22 @@ def _back_to_prefix(llm: Llama, n_prefix: int) -> None:
     llm.n_tokens = n_prefix
 
 
+def prefill_question(llm: Llama, question: list[int], n_prefix: int) -> np.ndarray:
+    """The question's prefill logits [rows, n_vocab] after the cached prefix; the cache is left at the prefix."""
+    out = Ctx.of(llm).prefill(question, pos0=n_prefix, all_logits=True)
+    _back_to_prefix(llm, n_prefix)
+    return out
+
+
+def prefill_in_each_mode(llm: Llama, question: list[int], n_prefix: int) -> dict[str, np.ndarray]:
+    """prefill_question in the prefill modes auto (the prepared one), sparse and dense; leaves the mode dense."""
+    out = {"auto": prefill_question(llm, question, n_prefix)}
+    for mode in ("sparse", "dense"):
+        assert llm.set_fixed_context_prefill(mode).prefill == mode
+        out[mode] = prefill_question(llm, question, n_prefix)
+    return out
+
+
 @pytest.fixture(scope="module")
 def dense_answer(llm, doc, questions):
     """Dense greedy answer to question 0 (16 steps), on the cache a preparation leaves (then cleared)."""
@@ -581,24 +597,15 @@ def test_prefill_modes_choose_how_a_question_reads_the_prefix(llm, doc, question
     assert info.prefill == "auto"
     ctx = Ctx.of(llm)
     question = questions[0]
-
-    def prefill() -> np.ndarray:
-        out = ctx.prefill(question, pos0=N_PREFIX, all_logits=True)
-        _back_to_prefix(llm, N_PREFIX)
-        return out
-
-    auto = prefill()
-    assert llm.set_fixed_context_prefill("sparse").prefill == "sparse"
-    sparse = prefill()
-    assert llm.set_fixed_context_prefill("dense").prefill == "dense"
-    dense = prefill()
+    modes = prefill_in_each_mode(llm, question, N_PREFIX)
+    auto, sparse, dense = modes["auto"], modes["sparse"], modes["dense"]
     assert llm.fixed_context.prepared and llm.fixed_context.prefill == "dense"
     # decodes still read the clusters in the dense mode: one token after the question differs from the plain cache's
     ctx.prefill(question, pos0=N_PREFIX)
     step_sparse = ctx.decode([(question[0], N_PREFIX + len(question), 0, True)])[0]
     _back_to_prefix(llm, N_PREFIX)
     llm.clear_fixed_context()
-    plain = prefill()
+    plain = prefill_question(llm, question, N_PREFIX)
     ctx.prefill(question, pos0=N_PREFIX)
     step_plain = ctx.decode([(question[0], N_PREFIX + len(question), 0, True)])[0]
     _back_to_prefix(llm, N_PREFIX)
