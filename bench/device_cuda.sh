@@ -11,6 +11,8 @@
 #   bench/device_cuda.sh build gap64 gap64ncu sampleab sweepab   session 12: kernel S's fallbacks at 64k, A/B of
 #                                            kernel P's sample and kernel B's sweep (env switches, one call each)
 #   bench/device_cuda.sh build test final12; e2e; batched; squeezegpu   session 12's records, the GPU prefill test
+#   bench/device_cuda.sh build test pycrash isolation squeezegpu   session 13: the Python Llama's crash on the CUDA
+#                                            build (a static C++ runtime exported by each library), located and fixed
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -405,6 +407,42 @@ stage_squeezegpu() {
     # n_gpu_layers 0, which took the whole pytest process down)
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 | tee "$OUT/test_centroid_gpu.log" | tail -2
     python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py 2>&1 | tee "$OUT/test_squeeze_gpu.log" | tail -4
+}
+
+stage_pycrash() {
+    # session 13: where the Python Llama crashes loading a model with the CUDA build (session 12: SIGSEGV inside
+    # llama_model_load_from_file, also at n_gpu_layers 0). Native stack from an LD_PRELOAD handler (no gdb here),
+    # the binaries on the same tiny model, and the Python load with each setting that differs.
+    cc -shared -fPIC -O1 -o /tmp/segv_backtrace.so bench/tools/segv_backtrace.c || return 1
+    python3 -c "import sys; sys.path.insert(0, 'bench'); import random_gguf; from pathlib import Path; random_gguf.write_model(random_gguf.SHAPES['tiny'], Path('/tmp/tiny.gguf'))"
+    "$BUILD/bin/llama-completion" -m /tmp/tiny.gguf -ngl 99 -fa on -n 4 -p "hello" -no-cnv > "$OUT/pycrash_bin.log" 2>&1
+    echo "llama-completion -ngl 99: rc $?"
+    # the crash needs the system libstdc++ in the process first: gguf imports sentencepiece, which loads it
+    for args in "n_gpu_layers=0" "n_gpu_layers=99, use_mmap=False" "n_gpu_layers=99"; do
+        LD_PRELOAD=/tmp/segv_backtrace.so python3 -X faulthandler -c "
+import gguf
+import sparq_llama
+from sparq_llama import Llama
+llm = Llama('/tmp/tiny.gguf', $args, n_ctx=256, flash_attn=True, verbose=True)
+print('loaded', llm.n_vocab()); llm.close()" > "$OUT/pycrash_py.log" 2>&1
+        echo "python Llama($args): rc $?"
+        grep -A40 "segv_backtrace" "$OUT/pycrash_py.log" | grep -v "libpython\|python3(" | head -30
+    done
+    tail -3 "$OUT/pycrash_py.log"
+}
+
+stage_isolation() {
+    # session 13: the toolchain links libstdc++ statically? (a two-line library, with and without --exclude-libs),
+    # then the built libraries and the regression test (tests/test_lib_isolation.py)
+    printf '#include <sstream>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n' > /tmp/iso.cpp
+    for flags in "" "-Wl,--exclude-libs,libstdc++.a:libstdc++_nonshared.a:libsupc++.a"; do
+        c++ -shared -fPIC -O1 /tmp/iso.cpp -o /tmp/iso.so $flags
+        echo "c++ ($(command -v c++)) flags '$flags': NEEDED $(readelf -d /tmp/iso.so | grep -c 'libstdc++'), exports locale::classic: $(nm -D --defined-only /tmp/iso.so | grep -c _ZNSt6locale7classicEv)"
+    done
+    for lib in "$BUILD"/bin/lib*.so; do
+        echo "$(basename "$lib"): exports locale::classic $(nm -D --defined-only "$lib" | grep -c _ZNSt6locale7classicEv)"
+    done
+    python3 -m pytest -q -p no:cacheprovider tests/test_lib_isolation.py 2>&1 | tee "$OUT/test_isolation.log" | tail -3
 }
 
 stage_recheck() {

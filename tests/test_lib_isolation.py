@@ -1,0 +1,63 @@
+"""Our shared libraries keep a statically linked C++ runtime private, so a process that already holds the system
+libstdc++ still loads and runs a model.
+
+Found on the lent H100 (session 13): its compiler (/opt/gcc) links libstdc++ statically into every library, each
+copy exported its symbols, and after `import gguf` (which imports sentencepiece, which loads the system libstdc++)
+the Python `Llama` crashed inside llama_model_load_from_file, in an ostream insert of llama_model::print_info.
+CMakeLists.txt now links with --exclude-libs for the C++ runtime's archives. With a shared libstdc++ (the usual
+case, and this CPU machine) both checks hold trivially; on a static-runtime toolchain they are the regression test.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO, python
+from sparq_llama._lib import lib_dir
+
+# std::locale::classic(): defined only by the C++ runtime itself, so a library exporting it exports a runtime copy
+RUNTIME_SYMBOL = "_ZNSt6locale7classicEv"
+
+
+def _our_libraries() -> list:
+    return sorted(p for p in lib_dir().iterdir() if p.suffix == ".so" and p.is_file() and not p.is_symlink())
+
+
+def test_no_library_exports_a_cxx_runtime_copy():
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) is needed to build sparq-llama and to run this check"
+    libs = _our_libraries()
+    assert any(p.name == "libllama.so" for p in libs), f"no libllama.so in {lib_dir()}"
+    exporting = []
+    for lib in libs:
+        out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
+        if any(line.split()[-1] == RUNTIME_SYMBOL for line in out.splitlines() if line.strip()):
+            exporting.append(lib.name)
+    assert not exporting, f"these libraries export a copy of the C++ runtime ({RUNTIME_SYMBOL}): {exporting}"
+
+
+def test_model_loads_and_decodes_with_the_system_libstdcxx_loaded_first(tmp_path):
+    # The model is written in a separate process: the writer (gguf) is not what is under test here.
+    model = tmp_path / "tiny.gguf"
+    write = python(f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import random_gguf; "
+                   f"from pathlib import Path; random_gguf.write_model(random_gguf.SHAPES['tiny'], Path({str(model)!r}))")
+    assert write.returncode == 0, write.stderr[-2000:]
+    code = textwrap.dedent(f"""
+        import ctypes, ctypes.util, math
+        name = ctypes.util.find_library("stdc++")
+        assert name, "no system libstdc++ found"
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)   # as an extension module built against it would
+        from sparq_llama import Llama
+        llm = Llama({str(model)!r}, n_ctx=256, n_gpu_layers=99, flash_attn=True, verbose=False)
+        llm.eval([1, 100, 200, 300])
+        row = llm.scores[llm.n_tokens - 1]
+        assert all(math.isfinite(float(x)) for x in row), "non-finite logits"
+        print("decoded", llm.n_tokens)
+        llm.close()
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stderr[-3000:]}"
+    assert "decoded 4" in run.stdout
