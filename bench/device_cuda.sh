@@ -403,8 +403,8 @@ stage_final12() {
 
 stage_squeezegpu() {
     # the GPU branch of the centroid-sparse prefill mode auto (tests/test_squeeze_cuda.py) and the centroid op's CUDA tests
-    # (separate runs: at 8b9a1af the Python Llama segfaulted while loading any model with this CUDA build, even at
-    # n_gpu_layers 0, which took the whole pytest process down)
+    # (separate runs: at 8b9a1af the Python Llama segfaulted loading a model with this CUDA build, which took the whole
+    # pytest process down; fixed in session 13, see stage_isolation)
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 | tee "$OUT/test_centroid_gpu.log" | tail -2
     python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py 2>&1 | tee "$OUT/test_squeeze_gpu.log" | tail -4
 }

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import REPO, python
@@ -22,20 +23,24 @@ from sparq_llama._lib import lib_dir
 RUNTIME_SYMBOL = "_ZNSt6locale7classicEv"
 
 
-def _our_libraries() -> list:
-    return sorted(p for p in lib_dir().iterdir() if p.suffix == ".so" and p.is_file() and not p.is_symlink())
+def _our_libraries() -> dict[str, Path]:
+    """Each shared library in the library folder once, by its name (a build tree links libX.so -> libX.so.N.M)."""
+    libs: dict[str, Path] = {}
+    for p in sorted(lib_dir().glob("lib*.so*")):
+        libs.setdefault(p.name.split(".so")[0] + ".so", p.resolve())
+    return libs
 
 
 def test_no_library_exports_a_cxx_runtime_copy():
     nm = shutil.which("nm")
     assert nm, "nm (binutils) is needed to build sparq-llama and to run this check"
     libs = _our_libraries()
-    assert any(p.name == "libllama.so" for p in libs), f"no libllama.so in {lib_dir()}"
+    assert "libllama.so" in libs, f"no libllama.so in {lib_dir()}"
     exporting = []
-    for lib in libs:
+    for name, lib in libs.items():
         out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
         if any(line.split()[-1] == RUNTIME_SYMBOL for line in out.splitlines() if line.strip()):
-            exporting.append(lib.name)
+            exporting.append(name)
     assert not exporting, f"these libraries export a copy of the C++ runtime ({RUNTIME_SYMBOL}): {exporting}"
 
 

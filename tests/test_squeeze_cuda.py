@@ -7,10 +7,9 @@ the layer's KV is not in host memory, since per-row selection is slower than fla
 bit: the same flash-attention graph over the same KV), and that "sparse" takes the op there. A random-weight model
 of the Llama-2 layout (bench/random_gguf.py) stands in for SmolLM2, which the GPU machine has no registry to fetch.
 
-Not yet passed on a GPU: its first run (H100, session 12, `bench/device_cuda.sh build squeezegpu`) ended in a
-segmentation fault inside llama_model_load_from_file, called by llama-cpp-python's Llama with sparq-llama's CUDA
-build, also at n_gpu_layers=0, before any centroid-sparse code ran; the binaries (llama-bench, llama-completion) load
-the same models there. Open in issue 7's notes.
+Passed on an H100 (session 13, `bench/device_cuda.sh build isolation pycrash squeezegpu`). Its first run (session 12)
+had crashed in llama_model_load_from_file: writing the model imports gguf, which imports sentencepiece, which loads the
+system libstdc++, and the CUDA build exported its statically linked copy of the C++ runtime (tests/test_lib_isolation.py).
 """
 from __future__ import annotations
 
