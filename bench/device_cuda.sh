@@ -13,6 +13,8 @@
 #   bench/device_cuda.sh build test final12; e2e; batched; squeezegpu   session 12's records, the GPU prefill test
 #   bench/device_cuda.sh build test pycrash isolation squeezegpu   session 13: the Python Llama's crash on the CUDA
 #                                            build (a static C++ runtime exported by each library), located and fixed
+#   bench/device_cuda.sh build batchprof; batchtg   session 13: benchmark (c)'s batched step, op and end to end
+#   bench/device_cuda.sh build lvab; batchtg          session 13: kernel LV's wide slice for many rows, A/B
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -443,6 +445,51 @@ stage_isolation() {
         echo "$(basename "$lib"): exports locale::classic $(nm -D --defined-only "$lib" | grep -c _ZNSt6locale7classicEv)"
     done
     python3 -m pytest -q -p no:cacheprovider tests/test_lib_isolation.py 2>&1 | tee "$OUT/test_isolation.log" | tail -3
+}
+
+stage_batchprof() {
+    # session 13: where benchmark (c)'s batched decode goes (B = 8 with 8k prompts: 1.40x against a 3.0x target).
+    # The op alone (bench (a) and ncu per kernel) at 8k for B = 1 and 8, and the Llama-3 heads at 16k, B = 8.
+    python3 bench/cuda_op.py --runs 20 --seqs 8192 --batches 1,8 --out "$OUT/batchprof_op.json" | tail -3
+    for b in 1 8; do
+        ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 8192 --batch $b --runs 2 \
+            > "$OUT/batchprof_ncu_b${b}.csv" 2>&1
+        echo "ncu, Llama-2 heads, S = 8192, B = $b:"; python3 bench/ncu_summary.py "$OUT/batchprof_ncu_b${b}.csv"
+    done
+    ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 16384 --batch 8 --runs 2 --heads 32 8 \
+        > "$OUT/batchprof_ncu_l3_b8.csv" 2>&1
+    echo "ncu, Llama-3 heads, S = 16384, B = 8:"; python3 bench/ncu_summary.py "$OUT/batchprof_ncu_l3_b8.csv"
+}
+
+stage_batchtg() {
+    # session 13: llama-batched-bench at B = 8 (Llama-2 shape, 8k prompts): dense, SparQ, SparQ without the mean
+    local m; m=$(llama2_model) || return 1
+    local base=("$BUILD/bin/llama-batched-bench" -m "$m" -c 65792 -b 2048 -ub 512 -ngl 99 -fa on -npp 8192 -ntg 32 -npl 8)
+    for mode in dense sparq sparq_mean_off; do
+        local extra=()
+        [ $mode != dense ] && extra=(--sparq --k1 32 --k2 128 --sparq-min-kv 0)
+        [ $mode = sparq_mean_off ] && extra+=(--sparq-mean off)
+        "${base[@]}" "${extra[@]}" > "$OUT/batchtg_$mode.log" 2>&1 || echo "batched $mode failed"
+        echo "$mode: $(grep -E '^\|? *8192 *\|' "$OUT/batchtg_$mode.log" | tail -1)"
+    done
+}
+
+stage_lvab() {
+    # session 13: kernel LV's wide slice (128 output components per block, the head's logits over I2 computed once)
+    # against the narrow one (32), forced by SPARQ_CUDA_LV_SLICE: every CUDA op test through each, the op bench
+    # at 8k and 32k for B = 1, 4, 8, and ncu of LV at B = 8
+    for sl in 32 128; do
+        echo "tests, LV slice $sl: $(SPARQ_CUDA_LV_SLICE=$sl python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/lvab_test_$sl.log" | tail -1)"
+    done
+    for sl in 32 128 auto; do
+        echo "op bench, LV slice $sl:"
+        SPARQ_CUDA_LV_SLICE=$sl python3 bench/cuda_op.py --runs 20 --seqs 8192,32768 --batches 1,4,8 --out "$OUT/lvab_op_$sl.json" | tail -6
+    done
+    for sl in 32 128; do
+        SPARQ_CUDA_LV_SLICE=$sl ncu --metrics gpu__time_duration.sum --csv python3 bench/cuda_profile.py --seq 8192 --batch 8 --runs 2 \
+            > "$OUT/lvab_ncu_$sl.csv" 2>&1
+        echo "ncu S = 8192, B = 8, LV slice $sl: $(python3 bench/ncu_summary.py "$OUT/lvab_ncu_$sl.csv" | grep logits_values)"
+    done
 }
 
 stage_recheck() {

@@ -1480,20 +1480,22 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     SPARQ_TIMING_PRINT("S: select, I2, alpha", w, 4);
 }
 
-// Kernel LV (grid: (slices of V_SLICE output components) x heads, rows): the exact logits of one head over I2
+// Kernel LV (grid: (slices of SLICE output components) x heads, rows): the exact logits of one head over I2
 // into shared memory, then its softmax over I2 (recomputed by each block of the row, in a fixed order), the
-// Sparse-V threshold, and the weighted sum of the V rows' slice: 8 components per thread, V_SLICE/8 threads per
+// Sparse-V threshold, and the weighted sum of the V rows' slice: 8 components per thread, SLICE/8 threads per
 // cell, the cell groups reduced through shared memory; then the mean-value mix.
+// SLICE: 32 when the rows are few (one decode step of one sequence: more blocks per row shorten the row's chain);
+// 128 when the 32-slices would fill more than a wave or two (batched decode: every block of a head recomputes the
+// head's logits over I2, so wide slices do that work once instead of d_v/32 times). lv_slice() picks.
 constexpr int V_THREADS = 256;
-constexpr int V_SLICE   = 32;
-constexpr int V_TPC     = V_SLICE / 8;              // threads per cell
-constexpr int V_GROUPS  = V_THREADS / V_TPC;        // cells in flight per round
+constexpr int V_SLICE_NARROW = 32;
+constexpr int V_SLICE_WIDE   = 128;
+template <int SLICE> __host__ __device__ constexpr int v_tpc()    { return SLICE / 8; }                 // threads per cell
+template <int SLICE> __host__ __device__ constexpr int v_groups() { return V_THREADS / v_tpc<SLICE>(); } // cells in flight per round
 
-// The logits: a group of tpr threads per cell (8 components per thread and vector), CIF cells in flight per group,
-// the V rows' first slice loaded together with the K rows. Each block of the head reads the K rows over I2 (from L2
-// after the first); v6b, measured against separate kernels L and V in bench/notes_cuda.md.
-template <typename T, int VPT>
+template <typename T, int VPT, int SLICE>
 __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    constexpr int V_SLICE = SLICE, V_TPC = v_tpc<SLICE>(), V_GROUPS = v_groups<SLICE>();
     extern __shared__ __align__(16) unsigned char smlv[];  // [k2] I2, [k2] logits of head g
     __shared__ float red[32];
     __shared__ float part[V_GROUPS][V_SLICE];
@@ -1702,6 +1704,42 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
     }
 }
 
+// Kernel LV's slice width (see the kernel): 32 unless the 32-slices of these rows make more than two waves of
+// V_MIN_BLOCKS-per-SM blocks. SPARQ_CUDA_LV_SLICE=32|128 forces one (A/B runs, tests of both paths).
+constexpr int V_MIN_BLOCKS = 2;
+int lv_slice(const sparq_args & a, int64_t nw) {
+    static const int forced = [] {
+        const char * e = getenv("SPARQ_CUDA_LV_SLICE");
+        return e ? atoi(e) : 0;
+    }();
+    if (forced == V_SLICE_NARROW || forced == V_SLICE_WIDE) {
+        return forced;
+    }
+    const int64_t n_narrow = ((a.d_v + V_SLICE_NARROW - 1) / V_SLICE_NARROW) * a.group * nw;
+    const int64_t wave = (int64_t) ggml_cuda_info().devices[ggml_cuda_get_device()].nsm * V_MIN_BLOCKS;
+    return n_narrow > 2*wave ? V_SLICE_WIDE : V_SLICE_NARROW;
+}
+
+template <typename T, int VPT, int SLICE>
+void launch_lv(int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+    const dim3 grid_v((unsigned) (((a.d_v + SLICE - 1) / SLICE) * a.group), (unsigned) nw);
+    const size_t smem_lv = 2*sizeof(float)*a.p.k2;
+    ensure_smem<sparq_logits_values<T, VPT, SLICE>>(smem_lv);
+    ggml_cuda_kernel_launch(sparq_logits_values<T, VPT, SLICE>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream),
+                            a, s, r0);
+}
+
+template <typename T>
+void launch_logits_values(int vpt, int slice, int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s,
+                          int64_t r0) {
+    const bool wide = slice == V_SLICE_WIDE;
+    switch (vpt) {
+        case 1:  wide ? launch_lv<T, 1, V_SLICE_WIDE>(nw, stream, a, s, r0) : launch_lv<T, 1, V_SLICE_NARROW>(nw, stream, a, s, r0); break;
+        case 2:  wide ? launch_lv<T, 2, V_SLICE_WIDE>(nw, stream, a, s, r0) : launch_lv<T, 2, V_SLICE_NARROW>(nw, stream, a, s, r0); break;
+        default: wide ? launch_lv<T, 4, V_SLICE_WIDE>(nw, stream, a, s, r0) : launch_lv<T, 4, V_SLICE_NARROW>(nw, stream, a, s, r0); break;
+    }
+}
+
 template <typename T>
 void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
                 const sparq_args & a, const sparq_scratch & s, int64_t r0) {
@@ -1717,22 +1755,7 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
                             a, s, r0);
     ensure_smem<sparq_select>(smem_s);
     ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
-    const dim3 grid_v((unsigned) (((a.d_v + V_SLICE - 1) / V_SLICE) * a.group), (unsigned) nw);
-    const size_t smem_lv = 2*sizeof(float)*a.p.k2;
-    switch (vpt) {
-        case 1:
-            ensure_smem<sparq_logits_values<T, 1>>(smem_lv);
-            ggml_cuda_kernel_launch(sparq_logits_values<T, 1>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
-            break;
-        case 2:
-            ensure_smem<sparq_logits_values<T, 2>>(smem_lv);
-            ggml_cuda_kernel_launch(sparq_logits_values<T, 2>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
-            break;
-        default:
-            ensure_smem<sparq_logits_values<T, 4>>(smem_lv);
-            ggml_cuda_kernel_launch(sparq_logits_values<T, 4>, ggml_cuda_kernel_launch_params(grid_v, V_THREADS, smem_lv, stream), a, s, r0);
-            break;
-    }
+    launch_logits_values<T>(vpt, lv_slice(a, nw), nw, stream, a, s, r0);
 }
 
 bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
