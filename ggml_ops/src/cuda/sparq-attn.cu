@@ -1485,7 +1485,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // Sparse-V threshold, and the weighted sum of the V rows' slice: 8 components per thread, SLICE/8 threads per
 // cell, the cell groups reduced through shared memory; then the mean-value mix.
 // SLICE: 32 when the rows are few (one decode step of one sequence: more blocks per row shorten the row's chain);
-// 128 when the 32-slices would fill more than a wave or two (batched decode: every block of a head recomputes the
+// 128 when the 32-slices would fill more than a wave (batched decode: every block of a head recomputes the
 // head's logits over I2, so wide slices do that work once instead of d_v/32 times). lv_slice() picks.
 constexpr int V_THREADS = 256;
 constexpr int V_SLICE_NARROW = 32;
@@ -1704,8 +1704,10 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
     }
 }
 
-// Kernel LV's slice width (see the kernel): 32 unless the 32-slices of these rows make more than two waves of
-// V_MIN_BLOCKS-per-SM blocks. SPARQ_CUDA_LV_SLICE=32|128 forces one (A/B runs, tests of both paths).
+// Kernel LV's slice width (see the kernel): 32 unless the 32-slices of these rows make more than one wave of
+// V_MIN_BLOCKS-per-SM blocks. Measured on the H100 (session 13, op bench, Llama-2 heads): B = 1 at 32k narrow 94 /
+// wide 97 us; B = 4 at 8k 112 / 104; B = 8 at 8k 158 / 141.5 (LV alone 42.7 / 18.7 us under ncu).
+// SPARQ_CUDA_LV_SLICE=32|128 forces one (A/B runs, tests of both paths).
 constexpr int V_MIN_BLOCKS = 2;
 int lv_slice(const sparq_args & a, int64_t nw) {
     static const int forced = [] {
@@ -1717,7 +1719,7 @@ int lv_slice(const sparq_args & a, int64_t nw) {
     }
     const int64_t n_narrow = ((a.d_v + V_SLICE_NARROW - 1) / V_SLICE_NARROW) * a.group * nw;
     const int64_t wave = (int64_t) ggml_cuda_info().devices[ggml_cuda_get_device()].nsm * V_MIN_BLOCKS;
-    return n_narrow > 2*wave ? V_SLICE_WIDE : V_SLICE_NARROW;
+    return n_narrow > wave ? V_SLICE_WIDE : V_SLICE_NARROW;
 }
 
 template <typename T, int VPT, int SLICE>
