@@ -1493,6 +1493,9 @@ constexpr int V_SLICE_WIDE   = 128;
 template <int SLICE> __host__ __device__ constexpr int v_tpc()    { return SLICE / 8; }                 // threads per cell
 template <int SLICE> __host__ __device__ constexpr int v_groups() { return V_THREADS / v_tpc<SLICE>(); } // cells in flight per round
 
+// The logits: a group of tpr threads per cell (8 components per thread and vector), CIF cells in flight per group,
+// the V rows' first slice loaded together with the K rows. Each block of the head reads the K rows over I2 (from L2
+// after the first); v6b, measured against separate kernels L and V in bench/notes_cuda.md.
 template <typename T, int VPT, int SLICE>
 __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_args a, const sparq_scratch s, int64_t r0) {
     constexpr int V_SLICE = SLICE, V_TPC = v_tpc<SLICE>(), V_GROUPS = v_groups<SLICE>();
@@ -1707,7 +1710,7 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
 // Kernel LV's slice width (see the kernel): 32 unless the 32-slices of these rows make more than one wave of
 // V_MIN_BLOCKS-per-SM blocks. Measured on the H100 (session 13, op bench, Llama-2 heads): B = 1 at 32k narrow 94 /
 // wide 97 us; B = 4 at 8k 112 / 104; B = 8 at 8k 158 / 141.5 (LV alone 42.7 / 18.7 us under ncu).
-// SPARQ_CUDA_LV_SLICE=32|128 forces one (A/B runs, tests of both paths).
+// SPARQ_CUDA_LV_SLICE=32|128 forces one (A/B runs, tests of both paths); any other value leaves the choice here.
 constexpr int V_MIN_BLOCKS = 2;
 int lv_slice(const sparq_args & a, int64_t nw) {
     static const int forced = [] {
