@@ -412,25 +412,23 @@ stage_squeezegpu() {
 }
 
 stage_pycrash() {
-    # session 13: where the Python Llama crashes loading a model with the CUDA build (session 12: SIGSEGV inside
-    # llama_model_load_from_file, also at n_gpu_layers 0). Native stack from an LD_PRELOAD handler (no gdb here),
-    # the binaries on the same tiny model, and the Python load with each setting that differs.
-    cc -shared -fPIC -O1 -o /tmp/segv_backtrace.so bench/tools/segv_backtrace.c || return 1
+    # session 13: where the Python Llama crashed loading a model with the CUDA build (session 12: SIGSEGV inside
+    # llama_model_load_from_file, also at n_gpu_layers 0): the binaries on the same tiny model, then the Python load
+    # after `import gguf` (which imports sentencepiece, which loads the system libstdc++: the crash needs that) with
+    # each setting that differs; the native stack of a crash from cuda-gdb (an LD_PRELOAD backtrace handler printed
+    # nothing there, so it was dropped)
     python3 -c "import sys; sys.path.insert(0, 'bench'); import random_gguf; from pathlib import Path; random_gguf.write_model(random_gguf.SHAPES['tiny'], Path('/tmp/tiny.gguf'))"
     "$BUILD/bin/llama-completion" -m /tmp/tiny.gguf -ngl 99 -fa on -n 4 -p "hello" -no-cnv > "$OUT/pycrash_bin.log" 2>&1
     echo "llama-completion -ngl 99: rc $?"
-    # the crash needs the system libstdc++ in the process first: gguf imports sentencepiece, which loads it
     for args in "n_gpu_layers=0" "n_gpu_layers=99, use_mmap=False" "n_gpu_layers=99"; do
-        LD_PRELOAD=/tmp/segv_backtrace.so python3 -X faulthandler -c "
-import gguf
-import sparq_llama
-from sparq_llama import Llama
-llm = Llama('/tmp/tiny.gguf', $args, n_ctx=256, flash_attn=True, verbose=True)
-print('loaded', llm.n_vocab()); llm.close()" > "$OUT/pycrash_py.log" 2>&1
-        echo "python Llama($args): rc $?"
-        grep -A40 "segv_backtrace" "$OUT/pycrash_py.log" | grep -v "libpython\|python3(" | head -30
+        printf 'import gguf\nfrom sparq_llama import Llama\nllm = Llama("/tmp/tiny.gguf", %s, n_ctx=256, flash_attn=True, verbose=False)\nprint("loaded", llm.n_vocab())\nllm.close()\n' "$args" > /tmp/pycrash.py
+        python3 /tmp/pycrash.py > "$OUT/pycrash_py.log" 2>&1
+        local rc=$?
+        echo "python Llama($args): rc $rc"
+        if [ $rc -ne 0 ] && command -v cuda-gdb > /dev/null; then
+            timeout 200 cuda-gdb -batch -ex run -ex bt --args python3 /tmp/pycrash.py 2>&1 | grep -E "^#[0-9]" | head -12
+        fi
     done
-    tail -3 "$OUT/pycrash_py.log"
 }
 
 stage_isolation() {

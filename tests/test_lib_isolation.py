@@ -15,7 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 from conftest import REPO, python
 from sparq_llama._lib import lib_dir
 
@@ -63,6 +62,6 @@ def test_model_loads_and_decodes_with_the_system_libstdcxx_loaded_first(tmp_path
         print("decoded", llm.n_tokens)
         llm.close()
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, f"exit {run.returncode}\n{run.stderr[-3000:]}"
     assert "decoded 4" in run.stdout
