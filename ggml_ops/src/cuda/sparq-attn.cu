@@ -112,6 +112,7 @@ struct sparq_args {
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
     bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
     bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
+    int  lv_slice;                 // kernel LV's slice forced by SPARQ_CUDA_LV_SLICE (32 or 128), 0: chosen by lv_slice()
 };
 
 struct sparq_scratch {
@@ -1710,15 +1711,11 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
 // Kernel LV's slice width (see the kernel): 32 unless the 32-slices of these rows make more than one wave of
 // V_MIN_BLOCKS-per-SM blocks. Measured on the H100 (session 13, op bench, Llama-2 heads): B = 1 at 32k narrow 94 /
 // wide 97 us; B = 4 at 8k 112 / 104; B = 8 at 8k 158 / 141.5 (LV alone 42.7 / 18.7 us under ncu).
-// SPARQ_CUDA_LV_SLICE=32|128 forces one (A/B runs, tests of both paths); any other value leaves the choice here.
+// SPARQ_CUDA_LV_SLICE=32|128 (a.lv_slice) forces one (A/B runs, tests of both paths).
 constexpr int V_MIN_BLOCKS = 2;
 int lv_slice(const sparq_args & a, int64_t nw) {
-    static const int forced = [] {
-        const char * e = getenv("SPARQ_CUDA_LV_SLICE");
-        return e ? atoi(e) : 0;
-    }();
-    if (forced == V_SLICE_NARROW || forced == V_SLICE_WIDE) {
-        return forced;
+    if (a.lv_slice != 0) {
+        return a.lv_slice;
     }
     const int64_t n_narrow = ((a.d_v + V_SLICE_NARROW - 1) / V_SLICE_NARROW) * a.group * nw;
     const int64_t wave = (int64_t) ggml_cuda_info().devices[ggml_cuda_get_device()].nsm * V_MIN_BLOCKS;
@@ -1875,6 +1872,13 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // SPARQ_CUDA_SWEEP_V6=1: kernel B's sweep as before session 12 (masks and positions of every cell)
     static const bool sweep_v6 = getenv("SPARQ_CUDA_SWEEP_V6") != nullptr;
     a.sweep_v6 = sweep_v6;
+    // SPARQ_CUDA_LV_SLICE=32|128: kernel LV's slice width instead of lv_slice()'s choice (other values: the choice)
+    static const int lv_slice_env = [] {
+        const char * e = getenv("SPARQ_CUDA_LV_SLICE");
+        const int v = e ? atoi(e) : 0;
+        return v == V_SLICE_NARROW || v == V_SLICE_WIDE ? v : 0;
+    }();
+    a.lv_slice = lv_slice_env;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
