@@ -5,7 +5,9 @@ Found on the lent H100 (session 13): its compiler (/opt/gcc) links libstdc++ sta
 copy exported its symbols, and after `import gguf` (which imports sentencepiece, which loads the system libstdc++)
 the Python `Llama` crashed inside llama_model_load_from_file, in an ostream insert of llama_model::print_info.
 CMakeLists.txt now links with --exclude-libs for the C++ runtime's archives. With a shared libstdc++ (the usual
-case, and this CPU machine) both checks hold trivially; on a static-runtime toolchain they are the regression test.
+case, and CI) both checks hold trivially. On a static-runtime build without the fix (checked on the CPU build with
+-static-libstdc++) the export check fails (libggml.so exported the runtime); the load check passed there, as that
+crash needs the CUDA build's layout, and is the end-to-end check on the GPU machine.
 """
 from __future__ import annotations
 
