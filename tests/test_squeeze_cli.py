@@ -67,14 +67,15 @@ def test_bad_flags_fail_before_loading(args, message):
 
 
 
-@pytest.mark.parametrize("tool", ["llama-cli", "llama-server", "llama-perplexity"])
+@pytest.mark.parametrize("tool", ["llama-perplexity", "llama-batched-bench"])
 @pytest.mark.parametrize("flag", ["--squeeze", "--squeeze-load"])
 def test_tools_without_squeeze_say_where_it_runs(tool, flag):
-    # only llama-completion prepares a fixed prefix; the others must not take the flag as if it were unknown
+    # llama-completion, llama-server and llama-cli prepare a fixed prefix; the others must not take the flag as if it
+    # were unknown
     res = run([tool, flag, "x", "-m", "/nonexistent.gguf"], timeout=60)
     assert res.returncode != 0
     out = res.stderr + res.stdout
-    assert f"{flag}: centroid-sparse attention over a fixed prefix runs in llama-completion" in out, out[-2000:]
+    assert f"{flag}: centroid-sparse attention over a fixed prefix runs in llama-completion, llama-server and llama-cli" in out, out[-2000:]
 
 def test_keep_1_answers_as_dense_over_the_same_tokens(smollm2_path, document):
     got, log = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "1")

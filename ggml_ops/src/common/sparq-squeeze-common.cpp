@@ -1,0 +1,136 @@
+// sparq-llama: the --squeeze setup of llama-completion and llama-server (see sparq-squeeze-common.h).
+#include "sparq-squeeze-common.h"
+
+#include "log.h"
+#include "sparq-llama.h"
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+static bool squeeze_load_prefix(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
+                                std::vector<llama_token> & prefix) {
+    prefix.resize(llama_n_ctx_seq(ctx));
+    size_t n = 0;
+    if (llama_state_seq_load_file(ctx, params.squeeze_load.c_str(), seq_id, prefix.data(), prefix.size(), &n) == 0) {
+        LOG_ERR("%s: failed to load the prefix's KV state from '%s' (missing, another model, or longer than the "
+                "context, %zu tokens per sequence)\n", __func__, params.squeeze_load.c_str(), prefix.size());
+        if (params.n_parallel > 1 && !params.kv_unified) {
+            // llama.cpp's sequence state records the cache's stream count: llama-completion and the Python API save
+            // from one stream, and -np N without a unified cache makes N
+            LOG_ERR("%s: a saved prefix loads into a cache of one stream: add --kv-unified (-kvu) to -np %d\n", __func__,
+                    params.n_parallel);
+        }
+        return false;
+    }
+    prefix.resize(n);
+    const std::string sidecar = params.squeeze_load + ".squeeze";
+    if (llama_squeeze_load(ctx, seq_id, sidecar.c_str(), prefix.data(), (int32_t) n) != 0) {
+        LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
+        return false;
+    }
+    LOG_INF("%s: loaded a prepared prefix of %zu tokens from '%s'\n", __func__, n, params.squeeze_load.c_str());
+    const auto & args = params.squeeze_args;
+    if (std::find(args.begin(), args.end(), "--squeeze-keep") != args.end()) {
+        if (llama_squeeze_recalibrate(ctx, params.squeeze_params.keep, params.squeeze_params.keep_coarse) != 0) {
+            LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
+            return false;
+        }
+        const llama_squeeze_info info = llama_squeeze_get_info(ctx);
+        LOG_INF("%s: recalibrated to keep %g (threshold %g, kept on its calibration queries %.1f%%)\n", __func__,
+                (double) params.squeeze_params.keep, (double) info.threshold, 100.0*info.kept_calib);
+    }
+    return true;
+}
+
+static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
+                                   std::vector<llama_token> & prefix) {
+    std::ifstream f(params.squeeze_prefix_file, std::ios::binary);
+    if (!f) {
+        LOG_ERR("%s: cannot read --squeeze-prefix-file '%s'\n", __func__, params.squeeze_prefix_file.c_str());
+        return false;
+    }
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    prefix = common_tokenize(ctx, text, true, true);
+    const int n_ctx_seq = (int) llama_n_ctx_seq(ctx);
+    if (prefix.size() < 2 || (int) prefix.size() > n_ctx_seq - 4) {
+        LOG_ERR("%s: the fixed prefix has %zu tokens: it needs at least 2 and must leave room for the prompt in the "
+                "context (%d tokens per sequence)\n", __func__, prefix.size(), n_ctx_seq);
+        return false;
+    }
+    LOG_INF("%s: evaluating the fixed prefix (%zu tokens)\n", __func__, prefix.size());
+    const int n_batch = std::max(1, (int) llama_n_batch(ctx));
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    bool ok = true;
+    for (size_t i = 0; ok && i < prefix.size(); i += n_batch) {
+        const int n = std::min((int) (prefix.size() - i), n_batch);
+        batch.n_tokens = n;
+        for (int j = 0; j < n; ++j) {
+            batch.token[j]     = prefix[i + j];
+            batch.pos[j]       = (llama_pos) (i + j);
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = seq_id;
+            batch.logits[j]    = j == n - 1;
+        }
+        ok = llama_decode(ctx, batch) == 0;
+    }
+    llama_batch_free(batch);
+    if (!ok) {
+        LOG_ERR("%s: failed to evaluate the fixed prefix\n", __func__);
+        return false;
+    }
+    const int64_t t0 = ggml_time_us();
+    if (llama_squeeze_prepare(ctx, seq_id, prefix.data(), (int32_t) prefix.size(), &params.squeeze_params) != 0) {
+        LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
+        return false;
+    }
+    const llama_squeeze_info info = llama_squeeze_get_info(ctx);
+    LOG_INF("%s: prepared the fixed prefix in %.2f s (threshold %g, kept on its calibration queries %.1f%%)\n",
+            __func__, (ggml_time_us() - t0)/1e6, (double) info.threshold, 100.0*info.kept_calib);
+    if (!params.squeeze_save.empty()) {
+        const std::string sidecar = params.squeeze_save + ".squeeze";
+        if (llama_state_seq_save_file(ctx, params.squeeze_save.c_str(), seq_id, prefix.data(), prefix.size()) == 0 ||
+            llama_squeeze_save(ctx, sidecar.c_str()) != 0) {
+            LOG_ERR("%s: failed to save the prepared prefix to '%s' and '%s': %s\n", __func__,
+                    params.squeeze_save.c_str(), sidecar.c_str(), llama_squeeze_last_error());
+            return false;
+        }
+        LOG_INF("%s: saved the prepared prefix to '%s' and '%s'\n", __func__, params.squeeze_save.c_str(), sidecar.c_str());
+    }
+    return true;
+}
+
+bool common_squeeze_setup(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
+                          std::vector<llama_token> & prefix) {
+    llama_memory_clear(llama_get_memory(ctx), true);
+    const bool ok = params.squeeze_load.empty() ? squeeze_prepare_prefix(ctx, params, seq_id, prefix)
+                                                : squeeze_load_prefix(ctx, params, seq_id, prefix);
+    if (!ok) {
+        return false;
+    }
+    if (llama_squeeze_set_prefill(ctx, params.squeeze_prefill) != 0) {
+        LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
+        return false;
+    }
+    return true;
+}
+
+bool common_squeeze_slot::matches(const llama_tokens & prompt) const {
+    return seq_id >= 0 && n_clustered > 0 && prompt.size() > (size_t) n_clustered &&
+           std::equal(tokens.begin(), tokens.begin() + n_clustered, prompt.begin());
+}
+
+bool common_squeeze_slot::held(const llama_context * ctx) {
+    if (seq_id < 0) {
+        return false;
+    }
+    const llama_squeeze_info info = llama_squeeze_get_info(ctx);
+    if (info.prepared && info.seq_id == seq_id && info.n_prefix == (int32_t) tokens.size()) {
+        return true;
+    }
+    LOG_WRN("%s: the fixed prefix of sequence %d is no longer prepared (its cells changed); that slot now takes any "
+            "prompt, and prompts that start with the prefix are evaluated in full\n", __func__, seq_id);
+    seq_id = -1;
+    return false;
+}

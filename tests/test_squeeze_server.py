@@ -1,0 +1,230 @@
+"""Centroid-sparse attention in llama-server and llama-cli (--squeeze ...): the fixed prefix is prepared once at start
+in slot 0, a completion whose prompt starts with it evaluates only what follows and answers as the Python API does over
+the same prepared prefix, other prompts run in the other slots without touching it, a single slot refuses them with a
+clear error, a saved prefix loads, and llama-cli (which runs the server in-process) answers through it."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import run
+from sparq_llama import Llama, texts
+
+QUESTION = "\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is"
+# on this document SmolLM2 answers OPEN at keep 0.1 otherwise than over every key ("...written in Latin" against "...a
+# dialogue between two characters"), so the answer shows which attention ran
+OPEN = "\nQuestion: Who speaks first in this text, and what do they say?\nAnswer:"
+KEEP = "0.1"
+N_PREDICT = 16
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory) -> str:
+    play = texts.read(texts.names()[0])
+    text = play[:2500] + "\n\nThe secret number of Alice is 48213.\n\n" + play[2500:3500]
+    path = tmp_path_factory.mktemp("doc") / "doc.txt"
+    path.write_text(text)
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A llama-server process on a free port, its log in a file (read with .log())."""
+
+    def __init__(self, model: Path, tmp: Path, *args: str):
+        self.port = _free_port()
+        self.log_path = tmp / f"server-{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                ["llama-server", "-m", str(model), "--port", str(self.port), "--host", "127.0.0.1", "-c", "4096",
+                 "-t", "2", "--no-warmup", *args], stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 180
+        while True:
+            assert self.proc.poll() is None, f"llama-server exited: {self.log()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "llama-server did not become healthy in 180 s"
+            time.sleep(0.5)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def complete(self, prompt, **kw) -> dict:
+        status, out = self.post("/completion", {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, **kw})
+        assert status == 200, out
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tokens(smollm2_path, document) -> tuple[list[int], list[int], list[int]]:
+    """The prefix's tokens (as --squeeze-prefix-file tokenizes it) and the two questions'."""
+    llm = Llama(str(smollm2_path), n_ctx=512, vocab_only=True, verbose=False)
+    try:
+        prefix = llm.tokenize(Path(document).read_text().encode(), add_bos=True, special=True)
+        question = llm.tokenize(QUESTION.encode(), add_bos=False, special=True)
+        open_question = llm.tokenize(OPEN.encode(), add_bos=False, special=True)
+    finally:
+        llm.close()
+    return prefix, question, open_question
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, document, tmp_path_factory):
+    srv = Server(smollm2_path, tmp_path_factory.mktemp("srv"), "-np", "2", "--squeeze", "--squeeze-prefix-file",
+                 document, "--squeeze-keep", KEEP)
+    yield srv
+    srv.close()
+
+
+def python_answers(model, prefix: list[int], questions: list[list[int]], keep: float) -> list[str]:
+    """The oracle: the Python API over the same prepared prefix (same tokens, keep and ubatches)."""
+    llm = Llama(str(model), n_ctx=4096, flash_attn=True, n_threads=2, n_threads_batch=2, verbose=False)
+    try:
+        llm.prepare_fixed_context(prefix, keep=keep, progress=False)
+        out = [llm.create_completion(prefix + q, max_tokens=N_PREDICT, temperature=0.0)["choices"][0]["text"]
+               for q in questions]
+        assert llm.fixed_context.prepared
+    finally:
+        llm.close()
+    return out
+
+
+def test_prompt_after_the_prefix_answers_as_the_python_api(server, smollm2_path, document, tokens):
+    prefix, question, open_question = tokens
+    assert f"holds the prepared fixed prefix ({len(prefix)} tokens)" in server.log()
+    got = []
+    for q in (question, open_question):
+        out = server.complete(prefix + q)
+        # only (the new part of) the question was evaluated: the prefix's cells were prepared at start
+        assert 0 < out["timings"]["prompt_n"] <= len(q) and out["id_slot"] == 0, out
+        got.append(out["content"])
+    want = python_answers(smollm2_path, prefix, [question, open_question], float(KEEP))
+    assert got == want
+    assert "48213" in got[0]
+    # and the server's decode was the sparse one: over every key (keep 1) the open question is answered otherwise
+    assert python_answers(smollm2_path, prefix, [open_question], 1.0)[0] != got[1]
+    # a text prompt that starts with the document reuses it too
+    text = server.complete(Path(document).read_text() + QUESTION)
+    assert text["id_slot"] == 0 and text["timings"]["prompt_n"] <= len(question) + 1, text
+    assert text["content"] == got[0]
+
+
+def test_other_prompts_run_in_the_other_slot_and_keep_the_prefix(server, tokens):
+    prefix, question, _ = tokens
+    first = server.complete(prefix + question)
+    other = server.complete("The capital of France is")
+    assert other["id_slot"] == 1 and "Paris" in other["content"], other
+    # a completion without cache_prompt (it would clear the slot) never takes slot 0 either
+    nocache = server.complete(prefix + question, cache_prompt=False)
+    assert nocache["id_slot"] == 1 and nocache["timings"]["prompt_n"] == len(prefix) + len(question), nocache
+    again = server.complete(prefix + question)
+    assert again["id_slot"] == 0 and again["timings"]["prompt_n"] == 1  # all cached: the last token is evaluated again
+    assert again["content"] == first["content"]
+    second = server.complete(prefix + server_tokens_of(server, "\nQuestion: Who wrote this?\nAnswer:"))
+    assert second["id_slot"] == 0
+    assert "dropped" not in server.log() and "no longer prepared" not in server.log()
+
+
+def server_tokens_of(server: Server, text: str) -> list[int]:
+    status, out = server.post("/tokenize", {"content": text})
+    assert status == 200, out
+    return out["tokens"]
+
+
+def test_one_slot_refuses_other_prompts(smollm2_path, document, tokens, tmp_path):
+    prefix, question, _ = tokens
+    srv = Server(smollm2_path, tmp_path, "-np", "1", "--squeeze", "--squeeze-prefix-file", document,
+                 "--squeeze-keep", KEEP)
+    try:
+        status, out = srv.post("/completion", {"prompt": "The capital of France is", "n_predict": 4})
+        assert status == 400, out
+        assert "slot 0 holds the prepared fixed prefix (--squeeze)" in out["error"]["message"]
+        status, out = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 400 and "after the chat template" in out["error"]["message"], out
+        ok = srv.complete(prefix + question)
+        assert ok["timings"]["prompt_n"] == len(question) and "48213" in ok["content"]
+    finally:
+        srv.close()
+
+
+def test_saved_prefix_loads_and_answers_the_same(server, smollm2_path, tokens, document, tmp_path):
+    prefix, question, _ = tokens
+    state = str(tmp_path / "doc.state")
+    res = run(["llama-completion", "-m", str(smollm2_path), "-no-cnv", "--temp", "0", "-n", "1", "-t", "2", "-c", "4096",
+               "-p", QUESTION, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", KEEP,
+               "--squeeze-save", state], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # the saved state has one stream (llama.cpp's sequence state records it): -np 2 needs the unified cache
+    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(_free_port()), "-c", "4096", "-t", "2",
+               "--no-warmup", "-np", "2", "--squeeze", "--squeeze-load", state], timeout=120)
+    assert res.returncode != 0 and "add --kv-unified (-kvu) to -np 2" in res.stderr + res.stdout
+    loaded = Server(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-load", state)
+    try:
+        assert f"loaded a prepared prefix of {len(prefix)} tokens" in loaded.log()
+        out = loaded.complete(prefix + question)
+    finally:
+        loaded.close()
+    assert out["timings"]["prompt_n"] == len(question)
+    assert out["content"] == server.complete(prefix + question)["content"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--squeeze", "--squeeze-prefix-file", "/nonexistent.txt"], "cannot read --squeeze-prefix-file"),
+    (["--squeeze", "--squeeze-load", "/nonexistent.state"], "failed to load the prefix's KV state"),
+])
+def test_bad_prefix_fails_at_start(smollm2_path, args, message):
+    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(_free_port()), "-c", "2048", "-t", "2",
+               "--no-warmup", *args], timeout=120)
+    assert res.returncode != 0
+    assert message in res.stderr + res.stdout
+
+
+def test_bad_flags_fail_before_loading():
+    res = run(["llama-server", "--squeeze-keep", "0.2", "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0 and "--squeeze-keep has no effect without --squeeze" in res.stderr + res.stdout
+
+
+def test_llama_cli_answers_over_the_prefix(smollm2_path, document, tmp_path):
+    # llama-cli renders the chat: the prefix is the rendered system turn, and the system prompt is the document (at
+    # keep 0.3 SmolLM2 finds the number in this chat form; at 0.1 it does not)
+    doc = Path(document).read_text()
+    chat_prefix = tmp_path / "chat_prefix.txt"
+    chat_prefix.write_text(f"<|im_start|>system\n{doc}<|im_end|>\n")
+    common = ["llama-cli", "-m", str(smollm2_path), "-c", "4096", "-t", "2", "--no-warmup", "--temp", "0", "-n", "12",
+              "-sysf", document, "-p", "What is the secret number of Alice?", "-st", "--squeeze", "--squeeze-keep", "0.3"]
+    res = run([*common, "--squeeze-prefix-file", str(chat_prefix), "--log-verbosity", "3"], timeout=300,
+              stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "selected the slot holding the prepared fixed prefix" in res.stderr, res.stderr[-3000:]
+    assert "48213" in res.stdout, res.stdout[-2000:]
+    # a prefix the rendered chat does not start with: the one slot refuses, and says why
+    res = run([*common, "--squeeze-prefix-file", document], timeout=300, stdin=subprocess.DEVNULL)
+    assert "slot 0 holds the prepared fixed prefix" in res.stdout + res.stderr, res.stdout[-2000:]
