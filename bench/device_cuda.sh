@@ -15,6 +15,8 @@
 #                                            build (a static C++ runtime exported by each library), located and fixed
 #   bench/device_cuda.sh build batchprof; batchtg   session 13: benchmark (c)'s batched step, op and end to end
 #   bench/device_cuda.sh build lvab; batchtg          session 13: kernel LV's wide slice for many rows, A/B
+#   bench/device_cuda.sh build test squeezegpu isolation   session 14: b25f9e9's switch reading and llama-server
+#                                            --squeeze on the GPU (tests/test_squeeze_cuda.py), at one commit
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -42,7 +44,7 @@ stage_build() {
     cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
         -DSPARQ_LLAMA_SOURCE="$REPO/.device/llama.cpp-src.tgz" -DPython3_EXECUTABLE="$(command -v python3)" \
         > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; return 1; }
-    cmake --build "$BUILD" --target llama llama-bench llama-batched-bench llama-completion -j "$(nproc)" \
+    cmake --build "$BUILD" --target llama llama-bench llama-batched-bench llama-completion llama-server -j "$(nproc)" \
         > "$OUT/build.log" 2>&1 || { grep -B2 -A12 "error" "$OUT/build.log" | head -80; return 1; }
     echo "build: $(( $(date +%s) - t0 )) s"
 }

@@ -7,13 +7,24 @@ the layer's KV is not in host memory, since per-row selection is slower than fla
 bit: the same flash-attention graph over the same KV), and that "sparse" takes the op there. A random-weight model
 of the Llama-2 layout (bench/random_gguf.py) stands in for SmolLM2, which the GPU machine has no registry to fetch.
 
+The last test serves a prefix the Python API saved through llama-server on the GPU (--squeeze-load, -ngl 99) and checks
+its greedy tokens against the Python API's over the same prepared prefix.
+
 Passed on an H100 (session 13, `bench/device_cuda.sh build isolation pycrash squeezegpu`). Its first run (session 12)
 had crashed in llama_model_load_from_file: writing the model imports gguf, which imports sentencepiece, which loads the
 system libstdc++, and the CUDA build exported its statically linked copy of the C++ runtime (tests/test_lib_isolation.py).
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,3 +67,69 @@ def test_prefill_auto_reads_the_prefix_densely_on_the_gpu(gpu_llm):
     np.testing.assert_array_equal(auto, plain)
     # the sparse mode reads the kept clusters through the op: other kernels, so other logits
     assert not np.array_equal(sparse, plain), "the sparse prefill equals the plain cache's: is the op used?"
+
+
+def _server_binary() -> str | None:
+    """llama-server of the build under test: SPARQ_LLAMA_LIB_DIR's (a plain CMake build's bin/), else PATH's."""
+    lib = os.environ.get("SPARQ_LLAMA_LIB_DIR")
+    if lib and (Path(lib) / "llama-server").is_file():
+        return str(Path(lib) / "llama-server")
+    return shutil.which("llama-server")
+
+
+def _post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test_server_serves_a_saved_prefix_on_the_gpu(gpu_llm, tmp_path):
+    server = _server_binary()
+    if server is None:
+        pytest.skip("no llama-server in this build")
+    rng = np.random.default_rng(13)
+    n_vocab = gpu_llm.n_vocab()
+    doc = rng.integers(10, n_vocab, N_PREFIX).tolist()
+    question = rng.integers(10, n_vocab, N_QUESTION).tolist()
+    n_gen = 8
+    gpu_llm.prepare_fixed_context(doc, keep=0.1, centroids=0.1, progress=False)
+    state = tmp_path / "doc.state"
+    gpu_llm.save_fixed_context(str(state))
+    # the oracle: greedy tokens of the Python API over the prepared prefix (only the question is evaluated after it)
+    want = []
+    for tok in gpu_llm.generate(doc + question, temp=0.0):
+        want.append(tok)
+        if len(want) == n_gen:
+            break
+    assert gpu_llm.fixed_context.prepared
+    gpu_llm.clear_fixed_context()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([server, "-m", gpu_llm.model_path, "--port", str(port), "--host", "127.0.0.1",
+                                 "-c", "1024", "-np", "1", "-ngl", "99", "-fa", "on", "--no-warmup", "--squeeze",
+                                 "--squeeze-load", str(state)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "llama-server did not become healthy in 180 s"
+            time.sleep(0.5)
+        out = _post(port, {"prompt": doc + question, "n_predict": n_gen, "temperature": 0, "ignore_eos": True,
+                           "return_tokens": True})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log = log_path.read_text()
+    assert f"loaded a prepared prefix of {N_PREFIX} tokens" in log and "no longer prepared" not in log, log[-3000:]
+    assert out["timings"]["prompt_n"] == N_QUESTION, out
+    assert out["tokens"] == want
