@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from sparq_llama import Llama, SparqConfig, ops, reference_squeeze
 from sparq_llama import squeeze as squeeze_api
-from test_sparq_decode import TEXT, TOL, TOL_DENSE, Ctx, assert_logits_agree, rel_err
+from test_sparq_decode import TEXT, TOL, TOL_DENSE, TOL_LAYOUT, Ctx, assert_logits_agree, rel_err
 
 from llama_cpp import llama_cpp as lc  # isort: skip
 
@@ -585,6 +585,53 @@ def test_a_state_load_of_another_sequence_keeps_the_prefix(llm, doc, questions):
         buf0 = (ctypes.c_uint8 * size0)()
         assert lc.llama_state_seq_get_data(ctx.ctx, buf0, size0, 0) == size0
         assert lc.llama_state_seq_set_data(ctx.ctx, buf0, size0, 0) == size0
+        assert not squeeze_api.info(ctx.ctx).prepared
+
+
+def test_sequences_sharing_the_prefix_cells_read_it_sparsely(llm, doc, questions):
+    """With one stream, llama_memory_seq_cp shares the prefix's cells with another sequence: that sequence reads the
+    prepared prefix too (the same kept clusters: the same bits as the preparing sequence), and the prefix stays
+    prepared while any sequence holds its cells, through the preparing sequence's removal and a state load of a
+    sequence that shares them; it is dropped when the last holder removes a clustered cell."""
+    with Ctx(llm.model, n_seq_max=3, kv_unified=True, n_ctx=2 * N_CTX) as ctx:  # room for a sequence's state load
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
+        want = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        lc.llama_memory_seq_cp(ctx.mem, 0, 1, -1, -1)
+        got = ctx.prefill(questions[0], pos0=N_PREFIX, seq=1, all_logits=True)
+        assert squeeze_api.info(ctx.ctx).prepared
+        np.testing.assert_array_equal(got, want)
+        # the oracle's other side: read densely (prefill mode dense: the same cells, the same layout) the question
+        # is answered otherwise, so the bits above are the op's
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        squeeze_api.set_prefill(ctx.ctx, "dense")
+        assert not np.array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, seq=1, all_logits=True), want)
+        squeeze_api.set_prefill(ctx.ctx, "sparse")
+        # sequence 0 lets go of the prefix: sequence 1 still holds it
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        lc.llama_memory_seq_cp(ctx.mem, 1, 2, -1, -1)
+        lc.llama_memory_seq_rm(ctx.mem, 0, -1, -1)
+        ctx.prefill(questions[1], seq=0)                       # other cells at the prefix's positions
+        np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, seq=1, all_logits=True), want)
+        assert squeeze_api.info(ctx.ctx).prepared, "removing the preparing sequence dropped a prefix others hold"
+        # a state load of sequence 1 (which shares the cells with sequence 2) writes its own new cells and leaves the
+        # prefix's alone; the question then lands in other cells (another summation order: TOL_LAYOUT)
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
+        buf = (ctypes.c_uint8 * size)()
+        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
+        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        assert squeeze_api.info(ctx.ctx).prepared, "a state load of a sharing sequence dropped the prefix"
+        assert_logits_agree(ctx.prefill(questions[0], pos0=N_PREFIX, seq=2, all_logits=True), want,
+                            "a sharing sequence after a state load", tol=TOL_LAYOUT)
+    with Ctx(llm.model, n_seq_max=2, kv_unified=True) as ctx:
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
+        lc.llama_memory_seq_cp(ctx.mem, 0, 1, -1, -1)
+        lc.llama_memory_seq_rm(ctx.mem, 0, 100, 101)           # sequence 1 still holds cell 100: kept
+        assert squeeze_api.info(ctx.ctx).prepared
+        lc.llama_memory_seq_rm(ctx.mem, 1, 100, 101)           # its last holder: dropped
         assert not squeeze_api.info(ctx.ctx).prepared
 
 

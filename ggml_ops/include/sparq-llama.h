@@ -227,9 +227,11 @@ static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct 
 // prefix's keys per layer and KV head (spherical k-means, on the backend that holds the layer's KV), and
 // calibrates one global threshold on the queries of the prefix's last n_calib tokens, which stay unclustered
 // (always read exactly), like every cell after the prefix. Decodes and prompt batches then read a prefix key
-// only when its cluster is kept (ggml_centroid_attn; semantics in ggml-centroid.h). Anything that changes the
-// clustered cells (seq_rm inside them, K-shift, clear, state load) drops the prepared prefix with one log line;
-// seq_rm after the prefix (a new question) keeps it. Token ids are int32_t (llama_token), sequences int32_t.
+// only when its cluster is kept (ggml_centroid_attn; semantics in ggml-centroid.h). Other sequences that share the
+// prefix's cells (llama_memory_seq_cp within one stream, e.g. a unified cache) read it the same way. Anything that
+// changes the clustered cells (their removal by every sequence that holds them, K-shift, clear, a state load of the
+// whole cache or of a sequence that alone holds some of them) drops the prepared prefix with one log line; seq_rm
+// after the prefix (a new question) keeps it. Token ids are int32_t (llama_token), sequences int32_t.
 
 struct llama_squeeze_params {
     float   centroids;         // fine clusters as a fraction of the clustered prefix (default 0.05)

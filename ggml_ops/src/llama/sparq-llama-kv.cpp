@@ -132,11 +132,15 @@ void llama_kv_cache::sparq_disable() {
 
 void llama_kv_cache::sparq_invalidate(bool kt, bool vsum, int32_t keys_stream, llama_seq_id keys_seq) {
     if (squeeze) {
-        const bool prefix_keys = (keys_stream < 0 || keys_stream == (int32_t) squeeze->stream) &&
-                                 (keys_seq < 0 || keys_seq == squeeze->seq_id);
+        bool prefix_keys = keys_stream < 0 || keys_stream == (int32_t) squeeze->stream;
+        if (prefix_keys && keys_seq >= 0) {
+            // a state load of one sequence writes that sequence's cells after removing it: the prefix's cells can
+            // be rewritten only if that sequence alone holds some of them (another sequence sharing them keeps them)
+            prefix_keys = sparq_squeeze_access::sole_holder(*this, keys_seq);
+        }
         if (kt && prefix_keys) {
-            // the prefix's K itself may have changed (K-shift, a copy into its stream, a state load of its
-            // sequence): the clusters no longer describe it
+            // the prefix's K itself may have changed (K-shift, a copy into its stream, a state load of a
+            // sequence that alone held some of its cells): the clusters no longer describe it
             sparq_squeeze_access::drop(*this, "the cache's keys changed (shift, stream copy or state load)");
         } else {
             squeeze->check = true; // cells may have been removed or copied: verified before the next graph

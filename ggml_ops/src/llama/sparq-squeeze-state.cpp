@@ -106,14 +106,32 @@ void sparq_squeeze_access::verify(llama_kv_cache & kv) {
     if (!st->ready) {
         return;
     }
+    // Any sequence may hold the prefix's cells (the one it was prepared in, or others that share them through
+    // seq_cp within the stream: the op reads them through each row's mask). It stays valid while every clustered
+    // cell is held by some sequence at its position. This runs before the next ubatch is placed, so a cell that
+    // was freed cannot have been reused yet.
     const auto & lcells = kv.v_cells[st->stream];
     for (size_t p = 0; p < st->cells.size(); ++p) {
         const uint32_t c = st->cells[p];
-        if (c >= lcells.size() || lcells.is_empty(c) || !lcells.seq_has(c, st->seq_id) || lcells.pos_get(c) != (llama_pos) p) {
-            drop(kv, "its cells changed (a removal, shift or copy inside the clustered prefix)");
+        if (c >= lcells.size() || lcells.is_empty(c) || lcells.pos_get(c) != (llama_pos) p) {
+            drop(kv, "its cells changed (a removal by every sequence that held them, or a shift, inside the clustered prefix)");
             return;
         }
     }
+}
+
+bool sparq_squeeze_access::sole_holder(const llama_kv_cache & kv, int32_t seq_id) {
+    const squeeze_kv_state * st = kv.squeeze.get();
+    if (st == nullptr || !st->ready) {
+        return false;
+    }
+    const auto & lcells = kv.v_cells[st->stream];
+    for (const uint32_t c : st->cells) {
+        if (c < lcells.size() && lcells.seq_has(c, seq_id) && lcells.seq_count(c) == 1) {
+            return true;
+        }
+    }
+    return false;
 }
 
 std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state & st) {

@@ -29,6 +29,8 @@ struct sparq_squeeze_access {
 
     // After a cache change: drops the prepared prefix when a clustered cell no longer holds its position.
     static void verify(llama_kv_cache & kv);
+    // whether seq_id alone holds some of the prefix's cells (removing it would free them for reuse)
+    static bool sole_holder(const llama_kv_cache & kv, int32_t seq_id);
     static void drop(llama_kv_cache & kv, const char * why);
 
     static const squeeze_kv_layer * layer(const llama_kv_cache & kv, int32_t il);
