@@ -8,7 +8,8 @@ bit: the same flash-attention graph over the same KV), and that "sparse" takes t
 of the Llama-2 layout (bench/random_gguf.py) stands in for SmolLM2, which the GPU machine has no registry to fetch.
 
 The last test serves a prefix the Python API saved through llama-server on the GPU (--squeeze-load, -ngl 99) and checks
-its greedy tokens against the Python API's over the same prepared prefix.
+its greedy tokens against the Python API's over the same prepared prefix; a second slot (-kvu) shares the prefix's
+cells and evaluates only the question.
 
 Passed on an H100 (session 13, `bench/device_cuda.sh build isolation pycrash squeezegpu`). Its first run (session 12)
 had crashed in llama_model_load_from_file: writing the model imports gguf, which imports sentencepiece, which loads the
@@ -110,7 +111,7 @@ def test_server_serves_a_saved_prefix_on_the_gpu(gpu_llm, tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([server, "-m", gpu_llm.model_path, "--port", str(port), "--host", "127.0.0.1",
-                                 "-c", "1024", "-np", "1", "-ngl", "99", "-fa", "on", "--no-warmup", "--squeeze",
+                                 "-c", "1024", "-np", "2", "-kvu", "-ngl", "99", "-fa", "on", "--no-warmup", "--squeeze",
                                  "--squeeze-load", str(state)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 180
@@ -124,8 +125,11 @@ def test_server_serves_a_saved_prefix_on_the_gpu(gpu_llm, tmp_path):
                 pass
             assert time.time() < deadline, "llama-server did not become healthy in 180 s"
             time.sleep(0.5)
-        out = _post(port, {"prompt": doc + question, "n_predict": n_gen, "temperature": 0, "ignore_eos": True,
-                           "return_tokens": True})
+        body = {"prompt": doc + question, "n_predict": n_gen, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+        out = _post(port, body)
+        # slot 1 shares the prefix's cells (one stream): only the question is evaluated there too; its cells sit
+        # elsewhere in the cache, so its tokens are not compared bit for bit
+        shared = _post(port, {**body, "id_slot": 1})
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -133,3 +137,6 @@ def test_server_serves_a_saved_prefix_on_the_gpu(gpu_llm, tmp_path):
     assert f"loaded a prepared prefix of {N_PREFIX} tokens" in log and "no longer prepared" not in log, log[-3000:]
     assert out["timings"]["prompt_n"] == N_QUESTION, out
     assert out["tokens"] == want
+    assert f"shares the prepared fixed prefix's cells with slot 0 ({N_PREFIX} tokens)" in log, log[-3000:]
+    assert shared["id_slot"] == 1 and shared["timings"]["prompt_n"] == N_QUESTION, shared
+    assert len(shared["tokens"]) == n_gen
