@@ -5,6 +5,7 @@ clear error, a saved prefix loads, and llama-cli (which runs the server in-proce
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import threading
@@ -256,19 +257,46 @@ def test_bad_flags_fail_before_loading():
     assert res.returncode != 0 and "--squeeze-keep has no effect without --squeeze" in res.stderr + res.stdout
 
 
-def test_llama_cli_answers_over_the_prefix(smollm2_path, document, tmp_path):
-    # llama-cli renders the chat: the prefix is the rendered system turn, and the system prompt is the document (at
-    # keep 0.3 SmolLM2 finds the number in this chat form; at 0.1 it does not)
+def test_chat_requests_reuse_a_prefix_prepared_as_a_system_message(smollm2_path, document, tmp_path):
+    # --squeeze-chat: the prefix is the chat template's rendering of the file as a system message (up to where the
+    # conversations that start with it diverge), so chat completions with that system message reuse it
     doc = Path(document).read_text()
-    chat_prefix = tmp_path / "chat_prefix.txt"
-    chat_prefix.write_text(f"<|im_start|>system\n{doc}<|im_end|>\n")
+    srv = Server(smollm2_path, tmp_path, "-np", "2", "--squeeze", "--squeeze-prefix-file", document, "--squeeze-chat",
+                 "--squeeze-keep", "0.3")
+    try:
+        n_prefix = int(re.search(r"holds the prepared fixed prefix \((\d+) tokens\)", srv.log()).group(1))
+        n_doc = len(server_tokens_of(srv, doc))
+        assert n_doc < n_prefix < n_doc + 16  # the document and the template's system and user headers
+        body = {"messages": [{"role": "system", "content": doc},
+                             {"role": "user", "content": "What is the secret number of Alice?"}],
+                "max_tokens": 12, "temperature": 0}
+        status, out = srv.post("/v1/chat/completions", body)
+        assert status == 200, out
+        assert out["timings"]["prompt_n"] < 30 and "48213" in out["choices"][0]["message"]["content"], out
+        # a chat without that system message runs in the other slot, and slot 0 keeps the prefix
+        status, out = srv.post("/v1/chat/completions", {**body, "messages": body["messages"][1:]})
+        assert status == 200, out
+        status, out = srv.post("/v1/chat/completions", body)
+        assert status == 200 and out["timings"]["prompt_n"] < 30, out
+        assert "no longer prepared" not in srv.log()
+    finally:
+        srv.close()
+
+
+def test_llama_cli_answers_over_the_prefix(smollm2_path, document, tmp_path):
+    # llama-cli renders the chat: the prefix file is its system prompt, and the prefix that prompt's rendering (at keep
+    # 0.3 SmolLM2 finds the number in this chat form; at 0.1 it does not)
     common = ["llama-cli", "-m", str(smollm2_path), "-c", "4096", "-t", "2", "--no-warmup", "--temp", "0", "-n", "12",
-              "-sysf", document, "-p", "What is the secret number of Alice?", "-st", "--squeeze", "--squeeze-keep", "0.3"]
-    res = run([*common, "--squeeze-prefix-file", str(chat_prefix), "--log-verbosity", "3"], timeout=300,
+              "-p", "What is the secret number of Alice?", "-st", "--squeeze", "--squeeze-keep", "0.3"]
+    res = run([*common, "--squeeze-prefix-file", document, "--log-verbosity", "3"], timeout=300,
               stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "selected the slot holding the prepared fixed prefix" in res.stderr, res.stderr[-3000:]
     assert "48213" in res.stdout, res.stdout[-2000:]
-    # a prefix the rendered chat does not start with: the one slot refuses, and says why
-    res = run([*common, "--squeeze-prefix-file", document], timeout=300, stdin=subprocess.DEVNULL)
-    assert "slot 0 holds the prepared fixed prefix" in res.stdout + res.stderr, res.stdout[-2000:]
+    # -sysf may name the same document; another system prompt conflicts with the prefix file
+    other = tmp_path / "other.txt"
+    other.write_text("You are a pirate.")
+    res = run([*common, "--squeeze-prefix-file", document, "-sysf", str(other)], timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode != 0 and "llama-cli takes --squeeze-prefix-file as the system prompt" in res.stderr
+    res = run([*common, "--squeeze-load", str(tmp_path / "x.state")], timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode != 0 and "llama-cli --squeeze-load needs the prepared document as the system prompt" in res.stderr

@@ -1,6 +1,7 @@
 // sparq-llama: the --squeeze setup of llama-completion and llama-server (see sparq-squeeze-common.h).
 #include "sparq-squeeze-common.h"
 
+#include "chat.h"
 #include "log.h"
 #include "sparq-llama.h"
 
@@ -44,6 +45,55 @@ static bool squeeze_load_prefix(llama_context * ctx, const common_params & param
     return true;
 }
 
+// The system message as -sysf reads a file: one trailing newline dropped.
+static std::string squeeze_system_text(std::string text) {
+    if (!text.empty() && text.back() == '\n') {
+        text.pop_back();
+    }
+    return text;
+}
+
+// --squeeze-chat: the tokens that every conversation starting with the system message `system` shares, as the
+// server renders (the model's chat template or --chat-template) and tokenizes (special tokens parsed) a chat: the
+// longest common prefix of conversations whose first user messages differ from their first character on.
+static bool squeeze_chat_prefix(llama_context * ctx, const common_params & params, const std::string & system,
+                                std::vector<llama_token> & prefix) {
+    try {
+        const common_chat_templates_ptr tmpls = common_chat_templates_init(llama_get_model(ctx), params.chat_template);
+        bool first = true;
+        for (const char * user : { "A", "z", "0", "?", " \n" }) {
+            common_chat_templates_inputs in;
+            in.use_jinja             = params.use_jinja;
+            in.add_generation_prompt = true;
+            in.chat_template_kwargs  = params.default_template_kwargs;
+            common_chat_msg sys;
+            sys.role    = "system";
+            sys.content = system;
+            common_chat_msg usr;
+            usr.role    = "user";
+            usr.content = user;
+            in.messages = { sys, usr };
+            const std::vector<llama_token> toks =
+                common_tokenize(ctx, common_chat_templates_apply(tmpls.get(), in).prompt, true, true);
+            if (first) {
+                prefix = toks;
+                first  = false;
+                continue;
+            }
+            size_t n = 0;
+            while (n < prefix.size() && n < toks.size() && prefix[n] == toks[n]) {
+                ++n;
+            }
+            prefix.resize(n);
+        }
+    } catch (const std::exception & e) {
+        LOG_ERR("%s: --squeeze-chat: the chat template cannot render the prefix as a system message: %s\n", __func__,
+                e.what());
+        return false;
+    }
+    return true;
+}
+
 static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
                                    std::vector<llama_token> & prefix) {
     std::ifstream f(params.squeeze_prefix_file, std::ios::binary);
@@ -52,7 +102,11 @@ static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & pa
         return false;
     }
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    prefix = common_tokenize(ctx, text, true, true);
+    if (!params.squeeze_chat) {
+        prefix = common_tokenize(ctx, text, true, true);
+    } else if (!squeeze_chat_prefix(ctx, params, squeeze_system_text(text), prefix)) {
+        return false;
+    }
     const int n_ctx_seq = (int) llama_n_ctx_seq(ctx);
     if (prefix.size() < 2 || (int) prefix.size() > n_ctx_seq - 4) {
         LOG_ERR("%s: the fixed prefix has %zu tokens: it needs at least 2 and must leave room for the prompt in the "
@@ -113,6 +167,35 @@ bool common_squeeze_setup(llama_context * ctx, const common_params & params, lla
         LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
         return false;
     }
+    return true;
+}
+
+bool common_squeeze_cli_params(common_params & params) {
+    if (!params.squeeze) {
+        return true;
+    }
+    if (!params.squeeze_load.empty()) {
+        if (params.system_prompt.empty()) {
+            LOG_ERR("%s: llama-cli --squeeze-load needs the prepared document as the system prompt (-sysf FILE): the "
+                    "chat then starts with the saved prefix\n", __func__);
+            return false;
+        }
+        return true;
+    }
+    std::ifstream f(params.squeeze_prefix_file, std::ios::binary);
+    if (!f) {
+        LOG_ERR("%s: cannot read --squeeze-prefix-file '%s'\n", __func__, params.squeeze_prefix_file.c_str());
+        return false;
+    }
+    const std::string system = squeeze_system_text(std::string((std::istreambuf_iterator<char>(f)),
+                                                               std::istreambuf_iterator<char>()));
+    if (!params.system_prompt.empty() && params.system_prompt != system) {
+        LOG_ERR("%s: llama-cli takes --squeeze-prefix-file as the system prompt; -sys / -sysf give another one\n",
+                __func__);
+        return false;
+    }
+    params.system_prompt = system;
+    params.squeeze_chat  = true;
     return true;
 }
 

@@ -13,6 +13,11 @@
 bool common_squeeze_setup(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
                           std::vector<llama_token> & prefix);
 
+// llama-cli (which renders every prompt as a chat): --squeeze-prefix-file becomes the system prompt (-sys / -sysf
+// may give the same text, no other) and the prefix its chat rendering (--squeeze-chat); --squeeze-load needs the
+// system prompt given. Logs the reason and returns false on a conflict.
+bool common_squeeze_cli_params(common_params & params);
+
 // The prepared prefix a server slot holds: which prompts it can serve, and whether it is still prepared.
 struct common_squeeze_slot {
     llama_seq_id             seq_id = -1;   // the slot's sequence; -1: no prefix held
