@@ -6,6 +6,7 @@
 #include "sparq-llama.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -170,13 +171,14 @@ bool common_squeeze_setup(llama_context * ctx, const common_params & params, lla
     return true;
 }
 
+// (its errors go to stderr directly, as the argument parser's do: the log's worker may not flush before the exit)
 bool common_squeeze_cli_params(common_params & params) {
     if (!params.squeeze) {
         return true;
     }
     if (!params.squeeze_load.empty()) {
         if (params.system_prompt.empty()) {
-            LOG_ERR("%s: llama-cli --squeeze-load needs the prepared document as the system prompt (-sysf FILE): the "
+            fprintf(stderr, "%s: llama-cli --squeeze-load needs the prepared document as the system prompt (-sysf FILE): the "
                     "chat then starts with the saved prefix\n", __func__);
             return false;
         }
@@ -184,13 +186,13 @@ bool common_squeeze_cli_params(common_params & params) {
     }
     std::ifstream f(params.squeeze_prefix_file, std::ios::binary);
     if (!f) {
-        LOG_ERR("%s: cannot read --squeeze-prefix-file '%s'\n", __func__, params.squeeze_prefix_file.c_str());
+        fprintf(stderr, "%s: cannot read --squeeze-prefix-file '%s'\n", __func__, params.squeeze_prefix_file.c_str());
         return false;
     }
     const std::string system = squeeze_system_text(std::string((std::istreambuf_iterator<char>(f)),
                                                                std::istreambuf_iterator<char>()));
     if (!params.system_prompt.empty() && params.system_prompt != system) {
-        LOG_ERR("%s: llama-cli takes --squeeze-prefix-file as the system prompt; -sys / -sysf give another one\n",
+        fprintf(stderr, "%s: llama-cli takes --squeeze-prefix-file as the system prompt; -sys / -sysf give another one\n",
                 __func__);
         return false;
     }
@@ -216,4 +218,54 @@ bool common_squeeze_slot::held(const llama_context * ctx) {
             "prompt, and prompts that start with the prefix are evaluated in full\n", __func__, seq_id);
     seq_id = -1;
     return false;
+}
+
+common_squeeze_slot::route common_squeeze_slot::choose(const std::vector<slot_view> & slots, int32_t id_slot,
+                                                       bool shares, const llama_tokens & home_tokens) const {
+    route r;
+    const slot_view * home = nullptr;
+    for (const auto & v : slots) {
+        home = v.id == seq_id ? &v : home;
+    }
+    if (home != nullptr && (id_slot == -1 || id_slot == seq_id) && !home->busy) {
+        r.slot = seq_id;
+        return r;
+    }
+    if (!shares) {
+        return r;
+    }
+    const slot_view * best = nullptr;
+    for (const auto & v : slots) {
+        if (v.id == seq_id || v.busy || (id_slot != -1 && v.id != id_slot)) {
+            continue;
+        }
+        if (best == nullptr || v.lcp > best->lcp || (v.lcp == best->lcp && v.t_last_used < best->t_last_used)) {
+            best = &v;
+        }
+    }
+    if (best == nullptr) {
+        return r;
+    }
+    if (best->lcp < (size_t) n_clustered) {
+        size_t n = 0;
+        while (n < tokens.size() && n < home_tokens.size() && home_tokens[n] == tokens[n]) {
+            ++n;
+        }
+        if (n < (size_t) n_clustered) {
+            return r;  // not expected: the prefix's slot keeps the clustered cells while the prefix is held
+        }
+        r.n_share = n;
+    }
+    r.slot = best->id;
+    return r;
+}
+
+std::string common_squeeze_slot::refusal(size_t n_slots, int32_t id_slot, bool serves) const {
+    if (seq_id < 0 || serves || (n_slots > 1 && id_slot != seq_id)) {
+        return "";
+    }
+    return string_format("slot %d holds the prepared fixed prefix (--squeeze) and takes only completions (with "
+                         "cache_prompt) whose prompt, after the chat template, starts with its %zu tokens%s", seq_id,
+                         tokens.size(), n_slots > 1 ? "" : "; with -np 2 or more, llama-server serves other prompts "
+                         "in its other slots");
 }

@@ -4,6 +4,7 @@
 
 #include "common.h"
 
+#include <string>
 #include <vector>
 
 // Evaluates --squeeze-prefix-file's text as seq_id and prepares it (saving it when --squeeze-save is given), or loads
@@ -31,4 +32,28 @@ struct common_squeeze_slot {
     // Whether the prefix is still prepared in seq_id. Something that changed its cells (a context shift, a slot erase
     // or restore) drops it: then the slot is released for any prompt, with one warning.
     bool held(const llama_context * ctx);
+
+    // What the server's routing needs of one of its slots.
+    struct slot_view {
+        int32_t id;
+        bool    busy;
+        size_t  lcp;          // tokens the slot's cache has in common with the prompt
+        int64_t t_last_used;
+    };
+    struct route {
+        int32_t slot    = -1;  // -1: the server's usual choice (a requested busy slot, or none free: the task waits)
+        size_t  n_share = 0;   // > 0: first give the slot the first n_share cells of the prefix (seq_cp from seq_id)
+    };
+
+    // The slot for a prompt that matches(): the prefix's own slot when idle; else, when other slots can share its cells
+    // (`shares`: one cache stream), the idle slot whose cache matches the prompt longest (the least recently used of
+    // equals), given the prefix's cells first when it holds fewer than the clustered tokens. home_tokens: the tokens
+    // the prefix's slot holds now (slot 0 only ever removes cells after the clustered part). id_slot: a requested slot
+    // or -1.
+    route choose(const std::vector<slot_view> & slots, int32_t id_slot, bool shares,
+                 const llama_tokens & home_tokens) const;
+
+    // Why a task that cannot use the prefix is refused ("" when another slot takes it): with one slot, or when it asks
+    // for the prefix's slot.
+    std::string refusal(size_t n_slots, int32_t id_slot, bool serves) const;
 };
