@@ -19,7 +19,15 @@ import numpy as np
 import pytest
 from sparq_llama import Llama, SparqConfig, ops, reference_squeeze
 from sparq_llama import squeeze as squeeze_api
-from test_sparq_decode import TEXT, TOL, TOL_DENSE, TOL_LAYOUT, Ctx, assert_logits_agree, rel_err
+from test_sparq_decode import (
+    TEXT,
+    TOL,
+    TOL_DENSE,
+    TOL_LAYOUT,
+    Ctx,
+    assert_logits_agree,
+    rel_err,
+)
 
 from llama_cpp import llama_cpp as lc  # isort: skip
 
