@@ -1,4 +1,5 @@
-// sparq-llama: the --squeeze setup of llama-completion and llama-server (see sparq-squeeze-common.h).
+// sparq-llama: the --squeeze setup of llama-completion, llama-server and llama-cli, and the server slot holding the
+// prefix (see sparq-squeeze-common.h).
 #include "sparq-squeeze-common.h"
 
 #include "chat.h"
