@@ -1,7 +1,8 @@
 """Centroid-sparse attention in llama-server and llama-cli (--squeeze ...): the fixed prefix is prepared once at start
 in slot 0, a completion whose prompt starts with it evaluates only what follows and answers as the Python API does over
 the same prepared prefix, other prompts run in the other slots without touching it, a single slot refuses them with a
-clear error, a saved prefix loads, and llama-cli (which runs the server in-process) answers through it."""
+clear error, with one cache stream other slots share the prefix's cells, a saved prefix loads, --squeeze-chat prepares
+the chat rendering of a system message, and llama-cli (which runs the server in-process) answers through it."""
 from __future__ import annotations
 
 import json
