@@ -67,6 +67,12 @@ def test_bad_flags_fail_before_loading(args, message):
 
 
 
+def test_squeeze_chat_is_for_the_chat_tools():
+    res = run(["llama-completion", "--squeeze-chat", "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert "--squeeze-chat: llama-server and llama-cli take it" in res.stderr + res.stdout
+
+
 @pytest.mark.parametrize("tool", ["llama-perplexity", "llama-batched-bench"])
 @pytest.mark.parametrize("flag", ["--squeeze", "--squeeze-load"])
 def test_tools_without_squeeze_say_where_it_runs(tool, flag):
