@@ -641,6 +641,19 @@ def test_sequences_sharing_the_prefix_cells_read_it_sparsely(llm, doc, questions
         assert squeeze_api.info(ctx.ctx).prepared
         lc.llama_memory_seq_rm(ctx.mem, 1, 100, 101)           # its last holder: dropped
         assert not squeeze_api.info(ctx.ctx).prepared
+    with Ctx(llm.model, n_seq_max=2, kv_unified=True, n_ctx=2 * N_CTX) as ctx:
+        # the last holder frees clustered cells, and a state load of another sequence (the same positions) comes
+        # before any decode or query: the freed cells are noticed before the load can reuse them
+        ctx.prefill(doc, seq=1)
+        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
+        buf = (ctypes.c_uint8 * size)()
+        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
+        lc.llama_memory_seq_rm(ctx.mem, 1, -1, -1)
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
+        lc.llama_memory_seq_rm(ctx.mem, 0, -1, -1)
+        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        assert not squeeze_api.info(ctx.ctx).prepared
 
 
 def test_prefill_modes_choose_how_a_question_reads_the_prefix(llm, doc, questions):

@@ -131,6 +131,11 @@ void llama_kv_cache::sparq_disable() {
 }
 
 void llama_kv_cache::sparq_invalidate(bool kt, bool vsum, int32_t keys_stream, llama_seq_id keys_seq) {
+    if (squeeze && keys_seq >= 0) {
+        // a state load places cells itself, before any decode verifies: prefix cells that earlier removals freed
+        // must be seen now, or the load could reuse them at the same positions unnoticed
+        sparq_squeeze_access::verify(*this);
+    }
     if (squeeze) {
         bool prefix_keys = keys_stream < 0 || keys_stream == (int32_t) squeeze->stream;
         if (prefix_keys && keys_seq >= 0) {
