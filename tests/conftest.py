@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,3 +46,62 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float = 600, **kw) 
 
 def python(code: str, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "-c", code], **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A llama-server process (`cmd` without --port/--host) on a free local port, its output in `log_path`; started
+    and healthy when the constructor returns; close() stops it."""
+
+    def __init__(self, cmd: list[str], log_path: Path, timeout: float = 180):
+        self.port = free_port()
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([*cmd, "--port", str(self.port), "--host", "127.0.0.1"], stdout=log,
+                                         stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + timeout
+        while True:
+            assert self.proc.poll() is None, f"llama-server exited: {self.log()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, f"llama-server did not become healthy in {timeout:g} s"
+            time.sleep(0.5)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        """(HTTP status, JSON reply) of a POST."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory) -> str:
+    """The --squeeze tests' fixed prefix: 3.5k characters of a play with a needle (Alice's secret number, 48213)
+    after the first 2.5k; the path of its file."""
+    from sparq_llama import texts
+
+    play = texts.read(texts.names()[0])
+    text = play[:2500] + "\n\nThe secret number of Alice is 48213.\n\n" + play[2500:3500]
+    path = tmp_path_factory.mktemp("doc") / "doc.txt"
+    path.write_text(text)
+    return str(path)

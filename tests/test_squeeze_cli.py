@@ -8,19 +8,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run
-from sparq_llama import Llama, texts
+from sparq_llama import Llama
 
 QUESTION = "\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is"
 GEN = ["-no-cnv", "--temp", "0", "-n", "8", "-t", "2", "-c", "2048"]
-
-
-@pytest.fixture(scope="module")
-def document(tmp_path_factory) -> str:
-    play = texts.read(texts.names()[0])
-    text = play[:2500] + "\n\nThe secret number of Alice is 48213.\n\n" + play[2500:3500]
-    path = tmp_path_factory.mktemp("doc") / "doc.txt"
-    path.write_text(text)
-    return str(path)
 
 
 def answer(stdout: str) -> str:

@@ -17,20 +17,15 @@ system libstdc++, and the CUDA build exported its statically linked copy of the 
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import sparq_llama
-from conftest import REPO
+from conftest import REPO, Server
 from sparq_llama import Llama
 from test_squeeze_decode import prefill_in_each_mode, prefill_question
 
@@ -78,13 +73,6 @@ def _server_binary() -> str | None:
     return shutil.which("llama-server")
 
 
-def _post(port: int, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
 def test_server_serves_a_saved_prefix_on_the_gpu(gpu_llm, tmp_path):
     server = _server_binary()
     if server is None:
@@ -105,35 +93,19 @@ def test_server_serves_a_saved_prefix_on_the_gpu(gpu_llm, tmp_path):
             break
     assert gpu_llm.fixed_context.prepared
     gpu_llm.clear_fixed_context()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([server, "-m", gpu_llm.model_path, "--port", str(port), "--host", "127.0.0.1",
-                                 "-c", "1024", "-np", "2", "-kvu", "-ngl", "99", "-fa", "on", "--no-warmup", "--squeeze",
-                                 "--squeeze-load", str(state)], stdout=log, stderr=subprocess.STDOUT)
+    srv = Server([server, "-m", gpu_llm.model_path, "-c", "1024", "-np", "2", "-kvu", "-ngl", "99", "-fa", "on",
+                  "--no-warmup", "--squeeze", "--squeeze-load", str(state)], tmp_path / "server.log")
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "llama-server did not become healthy in 180 s"
-            time.sleep(0.5)
         body = {"prompt": doc + question, "n_predict": n_gen, "temperature": 0, "ignore_eos": True, "return_tokens": True}
-        out = _post(port, body)
+        status, out = srv.post("/completion", body)
+        assert status == 200, out
         # slot 1 shares the prefix's cells (one stream): only the question is evaluated there too; its cells sit
         # elsewhere in the cache, so its tokens are not compared bit for bit
-        shared = _post(port, {**body, "id_slot": 1})
+        status, shared = srv.post("/completion", {**body, "id_slot": 1})
+        assert status == 200, shared
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    log = log_path.read_text()
+        srv.close()
+    log = srv.log()
     assert f"loaded a prepared prefix of {N_PREFIX} tokens" in log and "no longer prepared" not in log, log[-3000:]
     assert out["timings"]["prompt_n"] == N_QUESTION, out
     assert out["tokens"] == want

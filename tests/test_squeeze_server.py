@@ -5,19 +5,16 @@ clear error, with one cache stream other slots share the prefix's cells, a saved
 the chat rendering of a system message, and llama-cli (which runs the server in-process) answers through it."""
 from __future__ import annotations
 
-import json
+import itertools
 import re
-import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import run
-from sparq_llama import Llama, texts
+from conftest import Server, free_port, run
+from sparq_llama import Llama
 
 QUESTION = "\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is"
 # on this document SmolLM2 answers OPEN at keep 0.1 otherwise than over every key ("...written in Latin" against "...a
@@ -27,63 +24,20 @@ KEEP = "0.1"
 N_PREDICT = 16
 
 
-@pytest.fixture(scope="module")
-def document(tmp_path_factory) -> str:
-    play = texts.read(texts.names()[0])
-    text = play[:2500] + "\n\nThe secret number of Alice is 48213.\n\n" + play[2500:3500]
-    path = tmp_path_factory.mktemp("doc") / "doc.txt"
-    path.write_text(text)
-    return str(path)
+_SERVER_LOGS = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A llama-server process on a free port, its log in a file (read with .log())."""
+class SqueezeServer(Server):
+    """llama-server on SmolLM2 (4096 cells, 2 threads), with `args`; its log in `tmp`."""
 
     def __init__(self, model: Path, tmp: Path, *args: str):
-        self.port = _free_port()
-        self.log_path = tmp / f"server-{self.port}.log"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                ["llama-server", "-m", str(model), "--port", str(self.port), "--host", "127.0.0.1", "-c", "4096",
-                 "-t", "2", "--no-warmup", *args], stdout=log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 180
-        while True:
-            assert self.proc.poll() is None, f"llama-server exited: {self.log()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "llama-server did not become healthy in 180 s"
-            time.sleep(0.5)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def post(self, path: str, body: dict) -> tuple[int, dict]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        super().__init__(["llama-server", "-m", str(model), "-c", "4096", "-t", "2", "--no-warmup", *args],
+                         tmp / f"server-{next(_SERVER_LOGS)}.log")
 
     def complete(self, prompt, **kw) -> dict:
         status, out = self.post("/completion", {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, **kw})
         assert status == 200, out
         return out
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +55,7 @@ def tokens(smollm2_path, document) -> tuple[list[int], list[int], list[int]]:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, document, tmp_path_factory):
-    srv = Server(smollm2_path, tmp_path_factory.mktemp("srv"), "-np", "2", "--squeeze", "--squeeze-prefix-file",
+    srv = SqueezeServer(smollm2_path, tmp_path_factory.mktemp("srv"), "-np", "2", "--squeeze", "--squeeze-prefix-file",
                  document, "--squeeze-keep", KEEP)
     yield srv
     srv.close()
@@ -156,7 +110,7 @@ def test_other_prompts_run_in_the_other_slot_and_keep_the_prefix(server, tokens)
     assert "dropped" not in server.log() and "no longer prepared" not in server.log()
 
 
-def server_tokens_of(server: Server, text: str) -> list[int]:
+def server_tokens_of(server: SqueezeServer, text: str) -> list[int]:
     status, out = server.post("/tokenize", {"content": text})
     assert status == 200, out
     return out["tokens"]
@@ -166,7 +120,7 @@ def test_with_one_stream_other_slots_share_the_prefix(smollm2_path, document, to
     # -kvu: slot 1 takes the prefix's cells by reference (seq_cp) when slot 0 is busy or it is asked for, evaluates only
     # the question, and reads the prefix sparsely (the open question gets keep 0.1's answer, as in slot 0)
     prefix, question, open_question = tokens
-    srv = Server(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-prefix-file", document,
+    srv = SqueezeServer(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-prefix-file", document,
                  "--squeeze-keep", KEEP)
     try:
         home = [srv.complete(prefix + q) for q in (question, open_question)]
@@ -207,7 +161,7 @@ def test_with_one_stream_other_slots_share_the_prefix(smollm2_path, document, to
 
 def test_one_slot_refuses_other_prompts(smollm2_path, document, tokens, tmp_path):
     prefix, question, _ = tokens
-    srv = Server(smollm2_path, tmp_path, "-np", "1", "--squeeze", "--squeeze-prefix-file", document,
+    srv = SqueezeServer(smollm2_path, tmp_path, "-np", "1", "--squeeze", "--squeeze-prefix-file", document,
                  "--squeeze-keep", KEEP)
     try:
         status, out = srv.post("/completion", {"prompt": "The capital of France is", "n_predict": 4})
@@ -229,10 +183,10 @@ def test_saved_prefix_loads_and_answers_the_same(server, smollm2_path, tokens, d
                "--squeeze-save", state], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     # the saved state has one stream (llama.cpp's sequence state records it): -np 2 needs the unified cache
-    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(_free_port()), "-c", "4096", "-t", "2",
+    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(free_port()), "-c", "4096", "-t", "2",
                "--no-warmup", "-np", "2", "--squeeze", "--squeeze-load", state], timeout=120)
     assert res.returncode != 0 and "add --kv-unified (-kvu) to -np 2" in res.stderr + res.stdout
-    loaded = Server(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-load", state)
+    loaded = SqueezeServer(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-load", state)
     try:
         assert f"loaded a prepared prefix of {len(prefix)} tokens" in loaded.log()
         out = loaded.complete(prefix + question)
@@ -247,7 +201,7 @@ def test_saved_prefix_loads_and_answers_the_same(server, smollm2_path, tokens, d
     (["--squeeze", "--squeeze-load", "/nonexistent.state"], "failed to load the prefix's KV state"),
 ])
 def test_bad_prefix_fails_at_start(smollm2_path, args, message):
-    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(_free_port()), "-c", "2048", "-t", "2",
+    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(free_port()), "-c", "2048", "-t", "2",
                "--no-warmup", *args], timeout=120)
     assert res.returncode != 0
     assert message in res.stderr + res.stdout
@@ -262,7 +216,7 @@ def test_chat_requests_reuse_a_prefix_prepared_as_a_system_message(smollm2_path,
     # --squeeze-chat: the prefix is the chat template's rendering of the file as a system message (up to where the
     # conversations that start with it diverge), so chat completions with that system message reuse it
     doc = Path(document).read_text()
-    srv = Server(smollm2_path, tmp_path, "-np", "2", "--squeeze", "--squeeze-prefix-file", document, "--squeeze-chat",
+    srv = SqueezeServer(smollm2_path, tmp_path, "-np", "2", "--squeeze", "--squeeze-prefix-file", document, "--squeeze-chat",
                  "--squeeze-keep", "0.3")
     try:
         n_prefix = int(re.search(r"holds the prepared fixed prefix \((\d+) tokens\)", srv.log()).group(1))

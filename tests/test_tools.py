@@ -1,15 +1,11 @@
 """Every installed llama.cpp tool is ours, runs, and does real work on the default model."""
 import json
 import shutil
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import sparq_llama
-from conftest import PIN, run
+from conftest import PIN, Server, run
 from sparq_llama.tools import TOOLS, tool_path
 
 # tools built on common's argument parser print our build line with --version
@@ -72,36 +68,13 @@ def test_llama_completion_greedy(smollm2_path):
     assert "Paris" in res.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_llama_server_http_api(smollm2_path):
-    port = _free_port()
-    proc = subprocess.Popen(["llama-server", "-m", str(smollm2_path), "--port", str(port), "--host", "127.0.0.1",
-                             "-c", "512", "-t", "2", "--no-warmup"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+def test_llama_server_http_api(smollm2_path, tmp_path):
+    srv = Server(["llama-server", "-m", str(smollm2_path), "-c", "512", "-t", "2", "--no-warmup"],
+                 tmp_path / "server.log", timeout=120)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, f"llama-server exited: {proc.stderr.read()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "llama-server did not become healthy in 120 s"
-            time.sleep(0.5)
-        body = json.dumps({"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{base}/completion", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
+        status, out = srv.post("/completion", {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0})
+        assert status == 200, out
         assert "Paris" in out["content"]
         assert out["tokens_predicted"] == 8 or out["stop"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        srv.close()
