@@ -17,6 +17,8 @@
 #   bench/device_cuda.sh build lvab; batchtg          session 13: kernel LV's wide slice for many rows, A/B
 #   bench/device_cuda.sh build test squeezegpu isolation   session 14: b25f9e9's switch reading and llama-server
 #                                            --squeeze on the GPU (tests/test_squeeze_cuda.py), at one commit
+#   bench/device_cuda.sh build test timeline releaseab; releasetg   session 15: the op's kernels as they run
+#                                            (SPARQ_CUDA_TIMELINE), kernel A's early release A/B, op and end to end
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -524,6 +526,48 @@ stage_cluster() {
 stage_prepare() {  # the centroid-sparse prepare of a 32k prefix and its phase times
     local m; m=$(llama2_model) || return 1
     squeeze_prepare_32k "$m" prepare
+}
+
+stage_timeline() {
+    # Session 15: the op's kernels as they run under dependent launches (SPARQ_CUDA_TIMELINE: per kernel the first
+    # block's start, the first block past its wait, the last warp's end), B = 1 and 8, with kernel A's early
+    # release (the default) and without it (SPARQ_CUDA_A_RELEASE_EXIT=1); medians by bench/timeline_summary.py
+    for rel in early exit; do
+        local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1)
+        env "${env[@]}" SPARQ_CUDA_TIMELINE=1 python3 bench/cuda_op.py --runs 20 --seqs 4096,32768,65536 --batches 1,8 \
+            --out "$OUT/op_timeline_$rel.json" > "$OUT/timeline_$rel.log" 2>&1
+        echo "release $rel:"; python3 bench/timeline_summary.py "$OUT/timeline_$rel.log"
+    done
+}
+
+stage_releaseab() {
+    # Session 15: benchmark (a), kernel A's early release (default) vs release at exit, interleaved twice, no timeline
+    for round in 1 2; do
+        for rel in early exit; do
+            local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1)
+            echo "round $round, release $rel"
+            env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
+                --out "$OUT/op_release_${rel}_$round.json" 2>&1 | grep -v "^wrote"
+        done
+    done
+}
+
+stage_releasetg() {
+    # Session 15: llama-bench tg32 at 32k and 64k (Llama-2 shape): dense, SparQ, SparQ with kernel A's release at exit
+    local m; m=$(llama2_model) || return 1
+    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
+    for d in 32768 65536; do
+        "${lb[@]}" -d $d -sparq 0 > "$OUT/releasetg_${d}_dense.json" 2>/dev/null
+        "${lb[@]}" -d $d -sparq 1 > "$OUT/releasetg_${d}_early.json" 2>/dev/null
+        SPARQ_CUDA_A_RELEASE_EXIT=1 "${lb[@]}" -d $d -sparq 1 > "$OUT/releasetg_${d}_exit.json" 2>/dev/null
+        python3 - "$OUT" $d <<'PYEOF'
+import json, sys
+out, d = sys.argv[1:]
+ms = {v: 1000 / json.load(open(f"{out}/releasetg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "early", "exit")}
+print(f"d {d}: dense {ms['dense']:.2f} ms, sparq early release {ms['early']:.2f} ms ({ms['dense']/ms['early']:.2f}x), "
+      f"release at exit {ms['exit']:.2f} ms ({ms['dense']/ms['exit']:.2f}x)")
+PYEOF
+    done
 }
 
 stage_centroidtest() {

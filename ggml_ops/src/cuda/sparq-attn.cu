@@ -70,8 +70,65 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 // Programmatic dependent launch (Hopper; pdl_wait / pdl_release in attn-cuda-common.cuh): each kernel is
 // launched while its predecessor still runs and waits before it reads or writes anything; the kernels of one
 // or a few blocks per row also let their successor's blocks launch at once (pdl_release), which hides the
-// launch latency between the six kernels. Kernel A releases only when it exits: its successor's blocks would
-// take its SM slots.
+// launch latency between the six kernels. Kernel A releases once its blocks have passed their wait too: the
+// release takes effect only when every block of A has released or exited, i.e. when A's last block has a slot,
+// so kernel P's blocks never take a slot from a waiting block of A (SPARQ_CUDA_A_RELEASE_EXIT=1: release only
+// at exit, as before session 15, for A/B runs).
+
+// Timeline of the op's kernels (SPARQ_CUDA_TIMELINE=1 in the environment; for kernel tuning only): per kernel the
+// %globaltimer of its first block's start, of the first block past pdl_wait, and of the last warp's end; after
+// the chain a one-thread kernel prints them relative to the chain's start and resets them. It shows the chain as it
+// runs under dependent launches, which ncu cannot (ncu serialises kernels and flushes caches between them).
+enum tl_kernel { TL_Q = 0, TL_A, TL_P, TL_B, TL_S, TL_LV, TL_N };
+__device__ unsigned long long g_tl[TL_N][3] = {
+    { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 },
+    { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 } };
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+struct tl_scope {
+    int k; bool on;
+    __device__ tl_scope(int k_, bool on_) : k(k_), on(on_) {
+        if (on && threadIdx.x == 0) { atomicMin(&g_tl[k][0], global_ns()); }
+    }
+    __device__ void waited() const {
+        if (on && threadIdx.x == 0) { atomicMin(&g_tl[k][1], global_ns()); }
+    }
+    __device__ ~tl_scope() {  // on every return path; lane 0 of each warp
+        if (on && threadIdx.x % WARP_SIZE == 0) { atomicMax(&g_tl[k][2], global_ns()); }
+    }
+};
+// Kernel A marks only its end, explicitly: a tl_scope, or a mark before or after its wait, cost the instance of 8
+// heads per pass ~100 bytes of spill (nvcc 13, sm_90), so its start shows as "-".
+__device__ __forceinline__ void tl_end(int k, bool on) {
+    if (on && threadIdx.x % WARP_SIZE == 0) { atomicMax(&g_tl[k][2], global_ns()); }
+}
+__global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
+    static const char * const names[TL_N] = { "Q", "A", "P", "B", "S", "LV" };
+    unsigned long long t0 = ~0ull;
+    for (int k = 0; k < TL_N; ++k) {
+        t0 = min(t0, g_tl[k][0]);
+    }
+    printf("sparq timeline n_kv %lld rows %lld (us: start / past wait / end):", (long long) n_kv, (long long) n_rows);
+    for (int k = 0; k < TL_N; ++k) {
+        if (g_tl[k][2] != 0) {
+            printf(" %s", names[k]);
+            for (int f = 0; f < 3; ++f) {
+                const unsigned long long t = g_tl[k][f];
+                if (f < 2 && t == ~0ull) {
+                    printf(" -");
+                } else {
+                    printf(" %.2f", (double) (t - t0)*1e-3);
+                }
+            }
+            printf(";");
+        }
+        g_tl[k][0] = ~0ull; g_tl[k][1] = ~0ull; g_tl[k][2] = 0;
+    }
+    printf("\n");
+}
 
 // Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's last block prints
 // clock64() deltas between marks; for kernel tuning only.
@@ -109,6 +166,8 @@ struct sparq_args {
     bool vec_kt, vec_kv, vec_logits;
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
+    bool timeline;                 // SPARQ_CUDA_TIMELINE: print the kernels' start and end times (tl_scope)
+    bool a_release_exit;           // SPARQ_CUDA_A_RELEASE_EXIT: kernel A releases its successor only at exit
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
     bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
     bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
@@ -606,7 +665,9 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];
+    const tl_scope tl(TL_Q, a.timeline);
     pdl_wait();
+    tl.waited();
     pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -814,6 +875,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
     __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
     __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
     pdl_wait();
+    if (!a.a_release_exit) {
+        pdl_release();
+    }
     __shared__ int   i1_buf[MAX_HEAD_DIM];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
@@ -848,6 +912,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
             cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
         }
+        tl_end(TL_A, a.timeline);
         return;
     }
 
@@ -1026,6 +1091,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             }
         }
     }
+    tl_end(TL_A, a.timeline);
 }
 
 // Kernel P, one block per row: merges kernel A's chunk statistics and sets the row's candidate threshold. A
@@ -1033,7 +1099,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
 // more blocks per SM.
 __global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, const sparq_scratch s, int64_t r0) {
     const long long t_start = clock64();
+    const tl_scope tl(TL_P, a.timeline);
     pdl_wait();
+    tl.waited();
     pdl_release();
     // kernel B's counters of this row start at zero (here rather than a memset: a memset would break the
     // chain of dependent launches)
@@ -1161,7 +1229,9 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
     __shared__ uint32_t n_local, at_global, n_local_f, at_forced;
+    const tl_scope tl(TL_B, a.timeline);
     pdl_wait();
+    tl.waited();
     pdl_release();
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -1292,7 +1362,9 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     __shared__ uint64_t bnd[BND_CAP];
     __shared__ bucket_state bst;
     __shared__ uint32_t n_uni, n_bnd;
+    const tl_scope tl(TL_S, a.timeline);
     pdl_wait();
+    tl.waited();
     pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -1503,7 +1575,9 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
     extern __shared__ __align__(16) unsigned char smlv[];  // [k2] I2, [k2] logits of head g
     __shared__ float red[32];
     __shared__ float part[V_GROUPS][V_SLICE];
+    const tl_scope tl(TL_LV, a.timeline);
     pdl_wait();
+    tl.waited();
     const int64_t w = blockIdx.y, G = a.group, d = a.d, d_v = a.d_v, k2 = a.p.k2;
     const int64_t n_slices = (d_v + V_SLICE - 1) / V_SLICE;
     const int64_t slice = blockIdx.x % n_slices, g = blockIdx.x / n_slices;
@@ -1862,6 +1936,11 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.vec_mask   = mask && aligned16(mask->data) && mask->nb[1] % 16 == 0 && mask->nb[3] % 16 == 0;
     a.vec_pos    = pos && aligned16(pos->data) && pos->nb[3] % 16 == 0;
     a.timing     = getenv("SPARQ_CUDA_TIMING") != nullptr;
+    static const bool timeline = getenv("SPARQ_CUDA_TIMELINE") != nullptr;
+    a.timeline = timeline;
+    // SPARQ_CUDA_A_RELEASE_EXIT=1: kernel A lets kernel P's blocks launch only when it exits (before session 15)
+    static const bool a_release_exit = getenv("SPARQ_CUDA_A_RELEASE_EXIT") != nullptr;
+    a.a_release_exit = a_release_exit;
     // SPARQ_CUDA_RADIX_SELECT=1: kernels P and S select with v5c's radix passes and S builds I2 from the bitmap
     // (same results; for measuring v6a against it, bench/notes_cuda.md)
     static const bool radix_select = getenv("SPARQ_CUDA_RADIX_SELECT") != nullptr;
@@ -1924,6 +2003,9 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
             case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
             case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
             default:             launch_all<nv_bfloat16>(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
+        }
+        if (a.timeline) {
+            sparq_timeline_dump<<<1, 1, 0, stream>>>(a.n_kv, nw);
         }
         CUDA_CHECK(cudaGetLastError());
     }
