@@ -532,11 +532,17 @@ stage_timeline() {
     # Session 15: the op's kernels as they run under dependent launches (SPARQ_CUDA_TIMELINE: per kernel the first
     # block's start, the first block past its wait, the last warp's end), B = 1 and 8, with kernel A's early
     # release (the default) and without it (SPARQ_CUDA_A_RELEASE_EXIT=1); medians by bench/timeline_summary.py
+    # (cuda_op.py --one: the device's printf lines go to the log; the op's own times are not comparable here: the
+    # printing kernel runs inside the timed region)
     for rel in early exit; do
         local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1)
-        env "${env[@]}" SPARQ_CUDA_TIMELINE=1 python3 bench/cuda_op.py --runs 20 --seqs 4096,32768,65536 --batches 1,8 \
-            --out "$OUT/op_timeline_$rel.json" > "$OUT/timeline_$rel.log" 2>&1
-        echo "release $rel:"; python3 bench/timeline_summary.py "$OUT/timeline_$rel.log"
+        : > "$OUT/timeline_$rel.log"
+        for b in 1 8; do
+            for sq in 4096 32768 65536; do
+                env "${env[@]}" SPARQ_CUDA_TIMELINE=1 python3 bench/cuda_op.py --one $sq $b --runs 20 >> "$OUT/timeline_$rel.log" 2>&1
+            done
+        done
+        echo "release $rel:"; python3 bench/timeline_summary.py "$OUT/timeline_$rel.log" --json "$OUT/timeline_$rel.json"
     done
 }
 
