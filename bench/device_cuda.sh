@@ -19,6 +19,7 @@
 #                                            --squeeze on the GPU (tests/test_squeeze_cuda.py), at one commit
 #   bench/device_cuda.sh build test timeline releaseab; releasetg   session 15: the op's kernels as they run
 #                                            (SPARQ_CUDA_TIMELINE), kernel A's early release A/B, op and end to end
+#   bench/device_cuda.sh build test timeline qab timing8   session 15: kernel Q's fast path A/B, tail phases
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -554,6 +555,28 @@ stage_releaseab() {
             echo "round $round, release $rel"
             env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
                 --out "$OUT/op_release_${rel}_$round.json" 2>&1 | grep -v "^wrote"
+        done
+    done
+}
+
+stage_qab() {
+    # Session 15: benchmark (a), kernel Q's fast path (default) vs before (SPARQ_CUDA_Q_V14=1), interleaved twice
+    for round in 1 2; do
+        for q in fast v14; do
+            local env=(); [ $q = v14 ] && env=(SPARQ_CUDA_Q_V14=1)
+            echo "round $round, kernel Q $q"
+            env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536 --batches 1,8 \
+                --out "$OUT/op_q_${q}_$round.json" 2>&1 | grep -v "^wrote"
+        done
+    done
+}
+
+stage_timing8() {
+    # Session 15: the tail phase timings (SPARQ_CUDA_TIMING; kernel B's chunk 0 too) at B = 1 and 8, Llama-2 heads
+    for b in 1 8; do
+        for sq in 32768 65536; do
+            echo "B = $b, S = $sq:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq $sq --batch $b --runs 3 2>/dev/null \
+                | sort | uniq -c | sort -rn | head -12
         done
     done
 }

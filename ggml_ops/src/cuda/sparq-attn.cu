@@ -168,6 +168,7 @@ struct sparq_args {
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool timeline;                 // SPARQ_CUDA_TIMELINE: print the kernels' start and end times (tl_scope)
     bool a_release_exit;           // SPARQ_CUDA_A_RELEASE_EXIT: kernel A releases its successor only at exit
+    bool q_v14;                    // SPARQ_CUDA_Q_V14: kernel Q without row_query_fast (as before session 15)
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
     bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
     bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
@@ -659,10 +660,97 @@ __device__ void row_query(const sparq_args & a, const row_coords & c, float * ab
     __syncthreads();
 }
 
+// row_query's results (the same I1, the same factors bit for bit) in fewer dependent steps, for kernel Q: the row's
+// queries are read from global memory once, into qrow [G][d] (row_query reads them three times); each component's
+// rank is counted by R consecutive lanes (as many as fit, up to a warp) over a 1/R share of the others (row_query:
+// one thread over all d); I1 is compacted in order by one warp's ballots (row_query: each selected component
+// counts the selected ones below it, O(d) serial loads). The factors' sums run as in row_query (a warp per head,
+// lanes strided, the same butterfly), over the same values. Shared: absum [d], rank [d], qrow [G*d] floats.
+// Timeline at 32k (H100, session 15): kernel Q's body was ~6 us of a ~84 us chain.
+__device__ void row_query_fast(const sparq_args & a, const row_coords & c, float * absum, int * rank, float * qrow,
+                               int * i1, float * fac) {
+    const int d = (int) a.d, G = (int) a.group, k1 = a.p.k1, nt = (int) blockDim.x;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int idx = threadIdx.x; idx < G*d; idx += nt) {  // every head's loads in flight together
+        qrow[idx] = q_row(a, c.h*G + idx / d, c)[idx % d];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += nt) {
+        float sum = 0.0f;  // in head order, as the CPU
+        for (int g = 0; g < G; ++g) {
+            sum += fabsf(qrow[g*d + i]);
+        }
+        absum[i] = sum;
+    }
+    __syncthreads();
+    int R = 1;  // lanes per component; R divides the warp, so a component's lanes are in one warp
+    while (2*R <= WARP_SIZE && 2*R*d <= nt) {
+        R *= 2;
+    }
+    const int n_t = (d*R + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;  // whole warps: the shuffles below
+    for (int t = threadIdx.x; t < n_t; t += nt) {
+        const int i = t / R, p = t % R;
+        int rk = 0;
+        if (i < d) {
+            const float ai = absum[i];
+#pragma unroll 8
+            for (int j = p; j < d; j += R) {
+                const float b = absum[j];
+                rk += (b > ai) | ((b == ai) & (j < i));
+            }
+        }
+        for (int off = R/2; off > 0; off >>= 1) {
+            rk += __shfl_xor_sync(0xFFFFFFFF, rk, off);
+        }
+        if (i < d && p == 0) {
+            rank[i] = rk;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int run = 0;
+        for (int i0 = 0; i0 < d; i0 += WARP_SIZE) {
+            const int i = i0 + lane;
+            const bool take = i < d && rank[i] < k1;
+            const uint32_t b = __ballot_sync(0xFFFFFFFF, take);
+            if (take) {
+                i1[run + __popc(b & ((1u << lane) - 1))] = i;
+            }
+            run += __popc(b);
+        }
+    }
+    __syncthreads();
+    // rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU); a warp per head
+    for (int g = warp; g < G; g += nt / WARP_SIZE) {
+        const float * qg = qrow + g*d;
+        double all = 0.0, sel = 0.0;
+        for (int i = lane; i < d; i += WARP_SIZE) {
+            all += fabs((double) qg[i]);
+        }
+        for (int i = lane; i < k1; i += WARP_SIZE) {
+            sel += fabs((double) qg[i1[i]]);
+        }
+        all = warp_reduce(all, op_add());
+        sel = warp_reduce(sel, op_add());
+        if (lane == 0) {
+            const double rho = all > 0.0 ? sel / all : 1.0;
+            fac[g] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
+        }
+    }
+    __syncthreads();
+}
+
+// Kernel Q's shared memory: absum and rank [d] each, and with the fast path the row's queries [G][d] (the fast path
+// runs where they fit in Q_SMEM_MAX bytes; SPARQ_CUDA_Q_V14=1 turns it off, for A/B runs).
+constexpr size_t Q_SMEM_MAX = 32 << 10;
+__host__ __device__ inline bool query_fast(int64_t d, int64_t G, bool off) {
+    return !off && sizeof(float) * (G + 2)*d <= Q_SMEM_MAX;
+}
+
 // Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
 // for kernel A.
 __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks
+    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks, the fast path's [G][d] queries
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];
     const tl_scope tl(TL_Q, a.timeline);
@@ -673,10 +761,19 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
-    row_query(a, c, smq, (int *) (smq + d), i1, fac);
-    for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
-        const int64_t g = idx / k1, i = idx % k1;
-        s.qs[(w*G + g)*k1 + i] = q_row(a, c.h*G + g, c)[i1[i]] * fac[g];
+    if (query_fast(d, G, a.q_v14)) {
+        float * qrow = smq + 2*d;
+        row_query_fast(a, c, smq, (int *) (smq + d), qrow, i1, fac);
+        for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
+            const int64_t g = idx / k1, i = idx % k1;
+            s.qs[(w*G + g)*k1 + i] = qrow[g*d + i1[i]] * fac[g];
+        }
+    } else {
+        row_query(a, c, smq, (int *) (smq + d), i1, fac);
+        for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
+            const int64_t g = idx / k1, i = idx % k1;
+            s.qs[(w*G + g)*k1 + i] = q_row(a, c.h*G + g, c)[i1[i]] * fac[g];
+        }
     }
     for (int i = threadIdx.x; i < k1; i += blockDim.x) {
         s.i1[w*k1 + i] = i1[i];
@@ -1229,10 +1326,12 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
     __shared__ uint32_t n_local, at_global, n_local_f, at_forced;
+    __shared__ long long t_marks[7];  // SPARQ_CUDA_TIMING (in registers they cost 16 bytes of spill)
     const tl_scope tl(TL_B, a.timeline);
     pdl_wait();
     tl.waited();
     pdl_release();
+    SPARQ_TIMING_MARK(0);
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, n_kv = a.n_kv;
@@ -1261,6 +1360,7 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
         n_local_f = 0;
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(1);
     const bool list_forced = a.bucket_sel && kind == ROW_SPARSE;
 
     const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
@@ -1306,6 +1406,7 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     } else if (find_cand) {
         group_scores(lrow, n_kv, G, rst, cells, cand, score);
     }
+    SPARQ_TIMING_MARK(2);
 #pragma unroll
     for (int u = 0; u < B_CELLS; ++u) {
         const int64_t j = strip + u*WARP_SIZE + lane;
@@ -1323,8 +1424,10 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
             local[B_CHUNK - 1 - atomicAdd(&n_local_f, 1u)] = (uint64_t) j;
         }
     }
+    SPARQ_TIMING_MARK(3);
     n_w = block_reduce(n_w, op_add(), 0, red);
     n_s = block_reduce(n_s, op_add(), 0, red);
+    SPARQ_TIMING_MARK(4);
     if (threadIdx.x == 0) {
         at_global = n_local > 0 ? atomicAdd(&ctr[CTR_N_CAND], n_local) : 0;
         at_forced = n_local_f > 0 ? atomicAdd(&ctr[CTR_N_F], n_local_f) : 0;
@@ -1334,6 +1437,7 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
         }
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(5);
     uint64_t * cl = s.cand + w*a.cap;
     for (uint32_t i = threadIdx.x; i < n_local; i += blockDim.x) {
         if (at_global + i < a.cap) {
@@ -1346,6 +1450,8 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
             fl[at_forced + i] = (int32_t) local[B_CHUNK - 1 - i];
         }
     }
+    SPARQ_TIMING_MARK(6);
+    SPARQ_TIMING_PRINT("B (chunk 0): setup, scores, lists, reductions, counters, writes", w + chunk, 7);
 }
 
 // Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
@@ -1941,6 +2047,9 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // SPARQ_CUDA_A_RELEASE_EXIT=1: kernel A lets kernel P's blocks launch only when it exits (before session 15)
     static const bool a_release_exit = getenv("SPARQ_CUDA_A_RELEASE_EXIT") != nullptr;
     a.a_release_exit = a_release_exit;
+    // SPARQ_CUDA_Q_V14=1: kernel Q as before session 15 (row_query), for A/B runs
+    static const bool q_v14 = getenv("SPARQ_CUDA_Q_V14") != nullptr;
+    a.q_v14 = q_v14;
     // SPARQ_CUDA_RADIX_SELECT=1: kernels P and S select with v5c's radix passes and S builds I2 from the bitmap
     // (same results; for measuring v6a against it, bench/notes_cuda.md)
     static const bool radix_select = getenv("SPARQ_CUDA_RADIX_SELECT") != nullptr;
@@ -1988,7 +2097,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.i2       = (int32_t *)  (base + plan.i2);
     s.alpha    = (float *)    (base + plan.alpha);
 
-    const size_t smem_q = sizeof(float) * 2*a.d;
+    const size_t smem_q = sizeof(float) * (query_fast(a.d, a.group, a.q_v14) ? a.group + 2 : 2)*a.d;
     const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
