@@ -20,6 +20,8 @@
 #   bench/device_cuda.sh build test timeline releaseab; releasetg   session 15: the op's kernels as they run
 #                                            (SPARQ_CUDA_TIMELINE), kernel A's early release A/B, op and end to end
 #   bench/device_cuda.sh build test timeline qab timing8   session 15: kernel Q's fast path A/B, tail phases
+#   bench/device_cuda.sh build test testb timeline; s15ab s15e2e   session 15: kernel P's sample from the logits, kernel
+#                                            B's 16 cells per thread; every part on vs off, op and end to end
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -535,8 +537,8 @@ stage_timeline() {
     # release (the default) and without it (SPARQ_CUDA_A_RELEASE_EXIT=1); medians by bench/timeline_summary.py
     # (cuda_op.py --one: the device's printf lines go to the log; the op's own times are not comparable here: the
     # printing kernel runs inside the timed region)
-    for rel in early exit; do
-        local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1)
+    for rel in ${TIMELINE_VARIANTS:-early exit}; do
+        local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1); [ $rel = old ] && env=("${S15_OLD[@]}")
         : > "$OUT/timeline_$rel.log"
         for b in 1 8; do
             for sq in 4096 32768 65536; do
@@ -578,6 +580,56 @@ stage_timing8() {
             echo "B = $b, S = $sq:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq $sq --batch $b --runs 3 2>/dev/null \
                 | sort | uniq -c | sort -rn | head -12
         done
+    done
+}
+
+# Session 15's parts switched off together (the chain as at the session's start) and one at a time
+S15_OLD=(SPARQ_CUDA_A_RELEASE_EXIT=1 SPARQ_CUDA_Q_V14=1 SPARQ_CUDA_SAMPLE_V14=1 SPARQ_CUDA_B_CELLS=8)
+
+stage_testb() {
+    # Session 15: every CUDA op test with kernel B's 16 and 8 cells per thread forced, and with every part of the
+    # session off (the old paths: kernel Q's, kernel P's sample)
+    for bc in 16 8; do
+        echo "tests, kernel B cells $bc: $(SPARQ_CUDA_B_CELLS=$bc python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_b$bc.log" | tail -1)"
+    done
+    echo "tests, session 15 off: $(env "${S15_OLD[@]}" python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_s15_old.log" | tail -1)"
+}
+
+stage_s15ab() {
+    # Session 15: benchmark (a) with every part on (default), all off (S15_OLD), and each part off alone
+    for v in new old b8 sample14; do
+        local env=(X=0)
+        case $v in old) env=("${S15_OLD[@]}");; b8) env=(SPARQ_CUDA_B_CELLS=8);; sample14) env=(SPARQ_CUDA_SAMPLE_V14=1);; esac
+        echo "variant $v"
+        env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
+            --out "$OUT/op_s15_$v.json" 2>&1 | grep -v "^wrote"
+    done
+}
+
+stage_s15e2e() {
+    # Session 15: end to end, session 15 on vs off in one run: llama-bench tg32 at 32k / 64k (Llama-2 shape) and
+    # llama-batched-bench at B = 8 (Llama-2 shape, 8k prompts)
+    local m; m=$(llama2_model) || return 1
+    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
+    for d in 32768 65536; do
+        "${lb[@]}" -d $d -sparq 0 > "$OUT/s15tg_${d}_dense.json" 2>/dev/null
+        "${lb[@]}" -d $d -sparq 1 > "$OUT/s15tg_${d}_new.json" 2>/dev/null
+        env "${S15_OLD[@]}" "${lb[@]}" -d $d -sparq 1 > "$OUT/s15tg_${d}_old.json" 2>/dev/null
+        python3 - "$OUT" $d <<'PYEOF'
+import json, sys
+out, d = sys.argv[1:]
+ms = {v: 1000 / json.load(open(f"{out}/s15tg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "new", "old")}
+print(f"tg d {d}: dense {ms['dense']:.2f} ms, sparq {ms['new']:.2f} ms ({ms['dense']/ms['new']:.2f}x), "
+      f"sparq as at the session's start {ms['old']:.2f} ms ({ms['dense']/ms['old']:.2f}x)")
+PYEOF
+    done
+    local base=("$BUILD/bin/llama-batched-bench" -m "$m" -c 65792 -b 2048 -ub 512 -ngl 99 -fa on -npp 8192 -ntg 32 -npl 8)
+    for mode in dense new old; do
+        local extra=() env=(X=0)
+        [ $mode != dense ] && extra=(--sparq --k1 32 --k2 128 --sparq-min-kv 0)
+        [ $mode = old ] && env=("${S15_OLD[@]}")
+        env "${env[@]}" "${base[@]}" "${extra[@]}" > "$OUT/s15batch_$mode.log" 2>&1 || echo "batched $mode failed"
+        echo "batched B = 8, $mode: $(grep -E '^\|? *8192 *\|' "$OUT/s15batch_$mode.log" | tail -1)"
     done
 }
 
