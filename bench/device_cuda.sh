@@ -597,9 +597,10 @@ stage_testb() {
 
 stage_s15ab() {
     # Session 15: benchmark (a) with every part on (default), all off (S15_OLD), and each part off alone
-    for v in new old b8 sample14; do
+    for v in new old b8 sample14 aexit; do
         local env=(X=0)
-        case $v in old) env=("${S15_OLD[@]}");; b8) env=(SPARQ_CUDA_B_CELLS=8);; sample14) env=(SPARQ_CUDA_SAMPLE_V14=1);; esac
+        case $v in old) env=("${S15_OLD[@]}");; b8) env=(SPARQ_CUDA_B_CELLS=8);; sample14) env=(SPARQ_CUDA_SAMPLE_V14=1);;
+            aexit) env=(SPARQ_CUDA_A_RELEASE_EXIT=1);; esac
         echo "variant $v"
         env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
             --out "$OUT/op_s15_$v.json" 2>&1 | grep -v "^wrote"

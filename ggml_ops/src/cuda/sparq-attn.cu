@@ -1354,10 +1354,9 @@ constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise
 // or the sinks.
 // Other rows (dense, empty, no top) and SPARQ_CUDA_SWEEP_V6=1: masks and positions first, then the logits of the
 // candidates (two or three rounds).
-// CELLS = 8 (B_CHUNK = A_CHUNK cells per block), or 16 where the 8-cell grid would take more than one wave (many rows:
-// batched decode, long rows): each block's chain of round trips (its row's state, the logits, two reductions, the
-// list counters) is the same for twice the cells (session 15 timeline: ~8-10 us per wave of blocks; B = 8 rows at
-// 32k took ~5 waves, ~50 us). b_cells() picks; SPARQ_CUDA_B_CELLS=8|16 forces one.
+// CELLS = 8 (B_CHUNK = A_CHUNK cells per block), or 16 where that makes one wave of blocks out of more (b_cells()):
+// each block's chain of round trips (its row's state, the logits, two reductions, the list counters) then serves
+// twice the cells. SPARQ_CUDA_B_CELLS=8|16 forces one.
 static_assert(A_CHUNK == B_CHUNK, "kernel B's narrow chunk is kernel A's chunk");
 // CELLS = 8: at least 6 blocks per SM (40 registers, no spill; 8 spilled 88 bytes once the mask fallback for -inf
 // logits came in): at 48 registers 5 fitted and a 64k step's 1024 blocks ran in 1.55 waves, but 8 blocks per SM
@@ -1939,15 +1938,19 @@ int lv_slice(const sparq_args & a, int64_t nw) {
     return n_narrow > wave ? V_SLICE_WIDE : V_SLICE_NARROW;
 }
 
-// Kernel B's cells per thread (sparq_sweep): 16 where the narrow grid (8 cells per thread, 6 blocks per SM) would take
-// more than one wave, else 8. SPARQ_CUDA_B_CELLS=8|16 (a.b_cells before this) forces one.
+// Kernel B's cells per thread (sparq_sweep): 16 where that turns more than one wave of narrow blocks (8 cells per
+// thread, 6 blocks per SM) into one wave of wide ones (4 per SM), else 8. Measured (H100, session 15 timeline): a 64k
+// row of 32 KV heads, 1024 narrow blocks in 1.3 waves, B 21.9 -> 15.1 us; but with many waves (B = 8 rows at 32k and
+// 64k: 4096 and 8192 narrow blocks) the wide blocks were slower (52.9 -> 54.7 and 95.2 -> 104.1 us): there B is not
+// bound by each block's chain. SPARQ_CUDA_B_CELLS=8|16 (a.b_cells before this) forces one.
 int b_cells(const sparq_args & a, int64_t nw) {
     if (a.b_cells == 8 || a.b_cells == 16) {
         return a.b_cells;
     }
+    const int64_t nsm = ggml_cuda_info().devices[ggml_cuda_get_device()].nsm;
     const int64_t n_narrow = (a.n_kv + B_CHUNK - 1) / B_CHUNK * nw;
-    const int64_t wave = (int64_t) ggml_cuda_info().devices[ggml_cuda_get_device()].nsm * b_min_blocks<8>();
-    return n_narrow > wave ? 16 : 8;
+    const int64_t n_wide = (a.n_kv + 2*B_CHUNK - 1) / (2*B_CHUNK) * nw;
+    return n_narrow > nsm * b_min_blocks<8>() && n_wide <= nsm * b_min_blocks<16>() ? 16 : 8;
 }
 
 template <typename T, int VPT, int SLICE>
