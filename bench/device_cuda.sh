@@ -20,8 +20,8 @@
 #   bench/device_cuda.sh build test timeline releaseab; releasetg   session 15: the op's kernels as they run
 #                                            (SPARQ_CUDA_TIMELINE), kernel A's early release A/B, op and end to end
 #   bench/device_cuda.sh build test timeline qab timing8   session 15: kernel Q's fast path A/B, tail phases
-#   bench/device_cuda.sh build test testb timeline; s15ab s15e2e   session 15: kernel P's sample from the logits, kernel
-#                                            B's 16 cells per thread; every part on vs off, op and end to end
+#   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
+#                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
 # llama-cpp-python (built without its native library), diskcache and gguf in .device/wheels, and for `greedy`
 # the SmolLM2 file in parts .device/m/smollm2.part* (the carry limit is 64 MiB: parts travel in separate calls
@@ -583,24 +583,21 @@ stage_timing8() {
     done
 }
 
-# Session 15's parts switched off together (the chain as at the session's start) and one at a time
-S15_OLD=(SPARQ_CUDA_A_RELEASE_EXIT=1 SPARQ_CUDA_Q_V14=1 SPARQ_CUDA_SAMPLE_V14=1 SPARQ_CUDA_B_CELLS=8)
+# Session 15's parts switched off together (the chain as at the session's start): kernel A's early release, kernel Q's
+# fast path. (Kernel P's sample from the logits and kernel B's 16 cells per thread were measured at 9b334e9 with the
+# variants sample14 and b8 and, no faster, taken out again.)
+S15_OLD=(SPARQ_CUDA_A_RELEASE_EXIT=1 SPARQ_CUDA_Q_V14=1)
 
-stage_testb() {
-    # Session 15: every CUDA op test with kernel B's 16 and 8 cells per thread forced, and with every part of the
-    # session off (the old paths: kernel Q's, kernel P's sample)
-    for bc in 16 8; do
-        echo "tests, kernel B cells $bc: $(SPARQ_CUDA_B_CELLS=$bc python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_b$bc.log" | tail -1)"
-    done
+stage_testold() {
+    # Session 15: every CUDA op test with the session's parts off (kernel Q's old path, kernel A's release at exit)
     echo "tests, session 15 off: $(env "${S15_OLD[@]}" python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_s15_old.log" | tail -1)"
 }
 
 stage_s15ab() {
     # Session 15: benchmark (a) with every part on (default), all off (S15_OLD), and each part off alone
-    for v in new old b8 sample14 aexit; do
+    for v in new old aexit q14; do
         local env=(X=0)
-        case $v in old) env=("${S15_OLD[@]}");; b8) env=(SPARQ_CUDA_B_CELLS=8);; sample14) env=(SPARQ_CUDA_SAMPLE_V14=1);;
-            aexit) env=(SPARQ_CUDA_A_RELEASE_EXIT=1);; esac
+        case $v in old) env=("${S15_OLD[@]}");; aexit) env=(SPARQ_CUDA_A_RELEASE_EXIT=1);; q14) env=(SPARQ_CUDA_Q_V14=1);; esac
         echo "variant $v"
         env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
             --out "$OUT/op_s15_$v.json" 2>&1 | grep -v "^wrote"

@@ -11,7 +11,7 @@
 //   P. prepare (one block per row): merges the chunk statistics (softmax normaliser, visible count,
 //      position range) and sets a candidate threshold from a strided sample of the group score (one bucket
 //      pass over the sample's keys), so that about 4x the needed cells pass it.
-//   B. sweep (grid: chunks of 2048 or 4096 cells x rows): marks the row's forced cells (window and sinks, or every
+//   B. sweep (grid: chunks of B_CHUNK cells x rows): marks the row's forced cells (window and sinks, or every
 //      visible cell of a dense row) in a bitmap whose words it owns, lists the forced cells of sparse rows, and
 //      appends the cells whose group score passes the threshold to the row's candidate list.
 //   S. select (one block per row): the exact top of the candidates by (score, cell) keys, equal scores going
@@ -51,7 +51,8 @@ template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
     return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
 constexpr int      B_THREADS   = 256;
-constexpr int64_t  B_CHUNK     = B_THREADS * 8;          // kernel B's narrow chunk (8 cells per thread; b_cells)
+constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
+constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
 // Kernel P's sample for the candidate threshold: at least SAMPLE cells (rows permitting), and at most SAMPLE_MAX,
 // strided so that the threshold's rank in the sample is at least SAMPLE_RANK (sample_plan). The count of a row's
 // cells above the sample's r-th key is ~ stride * Gamma(r): at rank 6 (a 64k row with a fixed 1024-cell sample)
@@ -60,7 +61,6 @@ constexpr int64_t  B_CHUNK     = B_THREADS * 8;          // kernel B's narrow ch
 constexpr int      SAMPLE      = 1024;
 constexpr int      SAMPLE_MAX  = 4096;
 constexpr int      SAMPLE_RANK = 16;
-constexpr int      P_CHUNKS    = 512;                    // kernel P keeps the position ranges of up to this many chunks
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
 constexpr int      MAX_HEAD_DIM = 1024;
 constexpr uint16_t F16_NEG_INF = 0xFC00;
@@ -162,7 +162,6 @@ struct sparq_args {
     int32_t window, sinks, n_top;  // resolved for sparse rows: forced recent / first cells, cells to pick
     int32_t cell_bits;             // bits of a cell index in a candidate key
     int32_t n_chunks_a, n_chunks_b;
-    int32_t b_cells;               // kernel B's cells per thread (8 or 16; b_cells()), n_chunks_b its blocks per row
     int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
     bool vec_kt, vec_kv, vec_logits;
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
@@ -170,7 +169,6 @@ struct sparq_args {
     bool timeline;                 // SPARQ_CUDA_TIMELINE: print the kernels' start and end times (tl_scope)
     bool a_release_exit;           // SPARQ_CUDA_A_RELEASE_EXIT: kernel A releases its successor only at exit
     bool q_v14;                    // SPARQ_CUDA_Q_V14: kernel Q without row_query_fast (as before session 15)
-    bool sample_v14;               // SPARQ_CUDA_SAMPLE_V14: kernel P's sample loads masks and positions first
     bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
     bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
     bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
@@ -837,7 +835,6 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
     __shared__ float rst[2*MAX_G];
     __shared__ int64_t redl[96];
-    __shared__ int32_t ch_pos[2*P_CHUNKS];  // kernel A's smallest and largest visible position of each chunk
     float * rstat = s.rstat + w*2*G;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     SPARQ_TIMING_MARK(1);
@@ -860,20 +857,14 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
             rst[G + g] = rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
         }
     }
-    // visible cells and their position range over the chunks; each chunk's range kept for the sample (below)
-    const bool chunk_pos = !a.sample_v14 && nA <= P_CHUNKS;
+    // visible cells and their position range over the chunks
     int64_t n_vis = 0, p_min = INT64_MAX, p_max = INT64_MIN;
     for (int64_t ch = threadIdx.x; ch < nA; ch += blockDim.x) {
         const int32_t * cv = s.cvis + (w*nA + ch)*3;
-        const bool any = cv[0] > 0;
-        if (any) {
+        if (cv[0] > 0) {
             n_vis += cv[0];
             p_min = min(p_min, (int64_t) cv[1]);
             p_max = max(p_max, (int64_t) cv[2]);
-        }
-        if (chunk_pos) {
-            ch_pos[2*ch]     = any ? cv[1] : INT32_MAX;
-            ch_pos[2*ch + 1] = any ? cv[2] : INT32_MIN;
         }
     }
     block_sum_min_max(n_vis, p_min, p_max, redl);
@@ -897,49 +888,21 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         const row_coords c = coords_of(a, r);
         const uint16_t * m = mask_row(a, c);
         const int32_t * pr = pos_row(a, c);
-        // 8 samples per thread in flight. With the chunks' position ranges (chunk_pos): the first head's logits,
-        // which say which cells are visible (kernel A wrote -inf for hidden ones; the mask is read only for -inf,
-        // a visible cell's logit may have overflowed), positions only in chunks whose range reaches the window
-        // or the sinks, then the other heads' logits: one round of loads for G = 1, as kernel B's sweep. Else
-        // (SPARQ_CUDA_SAMPLE_V14=1, or more than P_CHUNKS chunks) the masks and positions, then the logits.
-        // The same candidates and scores either way (the scores as group_scores forms them).
+        // 8 samples per thread in flight: the masks and positions, then the logits of the candidates
         uint32_t cnt = 0, kmin = UINT32_MAX, kmax = 0;
         for (int64_t i0 = threadIdx.x; i0 < n_samp; i0 += 8*blockDim.x) {
             bool cand[8];
             int64_t j[8];
-            float c[8];
-            if (chunk_pos) {
-                float l0[8];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int64_t i = i0 + u*blockDim.x;
-                    j[u] = i * stride;
-                    l0[u] = i < n_samp ? lrow[j[u]] : -INFINITY;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int64_t i = i0 + u*blockDim.x;
-                    const bool vis = i < n_samp && (l0[u] != -INFINITY || visible(m, j[u]));
-                    const int64_t ch = j[u] / A_CHUNK;
-                    const bool need_pos = vis && ((int64_t) ch_pos[2*ch + 1] > w_lo || (int64_t) ch_pos[2*ch] < s_hi);
-                    const int64_t pj = need_pos ? position(pr, j[u]) : 0;
-                    cand[u] = vis && !(need_pos && (pj > w_lo || pj < s_hi));
-                    c[u] = cand[u] ? 0.0f + __expf(l0[u] - rst[0]) * rst[G] : 0.0f;
-                }
-                if (G > 1) {
-                    group_scores(lrow, n_kv, G, rst, j, cand, c, 1);
-                }
-            } else {
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int64_t i = i0 + u*blockDim.x;
-                    j[u] = i * stride;
-                    cand[u] = i < n_samp && visible(m, j[u]);
-                    const int64_t pj = cand[u] ? position(pr, j[u]) : 0;
-                    cand[u] = cand[u] && !(pj > w_lo || pj < s_hi);
-                }
-                group_scores(lrow, n_kv, G, rst, j, cand, c);
+            for (int u = 0; u < 8; ++u) {
+                const int64_t i = i0 + u*blockDim.x;
+                j[u] = i * stride;
+                cand[u] = i < n_samp && visible(m, j[u]);
+                const int64_t pj = cand[u] ? position(pr, j[u]) : 0;
+                cand[u] = cand[u] && !(pj > w_lo || pj < s_hi);
             }
+            float c[8];
+            group_scores(lrow, n_kv, G, rst, j, cand, c);
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
                 const int64_t i = i0 + u*blockDim.x;
@@ -1324,8 +1287,8 @@ __device__ void select_all_cells(const sparq_args & a, const sparq_scratch & s, 
     __syncthreads();
 }
 
-// Candidate-list capacity per row: the sample threshold passes ~4 n_top cells; at least 2 B_CHUNK so that a sweep
-// block's own list fits (16 cells per thread).
+// Candidate-list capacity per row: the sample threshold passes ~4 n_top cells; at least B_CHUNK so that a sweep
+// block's own list fits.
 __host__ __device__ inline int64_t candidate_cap(int64_t k2) { return 4*k2 + 4096; }
 
 // Kernel S builds I2 from lists (forced cells + the selected top, ranked by cell) up to this k2; above it from
@@ -1346,26 +1309,20 @@ __host__ __device__ inline smem_s_layout smem_s_plan(int64_t cap, int64_t k2) {
 }
 constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise; more: radix select
 
-// Kernel B: the sweep (grid: chunks of B_THREADS * CELLS cells x rows). Each warp takes a strip of 32 * CELLS cells,
-// lane + 32u, inside one of kernel A's chunks, and owns word u of the strip in the bitmap (no atomics, no clearing).
+// Kernel B: the sweep (grid: chunks of B_CHUNK cells x rows). Each warp takes a strip of 32 * B_CELLS cells,
+// lane + 32u, and owns word u of the strip in the bitmap (no atomics, no clearing).
 // Sparse rows with a top to find (session 12): one round of loads per thread. A cell with a finite logit from kernel A
 // is visible (hidden cells get -inf there), so the first head's logits replace the mask except for cells at -inf;
-// the positions are loaded with them only where kernel A's position range of the strip's chunk reaches the window
-// or the sinks.
+// the positions are loaded with them only where kernel A's position range of the chunk (A_CHUNK == B_CHUNK) reaches
+// the window or the sinks.
 // Other rows (dense, empty, no top) and SPARQ_CUDA_SWEEP_V6=1: masks and positions first, then the logits of the
 // candidates (two or three rounds).
-// CELLS = 8 (B_CHUNK = A_CHUNK cells per block), or 16 where that makes one wave of blocks out of more (b_cells()):
-// each block's chain of round trips (its row's state, the logits, two reductions, the list counters) then serves
-// twice the cells. SPARQ_CUDA_B_CELLS=8|16 forces one.
-static_assert(A_CHUNK == B_CHUNK, "kernel B's narrow chunk is kernel A's chunk");
-// CELLS = 8: at least 6 blocks per SM (40 registers, no spill; 8 spilled 88 bytes once the mask fallback for -inf
-// logits came in): at 48 registers 5 fitted and a 64k step's 1024 blocks ran in 1.55 waves, but 8 blocks per SM
-// measured the same (19.6 vs 19.3 us under ncu, session 12).
-template <int CELLS> constexpr int b_min_blocks() { return CELLS == 8 ? 6 : 4; }
-template <int CELLS>
-__global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    constexpr int64_t CHUNK = B_THREADS * CELLS;
-    extern __shared__ __align__(16) uint64_t local[];  // this block's candidates and forced cells (CHUNK <= cap)
+static_assert(A_CHUNK == B_CHUNK, "kernel B reads kernel A's chunk statistics of its own chunk");
+// At least 6 blocks per SM (40 registers, no spill; 8 spilled 88 bytes once the mask fallback for -inf logits came
+// in): at 48 registers 5 fitted and a 64k step's 1024 blocks ran in 1.55 waves, but 8 blocks per SM measured the same
+// (19.6 vs 19.3 us under ncu, session 12).
+__global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ __align__(16) uint64_t local[];  // this block's candidates (B_CHUNK <= cap)
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
     __shared__ uint32_t n_local, at_global, n_local_f, at_forced;
@@ -1379,6 +1336,8 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
     const int64_t * ri = s.rinfo + w*N_RI;
     const int64_t kind = ri[RI_KIND], w_lo = ri[RI_W_LO], s_hi = ri[RI_S_HI];
     const uint32_t thr = (uint32_t) ri[RI_THR];
+    // zero-score candidates only from the first chunk (see kernel P)
+    const uint32_t thr_zero = ri[RI_ZERO_FIRST] && chunk > 0 ? score_key(0.0f) + 1u : thr;
     const float * lrow  = s.logits + w*G*n_kv;
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
@@ -1388,12 +1347,7 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
     const bool find_cand = kind == ROW_SPARSE && a.n_top > 0;
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
     const bool from_logits = find_cand && !a.sweep_v6;
-    const int64_t strip = chunk*CHUNK + (int64_t) warp*WARP_SIZE*CELLS;  // inside kernel A's chunk strip / A_CHUNK
-    static_assert(A_CHUNK % (WARP_SIZE*CELLS) == 0, "a strip inside one of kernel A's chunks");
-    // zero-score candidates only from the first of kernel A's chunks (see kernel P)
-    const int64_t a_chunk = CHUNK == A_CHUNK ? chunk : strip / A_CHUNK;
-    const uint32_t thr_zero = ri[RI_ZERO_FIRST] && a_chunk > 0 ? score_key(0.0f) + 1u : thr;
-    const int32_t * cv = s.cvis + (w*a.n_chunks_a + a_chunk)*3;
+    const int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
     // positions are needed where a cell of the chunk can be in the window or the sinks
     const bool need_pos = !from_logits || (cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi));
     for (int64_t i = threadIdx.x; i < 2*G; i += blockDim.x) {
@@ -1406,12 +1360,13 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
     __syncthreads();
     const bool list_forced = a.bucket_sel && kind == ROW_SPARSE;
 
-    bool vis[CELLS], mark[CELLS], cand[CELLS];
-    int64_t cells[CELLS], pos_c[CELLS];
-    float score[CELLS] = {};
+    const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
+    bool vis[B_CELLS], mark[B_CELLS], cand[B_CELLS];
+    int64_t cells[B_CELLS], pos_c[B_CELLS];
+    float score[B_CELLS] = {};
     if (from_logits) {  // the first head's logits and the needed positions in one round
 #pragma unroll
-        for (int u = 0; u < CELLS; ++u) {
+        for (int u = 0; u < B_CELLS; ++u) {
             const int64_t j = cells[u] = strip + u*WARP_SIZE + lane;
             score[u] = j < n_kv ? lrow[j] : -INFINITY;  // the logit until the score below
             pos_c[u] = need_pos && j < n_kv ? position(pr, j) : 0;
@@ -1419,7 +1374,7 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
     }
     int n_w = 0, n_s = 0;
 #pragma unroll
-    for (int u = 0; u < CELLS; ++u) {
+    for (int u = 0; u < B_CELLS; ++u) {
         const int64_t j = cells[u] = strip + u*WARP_SIZE + lane;
         if (from_logits) {
             // a finite logit means visible; -inf is a hidden cell, or a visible one whose approximate logit
@@ -1439,7 +1394,7 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
     if (from_logits) {
         // group_scores' first head from the loaded logits (0 + x, as there), then the other heads
 #pragma unroll
-        for (int u = 0; u < CELLS; ++u) {
+        for (int u = 0; u < B_CELLS; ++u) {
             score[u] = cand[u] ? 0.0f + __expf(score[u] - rst[0]) * rst[G] : 0.0f;
         }
         if (G > 1) {
@@ -1449,7 +1404,7 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
         group_scores(lrow, n_kv, G, rst, cells, cand, score);
     }
 #pragma unroll
-    for (int u = 0; u < CELLS; ++u) {
+    for (int u = 0; u < B_CELLS; ++u) {
         const int64_t j = strip + u*WARP_SIZE + lane;
         const uint32_t word = __ballot_sync(0xFFFFFFFF, mark[u]);
         if (lane == 0 && strip + u*WARP_SIZE < n_kv) {
@@ -1462,7 +1417,7 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
             }
         }
         if (list_forced && mark[u]) {  // from the other end: candidates and forced cells of the chunk are disjoint
-            local[CHUNK - 1 - atomicAdd(&n_local_f, 1u)] = (uint64_t) j;
+            local[B_CHUNK - 1 - atomicAdd(&n_local_f, 1u)] = (uint64_t) j;
         }
     }
     n_w = block_reduce(n_w, op_add(), 0, red);
@@ -1485,7 +1440,7 @@ __global__ void __launch_bounds__(B_THREADS, b_min_blocks<CELLS>()) sparq_sweep(
     int32_t * fl = s.forced + w*a.p.k2;
     for (uint32_t i = threadIdx.x; i < n_local_f; i += blockDim.x) {
         if (at_forced + i < a.p.k2) {
-            fl[at_forced + i] = (int32_t) local[CHUNK - 1 - i];
+            fl[at_forced + i] = (int32_t) local[B_CHUNK - 1 - i];
         }
     }
 }
@@ -1938,21 +1893,6 @@ int lv_slice(const sparq_args & a, int64_t nw) {
     return n_narrow > wave ? V_SLICE_WIDE : V_SLICE_NARROW;
 }
 
-// Kernel B's cells per thread (sparq_sweep): 16 where that turns more than one wave of narrow blocks (8 cells per
-// thread, 6 blocks per SM) into one wave of wide ones (4 per SM), else 8. Measured (H100, session 15 timeline): a 64k
-// row of 32 KV heads, 1024 narrow blocks in 1.3 waves, B 21.9 -> 15.1 us; but with many waves (B = 8 rows at 32k and
-// 64k: 4096 and 8192 narrow blocks) the wide blocks were slower (52.9 -> 54.7 and 95.2 -> 104.1 us): there B is not
-// bound by each block's chain. SPARQ_CUDA_B_CELLS=8|16 (a.b_cells before this) forces one.
-int b_cells(const sparq_args & a, int64_t nw) {
-    if (a.b_cells == 8 || a.b_cells == 16) {
-        return a.b_cells;
-    }
-    const int64_t nsm = ggml_cuda_info().devices[ggml_cuda_get_device()].nsm;
-    const int64_t n_narrow = (a.n_kv + B_CHUNK - 1) / B_CHUNK * nw;
-    const int64_t n_wide = (a.n_kv + 2*B_CHUNK - 1) / (2*B_CHUNK) * nw;
-    return n_narrow > nsm * b_min_blocks<8>() && n_wide <= nsm * b_min_blocks<16>() ? 16 : 8;
-}
-
 template <typename T, int VPT, int SLICE>
 void launch_lv(int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
     const dim3 grid_v((unsigned) (((a.d_v + SLICE - 1) / SLICE) * a.group), (unsigned) nw);
@@ -1984,13 +1924,8 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
     }
     const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
     ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
-    if (a.b_cells == 16) {
-        ggml_cuda_kernel_launch(sparq_sweep<16>, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_THREADS*16,
-                                stream), a, s, r0);
-    } else {
-        ggml_cuda_kernel_launch(sparq_sweep<8>, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_THREADS*8,
-                                stream), a, s, r0);
-    }
+    ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
+                            a, s, r0);
     ensure_smem<sparq_select>(smem_s);
     ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
     launch_logits_values<T>(vpt, lv_slice(a, nw), nw, stream, a, s, r0);
@@ -2089,7 +2024,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         ++a.cell_bits;
     }
     a.n_chunks_a = (int32_t) ((a.n_kv + A_CHUNK - 1) / A_CHUNK);
-
+    a.n_chunks_b = (int32_t) ((a.n_kv + B_CHUNK - 1) / B_CHUNK);
     a.n_words    = (a.n_kv + 31) / 32;
     a.cap        = candidate_cap(a.p.k2);
     a.vec_kt     = kt && aligned16(kt->data) && strides16(kt);
@@ -2106,9 +2041,6 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // SPARQ_CUDA_Q_V14=1: kernel Q as before session 15 (row_query), for A/B runs
     static const bool q_v14 = getenv("SPARQ_CUDA_Q_V14") != nullptr;
     a.q_v14 = q_v14;
-    // SPARQ_CUDA_SAMPLE_V14=1: kernel P's sample reads every sampled cell's mask and position before its logits
-    static const bool sample_v14 = getenv("SPARQ_CUDA_SAMPLE_V14") != nullptr;
-    a.sample_v14 = sample_v14;
     // SPARQ_CUDA_RADIX_SELECT=1: kernels P and S select with v5c's radix passes and S builds I2 from the bitmap
     // (same results; for measuring v6a against it, bench/notes_cuda.md)
     static const bool radix_select = getenv("SPARQ_CUDA_RADIX_SELECT") != nullptr;
@@ -2126,12 +2058,6 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         return v == V_SLICE_NARROW || v == V_SLICE_WIDE ? v : 0;
     }();
     a.lv_slice = lv_slice_env;
-    // SPARQ_CUDA_B_CELLS=8|16: kernel B's cells per thread instead of b_cells()'s choice (other values: the choice)
-    static const int b_cells_env = [] {
-        const char * e = getenv("SPARQ_CUDA_B_CELLS");
-        return e ? atoi(e) : 0;
-    }();
-    a.b_cells = b_cells_env;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
@@ -2143,8 +2069,6 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int64_t n_rows = a.n_head_kv * a.n_q * a.ns;
     const int64_t row_bytes = plan_scratch(a, scores, 1).total;
     const int64_t W = std::max<int64_t>(1, std::min<int64_t>({ n_rows, 65535, WAVE_BYTES / row_bytes }));
-    a.b_cells = b_cells(a, W);
-    a.n_chunks_b = (int32_t) ((a.n_kv + B_THREADS*a.b_cells - 1) / (B_THREADS*a.b_cells));
     const scratch_plan plan = plan_scratch(a, scores, W);
     ggml_cuda_pool_alloc<char> buf(ctx.pool(), plan.total);
     char * base = buf.get();
