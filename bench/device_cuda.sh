@@ -17,9 +17,8 @@
 #   bench/device_cuda.sh build lvab; batchtg          session 13: kernel LV's wide slice for many rows, A/B
 #   bench/device_cuda.sh build test squeezegpu isolation   session 14: b25f9e9's switch reading and llama-server
 #                                            --squeeze on the GPU (tests/test_squeeze_cuda.py), at one commit
-#   bench/device_cuda.sh build test timeline releaseab; releasetg   session 15: the op's kernels as they run
-#                                            (SPARQ_CUDA_TIMELINE), kernel A's early release A/B, op and end to end
-#   bench/device_cuda.sh build test timeline qab timing8   session 15: kernel Q's fast path A/B, tail phases
+#   bench/device_cuda.sh build test timeline timing8   session 15: the op's kernels as they run (SPARQ_CUDA_TIMELINE),
+#                                            tail phases (the A/B stages releaseab and qab of 9074b42 and 4c58db3 are s15ab)
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -549,32 +548,8 @@ stage_timeline() {
     done
 }
 
-stage_releaseab() {
-    # Session 15: benchmark (a), kernel A's early release (default) vs release at exit, interleaved twice, no timeline
-    for round in 1 2; do
-        for rel in early exit; do
-            local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1)
-            echo "round $round, release $rel"
-            env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
-                --out "$OUT/op_release_${rel}_$round.json" 2>&1 | grep -v "^wrote"
-        done
-    done
-}
-
-stage_qab() {
-    # Session 15: benchmark (a), kernel Q's fast path (default) vs before (SPARQ_CUDA_Q_V14=1), interleaved twice
-    for round in 1 2; do
-        for q in fast v14; do
-            local env=(); [ $q = v14 ] && env=(SPARQ_CUDA_Q_V14=1)
-            echo "round $round, kernel Q $q"
-            env "${env[@]}" python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536 --batches 1,8 \
-                --out "$OUT/op_q_${q}_$round.json" 2>&1 | grep -v "^wrote"
-        done
-    done
-}
-
 stage_timing8() {
-    # Session 15: the tail phase timings (SPARQ_CUDA_TIMING; kernel B's chunk 0 too) at B = 1 and 8, Llama-2 heads
+    # Session 15: the tail phase timings (SPARQ_CUDA_TIMING; kernel B's chunk 0 too at 4c58db3) at B = 1 and 8
     for b in 1 8; do
         for sq in 32768 65536; do
             echo "B = $b, S = $sq:"; SPARQ_CUDA_TIMING=1 python3 bench/cuda_profile.py --seq $sq --batch $b --runs 3 2>/dev/null \
@@ -628,24 +603,6 @@ PYEOF
         [ $mode = old ] && env=("${S15_OLD[@]}")
         env "${env[@]}" "${base[@]}" "${extra[@]}" > "$OUT/s15batch_$mode.log" 2>&1 || echo "batched $mode failed"
         echo "batched B = 8, $mode: $(grep -E '^\|? *8192 *\|' "$OUT/s15batch_$mode.log" | tail -1)"
-    done
-}
-
-stage_releasetg() {
-    # Session 15: llama-bench tg32 at 32k and 64k (Llama-2 shape): dense, SparQ, SparQ with kernel A's release at exit
-    local m; m=$(llama2_model) || return 1
-    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
-    for d in 32768 65536; do
-        "${lb[@]}" -d $d -sparq 0 > "$OUT/releasetg_${d}_dense.json" 2>/dev/null
-        "${lb[@]}" -d $d -sparq 1 > "$OUT/releasetg_${d}_early.json" 2>/dev/null
-        SPARQ_CUDA_A_RELEASE_EXIT=1 "${lb[@]}" -d $d -sparq 1 > "$OUT/releasetg_${d}_exit.json" 2>/dev/null
-        python3 - "$OUT" $d <<'PYEOF'
-import json, sys
-out, d = sys.argv[1:]
-ms = {v: 1000 / json.load(open(f"{out}/releasetg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "early", "exit")}
-print(f"d {d}: dense {ms['dense']:.2f} ms, sparq early release {ms['early']:.2f} ms ({ms['dense']/ms['early']:.2f}x), "
-      f"release at exit {ms['exit']:.2f} ms ({ms['dense']/ms['exit']:.2f}x)")
-PYEOF
     done
 }
 
