@@ -1,0 +1,52 @@
+"""bench/timeline_summary.py: the medians of the CUDA SparQ op's kernel timeline (SPARQ_CUDA_TIMELINE lines), the
+hand-over gaps and the bodies, against values worked out by hand from a log with a missing mark and stray lines."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import timeline_summary
+
+HEADER = "sparq timeline n_kv {n} rows {r} (us: start / past wait / end):"
+LOG = "\n".join([
+    "      S   B  sparq us  flash us",  # the benchmark's own output around the lines
+    HEADER.format(n=32768, r=32) + " Q 0.00 1.00 5.00; A - - 40.00; P 38.00 41.00 50.00; B 45.00 51.00 60.00;"
+                                   " S 55.00 61.00 72.00; LV 70.00 73.00 85.00;",
+    HEADER.format(n=32768, r=32) + " Q 0.00 2.00 7.00; A - - 44.00; P 38.00 45.00 52.00; B 45.00 53.00 64.00;"
+                                   " S 55.00 65.00 74.00; LV 70.00 75.00 87.00;",
+    HEADER.format(n=32768, r=32) + " Q 0.00 3.00 6.00; A - - 42.00; P 38.00 43.00 54.00; B 45.00 55.00 62.00;"
+                                   " S 55.00 63.00 76.00; LV 70.00 77.00 86.00;",
+    HEADER.format(n=4096, r=8) + " A - - 10.00; P 9.00 10.50 20.00;",  # no kernel Q (another policy)
+    '{"S": 32768, "B": 1, "sparq_us": 99.0}',
+])
+
+
+def test_medians_gaps_and_bodies(tmp_path):
+    path = tmp_path / "timeline.log"
+    path.write_text(LOG)
+    runs = timeline_summary.parse(path)
+    assert sorted(runs) == [(4096, 8), (32768, 32)]
+    assert len(runs[(32768, 32)]) == 3
+    k = timeline_summary.summarise(runs[(32768, 32)])
+    assert k["Q"] == {"start": 0.0, "waited": 2.0, "end": 6.0}  # the first kernel: no gap, no body
+    assert k["A"] == {"end": 42.0, "body": pytest.approx(36.0)}  # no start marks: end minus Q's end (35, 37, 36)
+    # P: past its wait minus A's end (1, 1, 1); end minus the later of the two (9, 7, 11)
+    assert k["P"]["gap"] == pytest.approx(1.0) and k["P"]["body"] == pytest.approx(9.0)
+    assert k["B"]["gap"] == pytest.approx(1.0) and k["B"]["body"] == pytest.approx(9.0)  # 9, 11, 7
+    assert k["LV"]["end"] == 86.0 and k["LV"]["body"] == pytest.approx(12.0)  # 12, 12, 9
+    short = timeline_summary.summarise(runs[(4096, 8)])
+    assert set(short) == {"A", "P"} and short["P"]["body"] == pytest.approx(9.5)
+
+
+def test_json_output(tmp_path, capsys, monkeypatch):
+    path, out = tmp_path / "timeline.log", tmp_path / "t.json"
+    path.write_text(LOG)
+    monkeypatch.setattr(sys, "argv", ["timeline_summary.py", str(path), "--json", str(out)])
+    assert timeline_summary.main() == 0
+    data = json.loads(out.read_text())
+    assert data["32768/32"]["runs"] == 3 and data["32768/32"]["kernels"]["S"]["end"] == 74.0
+    assert "n_kv 4096, rows 8, 1 runs" in capsys.readouterr().out
