@@ -1,8 +1,9 @@
 """Centroid-sparse attention in llama-server and llama-cli (--squeeze ...): the fixed prefix is prepared once at start
 in slot 0, a completion whose prompt starts with it evaluates only what follows and answers as the Python API does over
 the same prepared prefix, other prompts run in the other slots without touching it, a single slot refuses them with a
-clear error, with one cache stream other slots share the prefix's cells, a saved prefix loads, --squeeze-chat prepares
-the chat rendering of a system message, and llama-cli (which runs the server in-process) answers through it."""
+clear error, with one cache stream other slots share the prefix's cells, a dropped prefix is prepared again, a saved
+prefix loads, --squeeze-chat prepares the chat rendering of a system message, and llama-cli (which runs the server
+in-process) answers through it."""
 from __future__ import annotations
 
 import itertools
@@ -171,6 +172,28 @@ def test_one_slot_refuses_other_prompts(smollm2_path, document, tokens, tmp_path
         assert status == 400 and "after the chat template" in out["error"]["message"], out
         ok = srv.complete(prefix + question)
         assert ok["timings"]["prompt_n"] == len(question) and "48213" in ok["content"]
+    finally:
+        srv.close()
+
+
+def test_a_dropped_prefix_is_prepared_again(smollm2_path, document, tokens, tmp_path):
+    """A slot erase takes the prefix's cells, which drops it; the next task finds no slot processing and prepares it
+    again, so again only the question is evaluated, with the same answer, and the one slot refuses other prompts again."""
+    prefix, question, _ = tokens
+    srv = SqueezeServer(smollm2_path, tmp_path, "-np", "1", "--squeeze", "--squeeze-prefix-file", document,
+                        "--squeeze-keep", KEEP, "--slot-save-path", str(tmp_path))
+    try:
+        first = srv.complete(prefix + question)
+        assert first["timings"]["prompt_n"] == len(question) and "48213" in first["content"], first
+        status, out = srv.post("/slots/0?action=erase", {})
+        assert status == 200 and out["n_erased"] > len(prefix), out
+        again = srv.complete(prefix + question)
+        log = srv.log()
+        assert "no longer prepared" in log and log.count("preparing the fixed prefix again") == 1, log[-3000:]
+        assert log.count(f"holds the prepared fixed prefix ({len(prefix)} tokens)") == 2
+        assert again["timings"]["prompt_n"] == len(question) and again["content"] == first["content"], again
+        status, out = srv.post("/completion", {"prompt": "The capital of France is", "n_predict": 4})
+        assert status == 400 and "slot 0 holds the prepared fixed prefix (--squeeze)" in out["error"]["message"], out
     finally:
         srv.close()
 

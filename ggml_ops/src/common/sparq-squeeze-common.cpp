@@ -216,8 +216,10 @@ bool common_squeeze_slot::held(const llama_context * ctx) {
         return true;
     }
     LOG_WRN("%s: the fixed prefix of sequence %d is no longer prepared (its cells changed); that slot now takes any "
-            "prompt, and prompts that start with the prefix are evaluated in full\n", __func__, seq_id);
+            "prompt, and prompts that start with the prefix are evaluated in full until it is prepared again\n",
+            __func__, seq_id);
     seq_id = -1;
+    dropped = true;
     return false;
 }
 

@@ -24,13 +24,14 @@ struct common_squeeze_slot {
     llama_seq_id             seq_id = -1;   // the slot's sequence; -1: no prefix held
     std::vector<llama_token> tokens;        // the prefix
     int32_t                  n_clustered = 0;
+    bool                     dropped = false;  // held() saw the prefix dropped: the server prepares it again
 
     // A prompt reuses the prefix when it starts with the clustered tokens: the calibration tail after them is read
     // exactly, so it may differ (a token merged across the prefix's end) and is then evaluated again.
     bool matches(const llama_tokens & prompt) const;
 
     // Whether the prefix is still prepared in seq_id. Something that changed its cells (a context shift, a slot erase
-    // or restore) drops it: then the slot is released for any prompt, with one warning.
+    // or restore) drops it: then the slot is released for any prompt, with one warning, and `dropped` is set.
     bool held(const llama_context * ctx);
 
     // What the server's routing needs of one of its slots.
