@@ -606,12 +606,37 @@ __device__ __forceinline__ uint32_t score_key(float c) { return __float_as_uint(
 
 // ---- kernel A: scores ------------------------------------------------------------------------------
 
+// factor_g = scale / sqrt(rho_g), rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU), into fac: a warp per head, lanes
+// strided, one butterfly; q_of(g) gives head g's d components (global memory or a shared copy: the same values, so
+// the same bits). Ends with a barrier (fac is read by the whole block).
+template <typename QFn>
+__device__ void query_factors(const sparq_args & a, int64_t G, int64_t d, const int * i1, float * fac, QFn q_of) {
+    const int k1 = a.p.k1;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+        const float * qg = q_of(g);
+        double all = 0.0, sel = 0.0;
+        for (int64_t i = lane; i < d; i += WARP_SIZE) {
+            all += fabs((double) qg[i]);
+        }
+        for (int i = lane; i < k1; i += WARP_SIZE) {
+            sel += fabs((double) qg[i1[i]]);
+        }
+        all = warp_reduce(all, op_add());
+        sel = warp_reduce(sel, op_add());
+        if (lane == 0) {
+            const double rho = all > 0.0 ? sel / all : 1.0;
+            fac[g] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
+        }
+    }
+    __syncthreads();
+}
+
 // I1 of row c (ascending; the k1 largest components of sum_g |q_g|, ties to the lower component) into i1, and
 // factor_g = scale / sqrt(rho_g) into fac. Shared scratch: absum [d] floats, rank [d] ints.
 __device__ void row_query(const sparq_args & a, const row_coords & c, float * absum, int * rank, int * i1, float * fac) {
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
         float sum = 0.0f;  // in head order, as the CPU
         for (int64_t g = 0; g < G; ++g) {
@@ -640,32 +665,15 @@ __device__ void row_query(const sparq_args & a, const row_coords & c, float * ab
         }
     }
     __syncthreads();
-    // rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU); a warp per head
-    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
-        const float * qg = q_row(a, c.h*G + g, c);
-        double all = 0.0, sel = 0.0;
-        for (int64_t i = lane; i < d; i += WARP_SIZE) {
-            all += fabs((double) qg[i]);
-        }
-        for (int i = lane; i < k1; i += WARP_SIZE) {
-            sel += fabs((double) qg[i1[i]]);
-        }
-        all = warp_reduce(all, op_add());
-        sel = warp_reduce(sel, op_add());
-        if (lane == 0) {
-            const double rho = all > 0.0 ? sel / all : 1.0;
-            fac[g] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
-        }
-    }
-    __syncthreads();
+    query_factors(a, G, d, i1, fac, [&](int64_t g) { return q_row(a, c.h*G + g, c); });
 }
 
 // row_query's results (the same I1, the same factors bit for bit) in fewer dependent steps, for kernel Q: the row's
 // queries are read from global memory once, into qrow [G][d] (row_query reads them three times); each component's
 // rank is counted by R consecutive lanes (as many as fit, up to a warp) over a 1/R share of the others (row_query:
 // one thread over all d); I1 is compacted in order by one warp's ballots (row_query: each selected component
-// counts the selected ones below it, O(d) serial loads). The factors' sums run as in row_query (a warp per head,
-// lanes strided, the same butterfly), over the same values. Shared: absum [d], rank [d], qrow [G*d] floats.
+// counts the selected ones below it, O(d) serial loads). The factors: query_factors over the same values, as
+// row_query. Shared: absum [d], rank [d], qrow [G*d] floats.
 // Timeline at 32k (H100, session 15): kernel Q's body 6.2 us with row_query, 4.7 us with this, of a ~86 us chain.
 __device__ void row_query_fast(const sparq_args & a, const row_coords & c, float * absum, int * rank, float * qrow,
                                int * i1, float * fac) {
@@ -720,24 +728,7 @@ __device__ void row_query_fast(const sparq_args & a, const row_coords & c, float
         }
     }
     __syncthreads();
-    // rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU); a warp per head
-    for (int g = warp; g < G; g += nt / WARP_SIZE) {
-        const float * qg = qrow + g*d;
-        double all = 0.0, sel = 0.0;
-        for (int i = lane; i < d; i += WARP_SIZE) {
-            all += fabs((double) qg[i]);
-        }
-        for (int i = lane; i < k1; i += WARP_SIZE) {
-            sel += fabs((double) qg[i1[i]]);
-        }
-        all = warp_reduce(all, op_add());
-        sel = warp_reduce(sel, op_add());
-        if (lane == 0) {
-            const double rho = all > 0.0 ? sel / all : 1.0;
-            fac[g] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
-        }
-    }
-    __syncthreads();
+    query_factors(a, G, d, i1, fac, [&](int64_t g) { return (const float *) qrow + g*d; });
 }
 
 // Kernel Q's shared memory: absum and rank [d] each, and with the fast path the row's queries [G][d] (the fast path
