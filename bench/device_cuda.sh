@@ -19,6 +19,8 @@
 #                                            --squeeze on the GPU (tests/test_squeeze_cuda.py), at one commit
 #   bench/device_cuda.sh build test timeline timing8   session 15: the op's kernels as they run (SPARQ_CUDA_TIMELINE),
 #                                            tail phases (the A/B stages releaseab and qab of 9074b42 and 4c58db3 are s15ab)
+#   bench/device_cuda.sh build s16test s16ab; TIMELINE_VARIANTS="early pbs0" ... timeline   session 16: kernel PBS
+#                                            (P, B, S as one cluster kernel per row) tested and measured against P, B, S
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -538,6 +540,7 @@ stage_timeline() {
     # printing kernel runs inside the timed region)
     for rel in ${TIMELINE_VARIANTS:-early exit}; do
         local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1); [ $rel = old ] && env=("${S15_OLD[@]}")
+        [ $rel = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
         : > "$OUT/timeline_$rel.log"
         for b in 1 8; do
             for sq in 4096 32768 65536; do
@@ -603,6 +606,26 @@ PYEOF
         [ $mode = old ] && env=("${S15_OLD[@]}")
         env "${env[@]}" "${base[@]}" "${extra[@]}" > "$OUT/s15batch_$mode.log" 2>&1 || echo "batched $mode failed"
         echo "batched B = 8, $mode: $(grep -E '^\|? *8192 *\|' "$OUT/s15batch_$mode.log" | tail -1)"
+    done
+}
+
+stage_s16test() {
+    # Session 16: every CUDA op test with kernel PBS (the default on Hopper) and with kernels P, B and S
+    # (SPARQ_CUDA_PBS=0); a hung cluster barrier ends at the timeout instead of the call's limit
+    echo "tests, PBS: $(timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs.log" | tail -1)"
+    grep -E "^(FAILED|E  )" "$OUT/test_pbs.log" | head -20
+    echo "tests, P B S: $(SPARQ_CUDA_PBS=0 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs0.log" | tail -1)"
+}
+
+stage_s16ab() {
+    # Session 16: benchmark (a) with kernel PBS and with kernels P, B and S, ROUNDS interleaved rounds
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+        for v in pbs pbs0; do
+            local env=(X=0); [ $v = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
+            echo "variant $v, round $round"
+            env "${env[@]}" timeout 200 python3 bench/cuda_op.py --runs 30 --seqs 4096,32768,65536,131072 --batches 1,8 \
+                --out "$OUT/op_s16_${v}_$round.json" 2>&1 | grep -v "^wrote"
+        done
     done
 }
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 LINE = re.compile(r"sparq timeline n_kv (\d+) rows (\d+) \(us: start / past wait / end\):(.*)")
-KERNELS = ("Q", "A", "P", "B", "S", "LV")
+KERNELS = ("Q", "A", "P", "B", "S", "PBS", "LV")
 
 
 def parse(path: Path) -> dict[tuple[int, int], list[dict[str, list[float | None]]]]:

@@ -29,6 +29,8 @@
 
 #include "ggml-sparq.h"
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -79,10 +81,10 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 // %globaltimer of its first block's start, of the first block past pdl_wait, and of the last warp's end; after
 // the chain a one-thread kernel prints them relative to the chain's start and resets them. It shows the chain as it
 // runs under dependent launches, which ncu cannot (ncu serialises kernels and flushes caches between them).
-enum tl_kernel { TL_Q = 0, TL_A, TL_P, TL_B, TL_S, TL_LV, TL_N };
+enum tl_kernel { TL_Q = 0, TL_A, TL_P, TL_B, TL_S, TL_PBS, TL_LV, TL_N };
 __device__ unsigned long long g_tl[TL_N][3] = {
     { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 },
-    { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 } };
+    { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 } };
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -106,7 +108,7 @@ __device__ __forceinline__ void tl_end(int k, bool on) {
     if (on && threadIdx.x % WARP_SIZE == 0) { atomicMax(&g_tl[k][2], global_ns()); }
 }
 __global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
-    static const char * const names[TL_N] = { "Q", "A", "P", "B", "S", "LV" };
+    static const char * const names[TL_N] = { "Q", "A", "P", "B", "S", "PBS", "LV" };
     unsigned long long t0 = ~0ull;
     for (int k = 0; k < TL_N; ++k) {
         t0 = min(t0, g_tl[k][0]);
@@ -165,6 +167,7 @@ struct sparq_args {
     int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
     bool vec_kt, vec_kv, vec_logits;
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
+    bool has_logits;               // kernel A writes logits (every policy but WINDOW without the mean)
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool timeline;                 // SPARQ_CUDA_TIMELINE: print the kernels' start and end times (tl_scope)
     bool a_release_exit;           // SPARQ_CUDA_A_RELEASE_EXIT: kernel A releases its successor only at exit
@@ -812,24 +815,18 @@ __device__ inline sample_plan plan_sample(int64_t n_kv, int64_t n_top, int64_t c
     return { stride, (n_kv + stride - 1) / stride, target / stride };
 }
 
-// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
-__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
-    long long t_marks[5];
-    t_marks[0] = t_start;
-    __shared__ uint32_t skey[SAMPLE_MAX];
-    __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
-    __shared__ int64_t info[N_RI];
-    __shared__ int red[32];
-    __shared__ uint32_t red3[96];
-    __shared__ bucket_state bst;
-    const int64_t G = a.group, n_kv = a.n_kv, nA = a.n_chunks_a;
-    __shared__ float rst[2*MAX_G];
-    __shared__ int64_t redl[96];
-    float * rstat = s.rstat + w*2*G;
+// Kernel A's chunk statistics of row w merged (kernel P; every block of kernel PBS, the same loop so the same bits):
+// per head the softmax max M_g and 1/Z_g into rst [2G] (and into scratch where write_global; a warp per head, lanes
+// across chunks, one round of loads), and the visible cells and their position range, in every thread. Ends with
+// a barrier (rst complete).
+struct row_merge {
+    int64_t n_vis, p_min, p_max;
+};
+__device__ row_merge merge_chunk_stats(const sparq_args & a, const sparq_scratch & s, int64_t w, float * rst,
+                                       bool write_global, int64_t * redl) {
+    const int64_t G = a.group, nA = a.n_chunks_a;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    SPARQ_TIMING_MARK(1);
-    // merge the chunks' softmax statistics: a warp per head, lanes across chunks (one round of loads)
+    float * rstat = s.rstat + w*2*G;
     for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
         const float * cm = s.cmax + (w*G + g)*nA;
         const float * cs = s.csum + (w*G + g)*nA;
@@ -844,21 +841,45 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         }
         total = warp_reduce(total, op_add());
         if (lane == 0) {
-            rst[g]     = rstat[g]     = mx;
-            rst[G + g] = rstat[G + g] = total > 0.0 ? (float) (1.0 / total) : 0.0f;
+            const float inv_z = total > 0.0 ? (float) (1.0 / total) : 0.0f;
+            rst[g] = mx;
+            rst[G + g] = inv_z;
+            if (write_global) {
+                rstat[g] = mx;
+                rstat[G + g] = inv_z;
+            }
         }
     }
-    // visible cells and their position range over the chunks
-    int64_t n_vis = 0, p_min = INT64_MAX, p_max = INT64_MIN;
+    row_merge rm = { 0, INT64_MAX, INT64_MIN };
     for (int64_t ch = threadIdx.x; ch < nA; ch += blockDim.x) {
         const int32_t * cv = s.cvis + (w*nA + ch)*3;
         if (cv[0] > 0) {
-            n_vis += cv[0];
-            p_min = min(p_min, (int64_t) cv[1]);
-            p_max = max(p_max, (int64_t) cv[2]);
+            rm.n_vis += cv[0];
+            rm.p_min = min(rm.p_min, (int64_t) cv[1]);
+            rm.p_max = max(rm.p_max, (int64_t) cv[2]);
         }
     }
-    block_sum_min_max(n_vis, p_min, p_max, redl);
+    block_sum_min_max(rm.n_vis, rm.p_min, rm.p_max, redl);  // its barriers publish rst
+    return rm;
+}
+
+// Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
+__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
+    long long t_marks[5];
+    t_marks[0] = t_start;
+    __shared__ uint32_t skey[SAMPLE_MAX];
+    __shared__ uint32_t hist[HIST_WORDS];
+    __shared__ select_state sst;
+    __shared__ int64_t info[N_RI];
+    __shared__ int red[32];
+    __shared__ uint32_t red3[96];
+    __shared__ bucket_state bst;
+    const int64_t G = a.group, n_kv = a.n_kv;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int64_t redl[96];
+    SPARQ_TIMING_MARK(1);
+    const row_merge rm = merge_chunk_stats(a, s, w, rst, true, redl);
+    const int64_t n_vis = rm.n_vis, p_min = rm.p_min, p_max = rm.p_max;
     if (threadIdx.x == 0) {
         info[RI_KIND]  = n_vis == 0 ? ROW_EMPTY : n_vis <= a.p.k2 ? ROW_DENSE : ROW_SPARSE;
         info[RI_N_VIS] = n_vis;
@@ -1436,6 +1457,62 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     }
 }
 
+// I2 in cell order from the row's bitmap bm into i2 (shared or global memory): each thread counts a run of words (loaded
+// at once), a block scan places them; at most k2 cells. Returns their count. red: 32 shared ints.
+__device__ int i2_from_bitmap(const sparq_args & a, const uint32_t * bm, int32_t * i2, int * red) {
+    constexpr int WORDS_IN_REGS = 16;
+    const int64_t k2 = a.p.k2;
+    const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
+    const int64_t wd0 = threadIdx.x*wpt, wd1 = min(a.n_words, wd0 + wpt);
+    uint32_t wv[WORDS_IN_REGS];
+    int cnt = 0, n_sel = 0;
+    if (wpt <= WORDS_IN_REGS) {
+#pragma unroll
+        for (int u = 0; u < WORDS_IN_REGS; ++u) {
+            wv[u] = wd0 + u < wd1 ? __ldcg(bm + wd0 + u) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < WORDS_IN_REGS; ++u) {
+            cnt += __popc(wv[u]);
+        }
+    } else {
+        for (int64_t wd = wd0; wd < wd1; ++wd) {
+            cnt += __popc(__ldcg(bm + wd));
+        }
+    }
+    int at = block_exclusive_scan(cnt, &n_sel, red);
+    for (int64_t wd = wd0; wd < wd1; ++wd) {
+        const uint32_t word = wpt <= WORDS_IN_REGS ? wv[(int) min(wd - wd0, (int64_t) WORDS_IN_REGS - 1)] : __ldcg(bm + wd);
+        for (uint32_t bits = word; bits; bits &= bits - 1) {
+            if (at < k2) {
+                i2[at] = (int32_t) (wd*32 + __ffs(bits) - 1);
+            }
+            ++at;
+        }
+    }
+    return (int) min((int64_t) n_sel, k2);
+}
+
+// alpha_g = the approximate probability mass of I2 (one warp per head), for sparse rows with the mean on; i2 in shared
+// or global memory (written by this block before a barrier).
+__device__ void row_alpha(const sparq_args & a, const sparq_scratch & s, int64_t w, const int32_t * i2, int n_sel,
+                          const float * rst) {
+    const int64_t G = a.group, n_kv = a.n_kv;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const float * lrow = s.logits + w*G*n_kv;
+    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+        float sum = 0.0f;
+#pragma unroll 4
+        for (int i = lane; i < n_sel; i += WARP_SIZE) {
+            sum += __expf(lrow[g*n_kv + i2[i]] - rst[g]) * rst[G + g];
+        }
+        sum = warp_reduce(sum, op_add());
+        if (lane == 0) {
+            s.alpha[w*G + g] = sum;
+        }
+    }
+}
+
 // Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
 // cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
 __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
@@ -1456,14 +1533,14 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
-    const int64_t G = a.group, k2 = a.p.k2, n_kv = a.n_kv;
+    const int64_t G = a.group, k2 = a.p.k2;
     const smem_s_layout L = smem_s_plan(a.cap, k2);
     uint64_t * keys = (uint64_t *) (sms + L.keys);
     int32_t  * i2   = (int32_t *)  (sms + L.i2);
     int32_t  * uni  = (int32_t *)  (sms + L.uni);  // I2 unordered (list path)
     int64_t  * ri   = s.rinfo + w*N_RI;
     const int64_t kind = ri[RI_KIND];
-    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int tid = threadIdx.x;
     if (kind == ROW_EMPTY) {
         if (tid == 0) {
             ri[RI_N_SEL] = 0;
@@ -1580,38 +1657,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     SPARQ_TIMING_MARK(1);
 
     if (!from_list) {
-        // I2 in cell order from the bitmap: each thread counts a run of words (loaded at once), a block scan
-        // places them
-        constexpr int WORDS_IN_REGS = 16;
-        const int64_t wpt = (a.n_words + blockDim.x - 1) / blockDim.x;
-        const int64_t wd0 = tid*wpt, wd1 = min(a.n_words, wd0 + wpt);
-        uint32_t wv[WORDS_IN_REGS];
-        int cnt = 0;
-        if (wpt <= WORDS_IN_REGS) {
-#pragma unroll
-            for (int u = 0; u < WORDS_IN_REGS; ++u) {
-                wv[u] = wd0 + u < wd1 ? __ldcg(bm + wd0 + u) : 0u;
-            }
-#pragma unroll
-            for (int u = 0; u < WORDS_IN_REGS; ++u) {
-                cnt += __popc(wv[u]);
-            }
-        } else {
-            for (int64_t wd = wd0; wd < wd1; ++wd) {
-                cnt += __popc(__ldcg(bm + wd));
-            }
-        }
-        int at = block_exclusive_scan(cnt, &n_sel, red);
-        for (int64_t wd = wd0; wd < wd1; ++wd) {
-            const uint32_t word = wpt <= WORDS_IN_REGS ? wv[(int) min(wd - wd0, (int64_t) WORDS_IN_REGS - 1)] : __ldcg(bm + wd);
-            for (uint32_t bits = word; bits; bits &= bits - 1) {
-                if (at < k2) {
-                    i2[at] = (int32_t) (wd*32 + __ffs(bits) - 1);
-                }
-                ++at;
-            }
-        }
-        n_sel = min((int64_t) n_sel, k2);
+        n_sel = i2_from_bitmap(a, bm, i2, red);
     }
     __syncthreads();
     for (int i = tid; i < n_sel; i += blockDim.x) {
@@ -1622,23 +1668,339 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     }
     SPARQ_TIMING_MARK(2);
 
-    // alpha_g = the approximate probability mass of I2 (one warp per head), for sparse rows with the mean on
     if (kind == ROW_SPARSE && a.p.mean_on) {
-        const float * lrow = s.logits + w*G*n_kv;
-        for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
-            float sum = 0.0f;
-#pragma unroll 4
-            for (int i = lane; i < n_sel; i += WARP_SIZE) {
-                sum += __expf(lrow[g*n_kv + i2[i]] - rst[g]) * rst[G + g];
-            }
-            sum = warp_reduce(sum, op_add());
-            if (lane == 0) {
-                s.alpha[w*G + g] = sum;
-            }
-        }
+        row_alpha(a, s, w, i2, n_sel, rst);
     }
     SPARQ_TIMING_MARK(3);
     SPARQ_TIMING_PRINT("S: select, I2, alpha", w, 4);
+}
+
+// ---- kernel PBS: P, B and S as one kernel per row over a thread-block cluster (Hopper) -------------------------
+
+// Kernels P, B and S run each row's selection as a chain of dependent memory round trips and block barriers in
+// one block per row (P, S) or through a global candidate list (B): ~35 us of the chain's ~86 at 32k (session 15's
+// timeline). Kernel PBS spreads a row over a cluster of PBS_CLUSTER blocks that exchange their counts through
+// distributed shared memory: no sample, no threshold guess, no candidate list, no fallback for a misleading sample.
+//   1. every block merges kernel A's chunk statistics (as kernel P, the same bits), so the row's kind, window and
+//      sinks bounds and softmax statistics are known everywhere without an exchange;
+//   2. block b takes cells [b*span, (b+1)*span): visibility (from the logits, the mask only for -inf), forced cells
+//      (window, sinks; every visible cell of a dense row), group scores as kernel B, 32-bit keys in shared memory;
+//   3. the exact top n_top of the candidates by (score, cell), equal scores to the lower cell: a radix select over
+//      the composite key ((key - kmin) << cell_bits | ~cell), 8-bit digits from the top, each pass one histogram
+//      per block summed over the cluster by every block (one cluster barrier per pass; most rows take two);
+//   4. I2 in cell order: per (cell round, warp) ballot counts, a block scan, the blocks before this one from the
+//      cluster; alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
+// Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
+// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 8 (a round of 8
+// cells per thread is one A chunk), at most PBS_MAX_CPT: n_kv <= PBS_CLUSTER * PBS_THREADS * PBS_MAX_CPT; longer
+// rows, devices before Hopper and SPARQ_CUDA_PBS=0 run kernels P, B and S.
+constexpr int PBS_CLUSTER = 8;    // portable cluster size
+constexpr int PBS_THREADS = 256;
+constexpr int PBS_MAX_CPT = 64;
+constexpr int PBS_BINS    = 256;  // 8-bit digits
+static_assert(A_CHUNK == 8*PBS_THREADS, "a round of 8 cells per thread of kernel PBS is one chunk of kernel A");
+
+// What a block publishes to its cluster (read by the others through distributed shared memory).
+struct pbs_exchange {
+    uint32_t hist[2][PBS_BINS];  // radix histogram of the pass (parity: one cluster barrier per pass suffices)
+    int      n_w, n_s, n_sel;    // forced window and sink cells, selected cells
+    uint32_t kmin, kmax;         // candidate keys' range
+    float    alpha[MAX_G];       // the block's part of alpha_g
+};
+
+__host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a multiple of 8
+    const int64_t per_thread = (n_kv + PBS_CLUSTER*PBS_THREADS - 1) / (PBS_CLUSTER*PBS_THREADS);
+    return (int) ((per_thread + 7) / 8 * 8);
+}
+
+__global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, const sparq_scratch s, int64_t r0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    extern __shared__ uint32_t keys[];  // [cpt][PBS_THREADS]: 0 hidden, else score_key of the cell's group score
+    __shared__ pbs_exchange ex;
+    __shared__ float rst[2*MAX_G];
+    __shared__ int64_t redl[96];
+    __shared__ int red[32];
+    __shared__ bool pos_chunk[PBS_MAX_CPT/8];  // this block's A chunks (rounds of 8 cells) whose cells can be forced
+    __shared__ int wcount[PBS_MAX_CPT*PBS_THREADS/WARP_SIZE];   // selected cells per (round, warp), then their offsets
+    __shared__ uint32_t wballot[PBS_MAX_CPT*PBS_THREADS/WARP_SIZE];
+    __shared__ float walpha[PBS_THREADS/WARP_SIZE];
+    __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
+    __shared__ uint32_t hist[HIST_WORDS];  // kernel S's exact selection (first block, rows that need it)
+    __shared__ select_state sst;
+    const tl_scope tl(TL_PBS, a.timeline);
+    pdl_wait();
+    tl.waited();
+    pdl_release();
+    const int rank = (int) cluster.block_rank();
+    const int64_t w = blockIdx.x / PBS_CLUSTER;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, n_kv = a.n_kv, k2 = a.p.k2;
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int cpt = pbs_cpt(n_kv);
+    const int64_t span = (int64_t) cpt*PBS_THREADS, base = rank*span;
+    const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+
+    // 1. the row's statistics (every block)
+    const row_merge rm = merge_chunk_stats(a, s, w, rst, rank == 0, redl);
+    const int64_t kind = rm.n_vis == 0 ? ROW_EMPTY : rm.n_vis <= k2 ? ROW_DENSE : ROW_SPARSE;
+    const int64_t w_lo = rm.p_max - a.window, s_hi = rm.p_min + a.sinks;  // window: pos > w_lo; sinks: pos < s_hi
+    int64_t * ri = s.rinfo + w*N_RI;
+    if (rank == 0 && tid == 0) {
+        ri[RI_KIND] = kind;
+        ri[RI_N_VIS] = rm.n_vis;
+        ri[RI_W_LO] = w_lo;
+        ri[RI_S_HI] = s_hi;
+    }
+    if (kind == ROW_EMPTY) {  // the same in every block: no exchange
+        if (rank == 0 && tid == 0) {
+            ri[RI_N_SEL] = 0;
+        }
+        return;
+    }
+    const bool sparse = kind == ROW_SPARSE, find_cand = sparse && a.n_top > 0;
+    const bool has_logits = a.has_logits;
+    const float * lrow = s.logits + w*G*n_kv;
+    const uint16_t * m = mask_row(a, c);
+    const int32_t * pr = pos_row(a, c);
+    for (int i = tid; i < cpt/8; i += PBS_THREADS) {
+        const int64_t ch = base / A_CHUNK + i;
+        const int32_t * cv = s.cvis + (w*a.n_chunks_a + ch)*3;
+        pos_chunk[i] = ch < a.n_chunks_a && sparse && cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi);
+    }
+    __syncthreads();
+
+    // 2. this block's cells: keys (0: hidden), forced bits, the candidates' key range
+    uint64_t forced = 0;
+    int n_w = 0, n_s = 0;
+    uint32_t kmin = UINT32_MAX, kmax = 0;
+    for (int u0 = 0; u0 < cpt; u0 += 8) {
+        const bool need_pos = pos_chunk[u0/8];
+        int64_t cells[8];
+        float score[8];
+        int64_t pos_c[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {  // the first head's logits and the needed positions in one round
+            const int64_t j = cells[u] = base + (int64_t) (u0 + u)*PBS_THREADS + tid;
+            score[u] = has_logits && j < n_kv ? lrow[j] : -INFINITY;
+            pos_c[u] = need_pos && j < n_kv ? position(pr, j) : 0;
+        }
+        bool vis[8], cand[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int64_t j = cells[u];
+            vis[u] = score[u] != -INFINITY || (j < n_kv && visible(m, j));
+            const bool in_w = sparse && vis[u] && need_pos && pos_c[u] > w_lo;
+            const bool in_s = sparse && vis[u] && need_pos && pos_c[u] < s_hi;
+            n_w += in_w;
+            n_s += in_s;
+            const bool mark = kind == ROW_DENSE ? vis[u] : (in_w || in_s);
+            forced |= (uint64_t) mark << (u0 + u);
+            cand[u] = sparse && has_logits && vis[u];  // scored: the forced cells' scores go into alpha_g
+        }
+        // group scores as kernel B: the first head from the loaded logits (0 + x, as group_scores), then the others
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            score[u] = cand[u] ? 0.0f + __expf(score[u] - rst[0]) * rst[G] : 0.0f;
+        }
+        if (G > 1) {
+            group_scores(lrow, n_kv, G, rst, cells, cand, score, 1);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const uint32_t key = cand[u] ? score_key(score[u]) : (vis[u] ? 1u : 0u);
+            keys[(u0 + u)*PBS_THREADS + tid] = key;
+            const bool is_cand = find_cand && vis[u] && !((forced >> (u0 + u)) & 1);
+            kmin = is_cand ? min(kmin, key) : kmin;
+            kmax = is_cand ? max(kmax, key) : kmax;
+        }
+    }
+    n_w = block_reduce(n_w, op_add(), 0, red);
+    n_s = block_reduce(n_s, op_add(), 0, red);
+    kmin = block_reduce(kmin, op_min(), UINT32_MAX, (uint32_t *) red);
+    kmax = block_reduce(kmax, op_max(), 0u, (uint32_t *) red);
+    if (tid == 0) {
+        ex.n_w = n_w; ex.n_s = n_s; ex.kmin = kmin; ex.kmax = kmax;
+    }
+    cluster.sync();  // also: every block of the cluster runs, so its shared memory can be read
+    n_w = 0; n_s = 0; kmin = UINT32_MAX; kmax = 0;
+    for (int b = 0; b < PBS_CLUSTER; ++b) {
+        const pbs_exchange * o = cluster.map_shared_rank(&ex, b);
+        n_w += o->n_w; n_s += o->n_s;
+        kmin = min(kmin, o->kmin); kmax = max(kmax, o->kmax);
+    }
+    // kernel S's condition for the fast path: exactly the window and the sinks forced, and disjoint
+    const bool exact_all = sparse && !(n_w == a.window && n_s == a.sinks && w_lo >= s_hi - 1);
+
+    // 3. the top n_top of the candidates: the radix passes leave (prefix, sh) with exactly n_top keys K >> sh >= prefix
+    uint64_t prefix = 0;
+    int sh = 0;
+    if (find_cand && !exact_all) {
+        const int total_bits = (32 - __clz(kmax - kmin)) + a.cell_bits;
+        sh = max(0, total_bits - 8);
+        int width = total_bits - sh, par = 0;
+        uint32_t need = (uint32_t) a.n_top;
+        for (;;) {
+            ex.hist[par][tid] = 0;  // no block reads this parity before the cluster barrier below (see pbs_exchange)
+            __syncthreads();
+            for (int u = 0; u < cpt; ++u) {
+                const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
+                const uint32_t key = keys[u*PBS_THREADS + tid];
+                const bool is_cand = key != 0 && !((forced >> u) & 1) && j < n_kv;
+                const uint64_t K = ((uint64_t) (key - kmin) << a.cell_bits) | (cmask - (uint64_t) j);
+                const uint32_t bin = is_cand && (K >> (sh + width)) == prefix ? (uint32_t) (K >> sh) & ((1u << width) - 1)
+                                                                             : PBS_BINS;
+                const uint32_t peers = __match_any_sync(0xFFFFFFFF, bin);
+                if (bin < PBS_BINS && lane == __ffs(peers) - 1) {
+                    atomicAdd(&ex.hist[par][bin], (uint32_t) __popc(peers));
+                }
+            }
+            cluster.sync();
+            // thread t: bin 255 - t summed over the cluster; the scan runs from the top bin down
+            const int bin = PBS_BINS - 1 - tid;
+            uint32_t cnt = 0;
+            for (int b = 0; b < PBS_CLUSTER; ++b) {
+                cnt += cluster.map_shared_rank(&ex.hist[par][0], b)[bin];
+            }
+            int n_items = 0;
+            const uint32_t above = (uint32_t) block_exclusive_scan((int) cnt, &n_items, red);
+            if (above < need && above + cnt >= need) {
+                bin_found[0] = bin; bin_found[1] = above; bin_found[2] = cnt;
+            }
+            __syncthreads();
+            prefix = (prefix << width) | bin_found[0];
+            need -= bin_found[1];
+            if (bin_found[2] == need || sh == 0) {
+                break;
+            }
+            const int sh_next = max(0, sh - 8);
+            width = sh - sh_next;
+            sh = sh_next;
+            par ^= 1;
+        }
+    }
+
+    // 4. the selected cells: forced, or candidates in the top; per (round, warp) counts in cell order
+    uint64_t sel = 0;
+    float part = 0.0f;  // alpha_0's part (G = 1: the score itself)
+    if (!exact_all) {
+        for (int u = 0; u < cpt; ++u) {
+            const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
+            const uint32_t key = keys[u*PBS_THREADS + tid];
+            const bool f = (forced >> u) & 1;
+            const uint64_t K = ((uint64_t) (key - kmin) << a.cell_bits) | (cmask - (uint64_t) j);
+            const bool top = find_cand && key != 0 && !f && j < n_kv && (K >> sh) >= prefix;
+            const bool is_sel = f || top;
+            sel |= (uint64_t) is_sel << u;
+            if (is_sel && G == 1 && has_logits) {
+                part += __uint_as_float(key - 1u);
+            }
+            const uint32_t ballot = __ballot_sync(0xFFFFFFFF, is_sel);
+            if (lane == 0) {
+                wballot[u*(PBS_THREADS/WARP_SIZE) + warp] = ballot;
+                wcount[u*(PBS_THREADS/WARP_SIZE) + warp] = __popc(ballot);
+            }
+        }
+    }
+    __syncthreads();
+    int n_sel_block = 0;
+    if (!exact_all) {
+        const int n_slots = cpt*(PBS_THREADS/WARP_SIZE), per = (n_slots + PBS_THREADS - 1) / PBS_THREADS;
+        int v[PBS_MAX_CPT*(PBS_THREADS/WARP_SIZE)/PBS_THREADS], tsum = 0;
+#pragma unroll
+        for (int e = 0; e < PBS_MAX_CPT*(PBS_THREADS/WARP_SIZE)/PBS_THREADS; ++e) {
+            v[e] = e < per && tid*per + e < n_slots ? wcount[tid*per + e] : 0;
+            tsum += v[e];
+        }
+        int at = block_exclusive_scan(tsum, &n_sel_block, red);
+#pragma unroll
+        for (int e = 0; e < PBS_MAX_CPT*(PBS_THREADS/WARP_SIZE)/PBS_THREADS; ++e) {
+            if (e < per && tid*per + e < n_slots) {
+                wcount[tid*per + e] = at;
+                at += v[e];
+            }
+        }
+    }
+    // alpha_g's part of this block (sparse rows with the mean on), in a fixed order
+    const bool want_alpha = sparse && a.p.mean_on && !exact_all;
+    if (want_alpha) {
+        for (int64_t g = 0; g < G; ++g) {
+            float p = part;
+            if (G > 1) {
+                p = 0.0f;
+                for (int u = 0; u < cpt; ++u) {
+                    if ((sel >> u) & 1) {
+                        const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
+                        p += __expf(lrow[g*n_kv + j] - rst[g]) * rst[G + g];
+                    }
+                }
+            }
+            p = warp_reduce(p, op_add());
+            __syncthreads();  // walpha of the previous head read
+            if (lane == 0) {
+                walpha[warp] = p;
+            }
+            __syncthreads();
+            if (tid == 0) {
+                float sum = 0.0f;
+                for (int i = 0; i < PBS_THREADS/WARP_SIZE; ++i) {
+                    sum += walpha[i];
+                }
+                ex.alpha[g] = sum;
+            }
+        }
+    }
+    if (tid == 0) {
+        ex.n_sel = n_sel_block;
+    }
+    cluster.sync();
+    int64_t before = 0, n_sel = 0;
+    for (int b = 0; b < PBS_CLUSTER; ++b) {
+        const int n = cluster.map_shared_rank(&ex, b)->n_sel;
+        before += b < rank ? n : 0;
+        n_sel += n;
+    }
+    if (want_alpha && rank == 0) {
+        for (int64_t g = tid; g < G; g += PBS_THREADS) {
+            float sum = 0.0f;
+            for (int b = 0; b < PBS_CLUSTER; ++b) {
+                sum += cluster.map_shared_rank(&ex, b)->alpha[g];
+            }
+            s.alpha[w*G + g] = sum;
+        }
+    }
+    cluster.barrier_arrive();  // the last reads of other blocks' shared memory are done; wait before exiting
+    int32_t * i2 = s.i2 + w*k2;
+    if (!exact_all) {
+        for (int u = 0; u < cpt; ++u) {
+            if ((sel >> u) & 1) {
+                const int slot = u*(PBS_THREADS/WARP_SIZE) + warp;
+                const int64_t at = before + wcount[slot] + __popc(wballot[slot] & ((1u << lane) - 1));
+                if (at < k2) {
+                    i2[at] = (int32_t) (base + (int64_t) u*PBS_THREADS + tid);
+                }
+            }
+        }
+        if (rank == 0 && tid == 0) {
+            ri[RI_N_SEL] = min(n_sel, k2);
+        }
+    } else if (rank == 0) {
+        // positions not distinct: kernel S's exact selection over every cell, in this block
+        select_all_cells(a, s, w, c, hist, &sst);
+        const int n = i2_from_bitmap(a, s.bitmap + w*a.n_words, i2, red);
+        __syncthreads();  // i2 (global) written by this block
+        if (a.p.mean_on) {
+            row_alpha(a, s, w, i2, n, rst);
+        }
+        if (tid == 0) {
+            ri[RI_N_SEL] = n;
+        }
+    }
+    cluster.barrier_wait();
+#else
+    NO_DEVICE_CODE;
+#endif
 }
 
 // Kernel LV (grid: (slices of SLICE output components) x heads, rows): the exact logits of one head over I2
@@ -1904,6 +2266,81 @@ void launch_logits_values(int vpt, int slice, int64_t nw, cudaStream_t stream, c
     }
 }
 
+// Kernel PBS's dynamic shared memory: the keys of a block's cells.
+size_t pbs_smem(int64_t n_kv) { return sizeof(uint32_t) * pbs_cpt(n_kv)*PBS_THREADS; }
+
+// Whether kernel PBS runs for rows of n_kv cells on the current device: Hopper or later with the kernel built for it
+// (a cluster launch), a cluster of PBS_CLUSTER blocks of the largest size schedulable, rows short enough, and not
+// switched off (SPARQ_CUDA_PBS=0: kernels P, B and S, for A/B runs). Checked once per device.
+bool pbs_usable(int64_t n_kv) {
+    static const bool off = [] {
+        const char * e = getenv("SPARQ_CUDA_PBS");
+        return e != nullptr && atoi(e) == 0;
+    }();
+    if (off || pbs_cpt(n_kv) > PBS_MAX_CPT) {
+        return false;
+    }
+    static int usable[GGML_CUDA_MAX_DEVICES] = {};  // 0 unknown, 1 yes, -1 no
+    const int device = ggml_cuda_get_device();
+    if (usable[device] == 0) {
+        usable[device] = -1;
+        cudaFuncAttributes attr;
+        CUDA_CHECK(cudaFuncGetAttributes(&attr, sparq_pbs));
+        if (ggml_cuda_info().devices[device].cc >= GGML_CUDA_CC_HOPPER && attr.binaryVersion >= 90) {
+            const size_t smem = sizeof(uint32_t) * PBS_MAX_CPT*PBS_THREADS;
+            ensure_smem<sparq_pbs>(smem);
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(PBS_CLUSTER);
+            cfg.blockDim = dim3(PBS_THREADS);
+            cfg.dynamicSmemBytes = smem;
+            cudaLaunchAttribute cluster;
+            cluster.id = cudaLaunchAttributeClusterDimension;
+            cluster.val.clusterDim.x = PBS_CLUSTER;
+            cluster.val.clusterDim.y = 1;
+            cluster.val.clusterDim.z = 1;
+            cfg.attrs = &cluster;
+            cfg.numAttrs = 1;
+            int n_clusters = 0;
+            if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs, &cfg) == cudaSuccess && n_clusters > 0) {
+                usable[device] = 1;
+            }
+            (void) cudaGetLastError();  // a refused query leaves no error behind
+        }
+    }
+    return usable[device] == 1;
+}
+
+// Kernel PBS: a cluster of PBS_CLUSTER blocks per row, launched dependent on kernel A as the other kernels are
+// (ggml_cuda_kernel_launch's rules: GGML_CUDA_PDL=0 turns dependent launches off).
+void launch_pbs(int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+    const size_t smem = pbs_smem(a.n_kv);
+    ensure_smem<sparq_pbs>(smem);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned) (nw*PBS_CLUSTER));
+    cfg.blockDim = dim3(PBS_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attrs[2];
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = PBS_CLUSTER;
+    attrs[0].val.clusterDim.y = 1;
+    attrs[0].val.clusterDim.z = 1;
+    cfg.attrs = attrs;
+    cfg.numAttrs = 1;
+#if defined(GGML_CUDA_USE_PDL)
+    static const bool pdl = [] {
+        const char * e = getenv("GGML_CUDA_PDL");
+        return e == nullptr || atoi(e) != 0;
+    }();
+    if (pdl) {
+        attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.numAttrs = 2;
+    }
+#endif
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparq_pbs, a, s, r0));
+}
+
 template <typename T>
 void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
                 const sparq_args & a, const sparq_scratch & s, int64_t r0) {
@@ -1913,12 +2350,16 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
         case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
-    const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
-    ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
-    ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
-                            a, s, r0);
-    ensure_smem<sparq_select>(smem_s);
-    ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
+    if (pbs_usable(a.n_kv)) {
+        launch_pbs(nw, stream, a, s, r0);
+    } else {
+        const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
+        ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
+        ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
+                                a, s, r0);
+        ensure_smem<sparq_select>(smem_s);
+        ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
+    }
     launch_logits_values<T>(vpt, lv_slice(a, nw), nw, stream, a, s, r0);
 }
 
@@ -2051,6 +2492,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.lv_slice = lv_slice_env;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
+    a.has_logits = scores;
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
     const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
