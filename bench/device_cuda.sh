@@ -629,6 +629,16 @@ stage_s16ab() {
     done
 }
 
+stage_s16timing() {
+    # Session 16: kernel PBS's phases (SPARQ_CUDA_TIMING, cycles at the SM clock; row 0, block 0), B = 1 and 8
+    for b in 1 8; do
+        for s in 4096 32768 65536; do
+            echo "Llama-2 heads, S = $s, B = $b:"
+            SPARQ_CUDA_TIMING=1 timeout 60 python3 bench/cuda_profile.py --seq $s --batch $b --runs 2 2>/dev/null | grep PBS | sort | uniq -c
+        done
+    done
+}
+
 stage_centroidtest() {
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 \
         | tee "$OUT/test_centroid_cuda.log" | tail -3

@@ -1729,10 +1729,12 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
     __shared__ uint32_t hist[HIST_WORDS];  // kernel S's exact selection (first block, rows that need it)
     __shared__ select_state sst;
+    long long t_marks[10];
     const tl_scope tl(TL_PBS, a.timeline);
     pdl_wait();
     tl.waited();
     pdl_release();
+    SPARQ_TIMING_MARK(0);
     const int rank = (int) cluster.block_rank();
     const int64_t w = blockIdx.x / PBS_CLUSTER;
     const row_coords c = coords_of(a, r0 + w);
@@ -1744,6 +1746,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
 
     // 1. the row's statistics (every block)
     const row_merge rm = merge_chunk_stats(a, s, w, rst, rank == 0, redl);
+    SPARQ_TIMING_MARK(1);
     const int64_t kind = rm.n_vis == 0 ? ROW_EMPTY : rm.n_vis <= k2 ? ROW_DENSE : ROW_SPARSE;
     const int64_t w_lo = rm.p_max - a.window, s_hi = rm.p_min + a.sinks;  // window: pos > w_lo; sinks: pos < s_hi
     int64_t * ri = s.rinfo + w*N_RI;
@@ -1816,6 +1819,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             kmax = is_cand ? max(kmax, key) : kmax;
         }
     }
+    SPARQ_TIMING_MARK(2);
     n_w = block_reduce(n_w, op_add(), 0, red);
     n_s = block_reduce(n_s, op_add(), 0, red);
     kmin = block_reduce(kmin, op_min(), UINT32_MAX, (uint32_t *) red);
@@ -1830,12 +1834,13 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         n_w += o->n_w; n_s += o->n_s;
         kmin = min(kmin, o->kmin); kmax = max(kmax, o->kmax);
     }
+    SPARQ_TIMING_MARK(3);
     // kernel S's condition for the fast path: exactly the window and the sinks forced, and disjoint
     const bool exact_all = sparse && !(n_w == a.window && n_s == a.sinks && w_lo >= s_hi - 1);
 
     // 3. the top n_top of the candidates: the radix passes leave (prefix, sh) with exactly n_top keys K >> sh >= prefix
     uint64_t prefix = 0;
-    int sh = 0;
+    int sh = 0, n_pass = 0;
     if (find_cand && !exact_all) {
         const int total_bits = (32 - __clz(kmax - kmin)) + a.cell_bits;
         sh = max(0, total_bits - 8);
@@ -1857,6 +1862,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
                 }
             }
             cluster.sync();
+            ++n_pass;
             // thread t: bin 255 - t summed over the cluster; the scan runs from the top bin down
             const int bin = PBS_BINS - 1 - tid;
             uint32_t cnt = 0;
@@ -1881,6 +1887,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         }
     }
 
+    SPARQ_TIMING_MARK(4);
     // 4. the selected cells: forced, or candidates in the top; per (round, warp) counts in cell order
     uint64_t sel = 0;
     float part = 0.0f;  // alpha_0's part (G = 1: the score itself)
@@ -1922,6 +1929,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             }
         }
     }
+    SPARQ_TIMING_MARK(5);
     // alpha_g's part of this block (sparse rows with the mean on), in a fixed order
     const bool want_alpha = sparse && a.p.mean_on && !exact_all;
     if (want_alpha) {
@@ -1951,6 +1959,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             }
         }
     }
+    SPARQ_TIMING_MARK(6);
     if (tid == 0) {
         ex.n_sel = n_sel_block;
     }
@@ -1970,6 +1979,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             s.alpha[w*G + g] = sum;
         }
     }
+    SPARQ_TIMING_MARK(7);
     cluster.barrier_arrive();  // the last reads of other blocks' shared memory are done; wait before exiting
     int32_t * i2 = s.i2 + w*k2;
     if (!exact_all) {
@@ -1997,7 +2007,13 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             ri[RI_N_SEL] = n;
         }
     }
+    SPARQ_TIMING_MARK(8);
     cluster.barrier_wait();
+    SPARQ_TIMING_MARK(9);
+    if (a.timing && tid == 0 && w == 0 && rank == 0) {
+        printf("PBS passes %d exact_all %d cpt %d\n", n_pass, (int) exact_all, cpt);
+    }
+    SPARQ_TIMING_PRINT("PBS: merge, keys, exchange, radix, select, alpha, exchange, i2, wait", w*PBS_CLUSTER + rank, 10);
 #else
     NO_DEVICE_CODE;
 #endif
