@@ -30,6 +30,7 @@
 #include "ggml-sparq.h"
 
 #include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -1681,30 +1682,38 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // one block per row (P, S) or through a global candidate list (B): ~35 us of the chain's ~86 at 32k (session 15's
 // timeline). Kernel PBS spreads a row over a cluster of PBS_CLUSTER blocks that exchange their counts through
 // distributed shared memory: no sample, no threshold guess, no candidate list, no fallback for a misleading sample.
-//   1. every block merges kernel A's chunk statistics (as kernel P, the same bits), so the row's kind, window and
-//      sinks bounds and softmax statistics are known everywhere without an exchange;
-//   2. block b takes cells [b*span, (b+1)*span): visibility (from the logits, the mask only for -inf), forced cells
-//      (window, sinks; every visible cell of a dense row), group scores as kernel B, 32-bit keys in shared memory;
-//   3. the exact top n_top of the candidates by (score, cell), equal scores to the lower cell: a radix select over
-//      the composite key ((key - kmin) << cell_bits | ~cell), 8-bit digits from the top, each pass one histogram
-//      per block summed over the cluster by every block (one cluster barrier per pass; most rows take two);
-//   4. I2 in cell order: per (cell round, warp) ballot counts, a block scan, the blocks before this one from the
-//      cluster; alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
+//   1. block b takes cells [b*span, (b+1)*span), cell base + u*PBS_THREADS + tid in round u; their first-head logits
+//      are copied into shared memory asynchronously (all rounds in flight) while the block merges kernel A's chunk
+//      statistics (as kernel P, the same bits), so the row's kind, window and sinks bounds and softmax statistics
+//      are known in every block without an exchange;
+//   2. visibility (from the logits, the mask only for -inf), forced cells (window, sinks; every visible cell of a
+//      dense row), group scores as kernel B, 32-bit keys in place of the logits;
+//   3. the exact top n_top of the candidates by (score, cell), equal scores to the lower cell: a radix select over the
+//      composite key (key << cell_bits | ~cell), 8-bit digits from the top (the first is the score's exponent), one
+//      block histogram per pass summed over the cluster by every block: one cluster barrier per pass (most rows take
+//      two); the first pass also carries the counts of forced window and sink cells;
+//   4. I2 in cell order: per (round, warp) ballot counts, a block scan, the blocks before this one from the cluster;
+//      alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
 // Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
 // all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 8 (a round of 8
 // cells per thread is one A chunk), at most PBS_MAX_CPT: n_kv <= PBS_CLUSTER * PBS_THREADS * PBS_MAX_CPT; longer
 // rows, devices before Hopper and SPARQ_CUDA_PBS=0 run kernels P, B and S.
+// Phase timings of a first version (session 16, 32k, cycles): a __match_any_sync per cell and pass cost ~550 cycles
+// per cell and pass, every thread reading the exchanged counts ~5k per exchange, one round of logit loads per 8 cells.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
+constexpr int PBS_WARPS   = PBS_THREADS / WARP_SIZE;
 constexpr int PBS_MAX_CPT = 64;
 constexpr int PBS_BINS    = 256;  // 8-bit digits
 static_assert(A_CHUNK == 8*PBS_THREADS, "a round of 8 cells per thread of kernel PBS is one chunk of kernel A");
+static_assert(PBS_BINS == PBS_THREADS, "a thread per histogram bin");
 
 // What a block publishes to its cluster (read by the others through distributed shared memory).
 struct pbs_exchange {
-    uint32_t hist[2][PBS_BINS];  // radix histogram of the pass (parity: one cluster barrier per pass suffices)
+    uint32_t hist[2][PBS_BINS];  // radix histogram of the pass; by parity, so one cluster barrier per pass suffices:
+                                 // a block clears hist[p] in pass p + 2, after every block has passed pass p + 1's
+                                 // barrier, i.e. finished reading pass p's
     int      n_w, n_s, n_sel;    // forced window and sink cells, selected cells
-    uint32_t kmin, kmax;         // candidate keys' range
     float    alpha[MAX_G];       // the block's part of alpha_g
 };
 
@@ -1713,20 +1722,42 @@ __host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a m
     return (int) ((per_thread + 7) / 8 * 8);
 }
 
+// One radix pass of kernel PBS: this block's histogram of the digit (K >> sh) & (2^width - 1) of the candidates whose
+// higher digits are prefix, into hist (cleared here). Plain shared atomics: lanes of a warp that hit one bin serialise
+// (cheaper than merging them with __match_any_sync, session 16).
+__device__ __forceinline__ void pbs_count(const uint32_t * keys, uint64_t forced, int cpt, int64_t base, int cell_bits,
+                                          int sh, int width, uint64_t prefix, uint32_t * hist) {
+    const int tid = threadIdx.x;
+    const uint64_t cmask = (uint64_t(1) << cell_bits) - 1;
+    hist[tid] = 0;
+    __syncthreads();
+    for (int u = 0; u < cpt; ++u) {
+        const uint32_t key = keys[u*PBS_THREADS + tid];
+        if (key != 0 && !((forced >> u) & 1)) {
+            const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
+            const uint64_t K = ((uint64_t) key << cell_bits) | (cmask - (uint64_t) j);
+            if ((K >> (sh + width)) == prefix) {
+                atomicAdd(&hist[(uint32_t) (K >> sh) & ((1u << width) - 1)], 1u);
+            }
+        }
+    }
+}
+
 __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, const sparq_scratch s, int64_t r0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
-    extern __shared__ uint32_t keys[];  // [cpt][PBS_THREADS]: 0 hidden, else score_key of the cell's group score
+    extern __shared__ uint32_t keys[];  // [cpt][PBS_THREADS]: first-head logits, then 0 hidden / score_key of the cell
     __shared__ pbs_exchange ex;
     __shared__ float rst[2*MAX_G];
     __shared__ int64_t redl[96];
     __shared__ int red[32];
     __shared__ bool pos_chunk[PBS_MAX_CPT/8];  // this block's A chunks (rounds of 8 cells) whose cells can be forced
-    __shared__ int wcount[PBS_MAX_CPT*PBS_THREADS/WARP_SIZE];   // selected cells per (round, warp), then their offsets
-    __shared__ uint32_t wballot[PBS_MAX_CPT*PBS_THREADS/WARP_SIZE];
-    __shared__ float walpha[PBS_THREADS/WARP_SIZE];
+    __shared__ int wcount[PBS_MAX_CPT*PBS_WARPS];  // selected cells per (round, warp), then their offsets in the block
+    __shared__ uint32_t wballot[PBS_MAX_CPT*PBS_WARPS];
+    __shared__ float walpha[PBS_WARPS];
     __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
+    __shared__ int64_t row_sum[3];     // from the cluster: forced window cells, sink cells; selected cells before this block
     __shared__ uint32_t hist[HIST_WORDS];  // kernel S's exact selection (first block, rows that need it)
     __shared__ select_state sst;
     long long t_marks[10];
@@ -1743,8 +1774,18 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const int cpt = pbs_cpt(n_kv);
     const int64_t span = (int64_t) cpt*PBS_THREADS, base = rank*span;
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
+    const float * lrow = s.logits + w*G*n_kv;
 
-    // 1. the row's statistics (every block)
+    // 1. the first head's logits of this block's cells, in flight during the merge
+    for (int u = 0; u < cpt; ++u) {
+        const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
+        if (a.has_logits && j < n_kv) {
+            __pipeline_memcpy_async(&keys[u*PBS_THREADS + tid], lrow + j, sizeof(float));
+        } else {
+            keys[u*PBS_THREADS + tid] = __float_as_uint(-INFINITY);
+        }
+    }
+    __pipeline_commit();
     const row_merge rm = merge_chunk_stats(a, s, w, rst, rank == 0, redl);
     SPARQ_TIMING_MARK(1);
     const int64_t kind = rm.n_vis == 0 ? ROW_EMPTY : rm.n_vis <= k2 ? ROW_DENSE : ROW_SPARSE;
@@ -1757,14 +1798,13 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         ri[RI_S_HI] = s_hi;
     }
     if (kind == ROW_EMPTY) {  // the same in every block: no exchange
+        __pipeline_wait_prior(0);
         if (rank == 0 && tid == 0) {
             ri[RI_N_SEL] = 0;
         }
         return;
     }
     const bool sparse = kind == ROW_SPARSE, find_cand = sparse && a.n_top > 0;
-    const bool has_logits = a.has_logits;
-    const float * lrow = s.logits + w*G*n_kv;
     const uint16_t * m = mask_row(a, c);
     const int32_t * pr = pos_row(a, c);
     for (int i = tid; i < cpt/8; i += PBS_THREADS) {
@@ -1772,107 +1812,97 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         const int32_t * cv = s.cvis + (w*a.n_chunks_a + ch)*3;
         pos_chunk[i] = ch < a.n_chunks_a && sparse && cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi);
     }
+    __pipeline_wait_prior(0);
     __syncthreads();
 
-    // 2. this block's cells: keys (0: hidden), forced bits, the candidates' key range
+    // 2. keys in place of the logits (each thread its own cells), forced bits
     uint64_t forced = 0;
-    int n_w = 0, n_s = 0;
-    uint32_t kmin = UINT32_MAX, kmax = 0;
+    int64_t n_ws = 0;  // forced window cells + (sink cells << 32)
     for (int u0 = 0; u0 < cpt; u0 += 8) {
         const bool need_pos = pos_chunk[u0/8];
-        int64_t cells[8];
+        int64_t cells[8], pos_c[8];
         float score[8];
-        int64_t pos_c[8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {  // the first head's logits and the needed positions in one round
+        for (int u = 0; u < 8; ++u) {
             const int64_t j = cells[u] = base + (int64_t) (u0 + u)*PBS_THREADS + tid;
-            score[u] = has_logits && j < n_kv ? lrow[j] : -INFINITY;
+            score[u] = __uint_as_float(keys[(u0 + u)*PBS_THREADS + tid]);  // the logit until the score below
             pos_c[u] = need_pos && j < n_kv ? position(pr, j) : 0;
         }
-        bool vis[8], cand[8];
+        bool vis[8], scored[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const int64_t j = cells[u];
             vis[u] = score[u] != -INFINITY || (j < n_kv && visible(m, j));
             const bool in_w = sparse && vis[u] && need_pos && pos_c[u] > w_lo;
             const bool in_s = sparse && vis[u] && need_pos && pos_c[u] < s_hi;
-            n_w += in_w;
-            n_s += in_s;
+            n_ws += (int64_t) in_w + ((int64_t) in_s << 32);
             const bool mark = kind == ROW_DENSE ? vis[u] : (in_w || in_s);
             forced |= (uint64_t) mark << (u0 + u);
-            cand[u] = sparse && has_logits && vis[u];  // scored: the forced cells' scores go into alpha_g
+            scored[u] = sparse && a.has_logits && vis[u];  // forced cells too: their scores go into alpha_g
         }
-        // group scores as kernel B: the first head from the loaded logits (0 + x, as group_scores), then the others
+        // group scores as kernel B: the first head from the logit (0 + x, as group_scores), then the other heads
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            score[u] = cand[u] ? 0.0f + __expf(score[u] - rst[0]) * rst[G] : 0.0f;
+            score[u] = scored[u] ? 0.0f + __expf(score[u] - rst[0]) * rst[G] : 0.0f;
         }
         if (G > 1) {
-            group_scores(lrow, n_kv, G, rst, cells, cand, score, 1);
+            group_scores(lrow, n_kv, G, rst, cells, scored, score, 1);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            const uint32_t key = cand[u] ? score_key(score[u]) : (vis[u] ? 1u : 0u);
-            keys[(u0 + u)*PBS_THREADS + tid] = key;
-            const bool is_cand = find_cand && vis[u] && !((forced >> (u0 + u)) & 1);
-            kmin = is_cand ? min(kmin, key) : kmin;
-            kmax = is_cand ? max(kmax, key) : kmax;
+            keys[(u0 + u)*PBS_THREADS + tid] = scored[u] ? score_key(score[u]) : (vis[u] ? 1u : 0u);
         }
     }
     SPARQ_TIMING_MARK(2);
-    n_w = block_reduce(n_w, op_add(), 0, red);
-    n_s = block_reduce(n_s, op_add(), 0, red);
-    kmin = block_reduce(kmin, op_min(), UINT32_MAX, (uint32_t *) red);
-    kmax = block_reduce(kmax, op_max(), 0u, (uint32_t *) red);
-    if (tid == 0) {
-        ex.n_w = n_w; ex.n_s = n_s; ex.kmin = kmin; ex.kmax = kmax;
+
+    // 3. the first radix pass with the forced counts; every block reads the cluster's sums
+    const int total_bits = 31 + a.cell_bits;  // group scores are at most G <= 64: score_key < 2^31
+    int sh = max(0, total_bits - 8), width = total_bits - sh, par = 0, n_pass = 0;
+    uint64_t prefix = 0;
+    if (find_cand) {
+        pbs_count(keys, forced, cpt, base, a.cell_bits, sh, width, prefix, ex.hist[0]);
     }
-    cluster.sync();  // also: every block of the cluster runs, so its shared memory can be read
-    n_w = 0; n_s = 0; kmin = UINT32_MAX; kmax = 0;
-    for (int b = 0; b < PBS_CLUSTER; ++b) {
-        const pbs_exchange * o = cluster.map_shared_rank(&ex, b);
-        n_w += o->n_w; n_s += o->n_s;
-        kmin = min(kmin, o->kmin); kmax = max(kmax, o->kmax);
+    n_ws = block_reduce(n_ws, op_add(), (int64_t) 0, redl);
+    if (tid == 0) {
+        ex.n_w = (int) (n_ws & 0xFFFFFFFF);
+        ex.n_s = (int) (n_ws >> 32);
     }
     SPARQ_TIMING_MARK(3);
+    cluster.sync();  // also: every block of the cluster runs, so its shared memory can be read
+    if (warp == 0) {
+        const pbs_exchange * o = cluster.map_shared_rank(&ex, lane % PBS_CLUSTER);
+        int64_t nw_b = lane < PBS_CLUSTER ? o->n_w : 0, ns_b = lane < PBS_CLUSTER ? o->n_s : 0;
+        nw_b = warp_reduce(nw_b, op_add());
+        ns_b = warp_reduce(ns_b, op_add());
+        if (lane == 0) {
+            row_sum[0] = nw_b;
+            row_sum[1] = ns_b;
+        }
+    }
+    // thread t: bin 255 - t summed over the cluster (the scan below runs from the top bin down)
+    uint32_t cnt = 0;
+    if (find_cand) {
+        uint32_t part[PBS_CLUSTER];
+#pragma unroll
+        for (int b = 0; b < PBS_CLUSTER; ++b) {
+            part[b] = cluster.map_shared_rank(&ex.hist[0][0], b)[PBS_BINS - 1 - tid];
+        }
+#pragma unroll
+        for (int b = 0; b < PBS_CLUSTER; ++b) {
+            cnt += part[b];
+        }
+    }
+    __syncthreads();
     // kernel S's condition for the fast path: exactly the window and the sinks forced, and disjoint
-    const bool exact_all = sparse && !(n_w == a.window && n_s == a.sinks && w_lo >= s_hi - 1);
-
-    // 3. the top n_top of the candidates: the radix passes leave (prefix, sh) with exactly n_top keys K >> sh >= prefix
-    uint64_t prefix = 0;
-    int sh = 0, n_pass = 0;
+    const bool exact_all = sparse && !(row_sum[0] == a.window && row_sum[1] == a.sinks && w_lo >= s_hi - 1);
     if (find_cand && !exact_all) {
-        const int total_bits = (32 - __clz(kmax - kmin)) + a.cell_bits;
-        sh = max(0, total_bits - 8);
-        int width = total_bits - sh, par = 0;
         uint32_t need = (uint32_t) a.n_top;
         for (;;) {
-            ex.hist[par][tid] = 0;  // no block reads this parity before the cluster barrier below (see pbs_exchange)
-            __syncthreads();
-            for (int u = 0; u < cpt; ++u) {
-                const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
-                const uint32_t key = keys[u*PBS_THREADS + tid];
-                const bool is_cand = key != 0 && !((forced >> u) & 1) && j < n_kv;
-                const uint64_t K = ((uint64_t) (key - kmin) << a.cell_bits) | (cmask - (uint64_t) j);
-                const uint32_t bin = is_cand && (K >> (sh + width)) == prefix ? (uint32_t) (K >> sh) & ((1u << width) - 1)
-                                                                             : PBS_BINS;
-                const uint32_t peers = __match_any_sync(0xFFFFFFFF, bin);
-                if (bin < PBS_BINS && lane == __ffs(peers) - 1) {
-                    atomicAdd(&ex.hist[par][bin], (uint32_t) __popc(peers));
-                }
-            }
-            cluster.sync();
             ++n_pass;
-            // thread t: bin 255 - t summed over the cluster; the scan runs from the top bin down
-            const int bin = PBS_BINS - 1 - tid;
-            uint32_t cnt = 0;
-            for (int b = 0; b < PBS_CLUSTER; ++b) {
-                cnt += cluster.map_shared_rank(&ex.hist[par][0], b)[bin];
-            }
             int n_items = 0;
             const uint32_t above = (uint32_t) block_exclusive_scan((int) cnt, &n_items, red);
             if (above < need && above + cnt >= need) {
-                bin_found[0] = bin; bin_found[1] = above; bin_found[2] = cnt;
+                bin_found[0] = PBS_BINS - 1 - tid; bin_found[1] = above; bin_found[2] = cnt;
             }
             __syncthreads();
             prefix = (prefix << width) | bin_found[0];
@@ -1884,45 +1914,57 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             width = sh - sh_next;
             sh = sh_next;
             par ^= 1;
+            pbs_count(keys, forced, cpt, base, a.cell_bits, sh, width, prefix, ex.hist[par]);
+            cluster.sync();
+            uint32_t part[PBS_CLUSTER];
+#pragma unroll
+            for (int b = 0; b < PBS_CLUSTER; ++b) {
+                part[b] = cluster.map_shared_rank(&ex.hist[par][0], b)[PBS_BINS - 1 - tid];
+            }
+            cnt = 0;
+#pragma unroll
+            for (int b = 0; b < PBS_CLUSTER; ++b) {
+                cnt += part[b];
+            }
         }
     }
-
     SPARQ_TIMING_MARK(4);
+
     // 4. the selected cells: forced, or candidates in the top; per (round, warp) counts in cell order
     uint64_t sel = 0;
-    float part = 0.0f;  // alpha_0's part (G = 1: the score itself)
+    float part_alpha = 0.0f;  // alpha_0's part (G = 1: the scores themselves)
     if (!exact_all) {
         for (int u = 0; u < cpt; ++u) {
             const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
             const uint32_t key = keys[u*PBS_THREADS + tid];
             const bool f = (forced >> u) & 1;
-            const uint64_t K = ((uint64_t) (key - kmin) << a.cell_bits) | (cmask - (uint64_t) j);
-            const bool top = find_cand && key != 0 && !f && j < n_kv && (K >> sh) >= prefix;
-            const bool is_sel = f || top;
+            const uint64_t K = ((uint64_t) key << a.cell_bits) | (cmask - (uint64_t) j);
+            const bool is_sel = f || (find_cand && key != 0 && (K >> sh) >= prefix);
             sel |= (uint64_t) is_sel << u;
-            if (is_sel && G == 1 && has_logits) {
-                part += __uint_as_float(key - 1u);
+            if (is_sel && G == 1 && a.has_logits) {
+                part_alpha += __uint_as_float(key - 1u);
             }
             const uint32_t ballot = __ballot_sync(0xFFFFFFFF, is_sel);
             if (lane == 0) {
-                wballot[u*(PBS_THREADS/WARP_SIZE) + warp] = ballot;
-                wcount[u*(PBS_THREADS/WARP_SIZE) + warp] = __popc(ballot);
+                wballot[u*PBS_WARPS + warp] = ballot;
+                wcount[u*PBS_WARPS + warp] = __popc(ballot);
             }
         }
     }
     __syncthreads();
     int n_sel_block = 0;
     if (!exact_all) {
-        const int n_slots = cpt*(PBS_THREADS/WARP_SIZE), per = (n_slots + PBS_THREADS - 1) / PBS_THREADS;
-        int v[PBS_MAX_CPT*(PBS_THREADS/WARP_SIZE)/PBS_THREADS], tsum = 0;
+        constexpr int MAX_PER = PBS_MAX_CPT*PBS_WARPS/PBS_THREADS;
+        const int n_slots = cpt*PBS_WARPS, per = (n_slots + PBS_THREADS - 1) / PBS_THREADS;
+        int v[MAX_PER], tsum = 0;
 #pragma unroll
-        for (int e = 0; e < PBS_MAX_CPT*(PBS_THREADS/WARP_SIZE)/PBS_THREADS; ++e) {
+        for (int e = 0; e < MAX_PER; ++e) {
             v[e] = e < per && tid*per + e < n_slots ? wcount[tid*per + e] : 0;
             tsum += v[e];
         }
         int at = block_exclusive_scan(tsum, &n_sel_block, red);
 #pragma unroll
-        for (int e = 0; e < PBS_MAX_CPT*(PBS_THREADS/WARP_SIZE)/PBS_THREADS; ++e) {
+        for (int e = 0; e < MAX_PER; ++e) {
             if (e < per && tid*per + e < n_slots) {
                 wcount[tid*per + e] = at;
                 at += v[e];
@@ -1934,7 +1976,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const bool want_alpha = sparse && a.p.mean_on && !exact_all;
     if (want_alpha) {
         for (int64_t g = 0; g < G; ++g) {
-            float p = part;
+            float p = part_alpha;
             if (G > 1) {
                 p = 0.0f;
                 for (int u = 0; u < cpt; ++u) {
@@ -1952,7 +1994,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             __syncthreads();
             if (tid == 0) {
                 float sum = 0.0f;
-                for (int i = 0; i < PBS_THREADS/WARP_SIZE; ++i) {
+                for (int i = 0; i < PBS_WARPS; ++i) {
                     sum += walpha[i];
                 }
                 ex.alpha[g] = sum;
@@ -1964,36 +2006,46 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         ex.n_sel = n_sel_block;
     }
     cluster.sync();
-    int64_t before = 0, n_sel = 0;
-    for (int b = 0; b < PBS_CLUSTER; ++b) {
-        const int n = cluster.map_shared_rank(&ex, b)->n_sel;
-        before += b < rank ? n : 0;
-        n_sel += n;
+    if (warp == 0) {  // lane b: block b's count; this block's offset and the row's total
+        const int n_b = lane < PBS_CLUSTER ? cluster.map_shared_rank(&ex, lane % PBS_CLUSTER)->n_sel : 0;
+        const int64_t before = warp_reduce(lane < rank ? (int64_t) n_b : (int64_t) 0, op_add());
+        const int64_t total = warp_reduce((int64_t) n_b, op_add());
+        if (lane == 0) {
+            row_sum[2] = before;
+            if (rank == 0 && !exact_all) {
+                ri[RI_N_SEL] = min(total, k2);
+            }
+        }
     }
     if (want_alpha && rank == 0) {
         for (int64_t g = tid; g < G; g += PBS_THREADS) {
-            float sum = 0.0f;
+            float part[PBS_CLUSTER];
+#pragma unroll
             for (int b = 0; b < PBS_CLUSTER; ++b) {
-                sum += cluster.map_shared_rank(&ex, b)->alpha[g];
+                part[b] = cluster.map_shared_rank(&ex, b)->alpha[g];
+            }
+            float sum = 0.0f;
+#pragma unroll
+            for (int b = 0; b < PBS_CLUSTER; ++b) {
+                sum += part[b];
             }
             s.alpha[w*G + g] = sum;
         }
     }
+    cluster.barrier_arrive();  // this block's reads of other blocks' shared memory are done; wait before exiting
+    __syncthreads();  // row_sum[2]
     SPARQ_TIMING_MARK(7);
-    cluster.barrier_arrive();  // the last reads of other blocks' shared memory are done; wait before exiting
     int32_t * i2 = s.i2 + w*k2;
     if (!exact_all) {
+        const int64_t before = row_sum[2];
         for (int u = 0; u < cpt; ++u) {
             if ((sel >> u) & 1) {
-                const int slot = u*(PBS_THREADS/WARP_SIZE) + warp;
+                const int slot = u*PBS_WARPS + warp;
                 const int64_t at = before + wcount[slot] + __popc(wballot[slot] & ((1u << lane) - 1));
                 if (at < k2) {
                     i2[at] = (int32_t) (base + (int64_t) u*PBS_THREADS + tid);
                 }
             }
-        }
-        if (rank == 0 && tid == 0) {
-            ri[RI_N_SEL] = min(n_sel, k2);
         }
     } else if (rank == 0) {
         // positions not distinct: kernel S's exact selection over every cell, in this block
@@ -2013,7 +2065,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     if (a.timing && tid == 0 && w == 0 && rank == 0) {
         printf("PBS passes %d exact_all %d cpt %d\n", n_pass, (int) exact_all, cpt);
     }
-    SPARQ_TIMING_PRINT("PBS: merge, keys, exchange, radix, select, alpha, exchange, i2, wait", w*PBS_CLUSTER + rank, 10);
+    SPARQ_TIMING_PRINT("PBS: merge, keys, count, exchange+radix, select, alpha, exchange, i2, wait", w*PBS_CLUSTER + rank, 10);
 #else
     NO_DEVICE_CODE;
 #endif
