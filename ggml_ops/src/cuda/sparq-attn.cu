@@ -1682,31 +1682,30 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // one block per row (P, S) or through a global candidate list (B): ~35 us of the chain's ~86 at 32k (session 15's
 // timeline). Kernel PBS spreads a row over a cluster of PBS_CLUSTER blocks that exchange their counts through
 // distributed shared memory: no sample, no threshold guess, no candidate list, no fallback for a misleading sample.
-//   1. block b takes cells [b*span, (b+1)*span), cell base + u*PBS_THREADS + tid in round u; their first-head logits
-//      are copied into shared memory asynchronously (all rounds in flight) while the block merges kernel A's chunk
-//      statistics (as kernel P, the same bits), so the row's kind, window and sinks bounds and softmax statistics
-//      are known in every block without an exchange;
+//   1. block b takes cells [b*span, (b+1)*span), thread t of it the cpt cells from b*span + t*cpt (so the order of
+//      threads is the order of cells); their first-head logits are copied into shared memory asynchronously while
+//      the block merges kernel A's chunk statistics (as kernel P, the same bits): the row's kind, window and sinks
+//      bounds and softmax statistics are known in every block without an exchange;
 //   2. visibility (from the logits, the mask only for -inf), forced cells (window, sinks; every visible cell of a
-//      dense row), group scores as kernel B, 32-bit keys in place of the logits;
+//      dense row), group scores as kernel B, 32-bit keys in place of the logits, and the histogram of the keys'
+//      exponents (the first radix digit);
 //   3. the exact top n_top of the candidates by (score, cell), equal scores to the lower cell: a radix select over the
-//      composite key (key << cell_bits | ~cell), 8-bit digits from the top (the first is the score's exponent), one
-//      block histogram per pass summed over the cluster by every block: one cluster barrier per pass (most rows take
-//      two); the first pass also carries the counts of forced window and sink cells;
-//   4. I2 in cell order: per (round, warp) ballot counts, a block scan, the blocks before this one from the cluster;
+//      composite key K = key << cell_bits | ~cell, 8-bit digits from the top, one block histogram per pass summed over
+//      the cluster by every block: one cluster barrier per pass (most rows take two); the first carries the counts of
+//      forced window and sink cells; later passes look only at the cells whose exponent is the boundary's;
+//   4. I2 in cell order: each thread's selected cells, a block scan, the blocks before this one from the cluster;
 //      alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
 // Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
-// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 8 (a round of 8
-// cells per thread is one A chunk), at most PBS_MAX_CPT: n_kv <= PBS_CLUSTER * PBS_THREADS * PBS_MAX_CPT; longer
-// rows, devices before Hopper and SPARQ_CUDA_PBS=0 run kernels P, B and S.
-// Phase timings of a first version (session 16, 32k, cycles): a __match_any_sync per cell and pass cost ~550 cycles
-// per cell and pass, every thread reading the exchanged counts ~5k per exchange, one round of logit loads per 8 cells.
+// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 8, at most
+// PBS_MAX_CPT: n_kv <= PBS_CLUSTER * PBS_THREADS * PBS_MAX_CPT; longer rows, devices before Hopper and SPARQ_CUDA_PBS=0
+// run kernels P, B and S. Versions and phase timings: bench/notes_cuda.md, session 16.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
 constexpr int PBS_WARPS   = PBS_THREADS / WARP_SIZE;
 constexpr int PBS_MAX_CPT = 64;
 constexpr int PBS_BINS    = 256;  // 8-bit digits
-static_assert(A_CHUNK == 8*PBS_THREADS, "a round of 8 cells per thread of kernel PBS is one chunk of kernel A");
 static_assert(PBS_BINS == PBS_THREADS, "a thread per histogram bin");
+static_assert(A_CHUNK % 8 == 0, "a thread's group of 4 cells lies in one chunk of kernel A");
 
 // What a block publishes to its cluster (read by the others through distributed shared memory).
 struct pbs_exchange {
@@ -1721,40 +1720,35 @@ __host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a m
     const int64_t per_thread = (n_kv + PBS_CLUSTER*PBS_THREADS - 1) / (PBS_CLUSTER*PBS_THREADS);
     return (int) ((per_thread + 7) / 8 * 8);
 }
+// A thread's keys in shared memory: cpt words and 4 of padding, so that the 16-byte accesses of 8 consecutive threads
+// (one phase of a warp's vector access) fall on distinct banks.
+__host__ __device__ inline int pbs_stride(int cpt) { return cpt + 4; }
 
-// One radix pass of kernel PBS: this block's histogram of the digit (K >> sh) & (2^width - 1) of the candidates whose
-// higher digits are prefix, into hist (cleared here). Plain shared atomics: lanes of a warp that hit one bin serialise
-// (cheaper than merging them with __match_any_sync, session 16).
-__device__ __forceinline__ void pbs_count(const uint32_t * keys, uint64_t forced, int cpt, int64_t base, int cell_bits,
-                                          int sh, int width, uint64_t prefix, uint32_t * hist) {
-    const int tid = threadIdx.x;
-    const uint64_t cmask = (uint64_t(1) << cell_bits) - 1;
-    hist[tid] = 0;
-    __syncthreads();
-    for (int u = 0; u < cpt; ++u) {
-        const uint32_t key = keys[u*PBS_THREADS + tid];
-        if (key != 0 && !((forced >> u) & 1)) {
-            const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
-            const uint64_t K = ((uint64_t) key << cell_bits) | (cmask - (uint64_t) j);
-            if ((K >> (sh + width)) == prefix) {
-                atomicAdd(&hist[(uint32_t) (K >> sh) & ((1u << width) - 1)], 1u);
-            }
-        }
+// The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
+// cluster's blocks' hist[bin], read through distributed shared memory.
+__device__ __forceinline__ uint32_t pbs_cluster_bin(const cooperative_groups::cluster_group & cluster, uint32_t * hist) {
+    uint32_t part[PBS_CLUSTER], cnt = 0;
+#pragma unroll
+    for (int b = 0; b < PBS_CLUSTER; ++b) {
+        part[b] = cluster.map_shared_rank(hist, b)[PBS_BINS - 1 - threadIdx.x];
     }
+#pragma unroll
+    for (int b = 0; b < PBS_CLUSTER; ++b) {
+        cnt += part[b];
+    }
+    return cnt;
 }
 
 __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, const sparq_scratch s, int64_t r0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
-    extern __shared__ uint32_t keys[];  // [cpt][PBS_THREADS]: first-head logits, then 0 hidden / score_key of the cell
+    extern __shared__ __align__(16) uint32_t keys[];  // [PBS_THREADS][stride]: logits, then 0 hidden / score keys
     __shared__ pbs_exchange ex;
     __shared__ float rst[2*MAX_G];
     __shared__ int64_t redl[96];
     __shared__ int red[32];
-    __shared__ bool pos_chunk[PBS_MAX_CPT/8];  // this block's A chunks (rounds of 8 cells) whose cells can be forced
-    __shared__ int wcount[PBS_MAX_CPT*PBS_WARPS];  // selected cells per (round, warp), then their offsets in the block
-    __shared__ uint32_t wballot[PBS_MAX_CPT*PBS_WARPS];
+    __shared__ bool pos_chunk[PBS_MAX_CPT*PBS_THREADS/A_CHUNK];  // this block's A chunks whose cells can be forced
     __shared__ float walpha[PBS_WARPS];
     __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
     __shared__ int64_t row_sum[3];     // from the cluster: forced window cells, sink cells; selected cells before this block
@@ -1772,17 +1766,24 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const int64_t G = a.group, n_kv = a.n_kv, k2 = a.p.k2;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int cpt = pbs_cpt(n_kv);
-    const int64_t span = (int64_t) cpt*PBS_THREADS, base = rank*span;
+    const int64_t base = rank*(int64_t) cpt*PBS_THREADS, j0 = base + (int64_t) tid*cpt;  // this thread: [j0, j0 + cpt)
+    uint32_t * mine = keys + tid*pbs_stride(cpt);
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
     const float * lrow = s.logits + w*G*n_kv;
 
-    // 1. the first head's logits of this block's cells, in flight during the merge
-    for (int u = 0; u < cpt; ++u) {
-        const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
-        if (a.has_logits && j < n_kv) {
-            __pipeline_memcpy_async(&keys[u*PBS_THREADS + tid], lrow + j, sizeof(float));
+    // 1. the first head's logits of this thread's cells, in flight during the merge
+    for (int u = 0; u < cpt; u += 4) {
+        const int64_t j = j0 + u;
+        if (a.has_logits && a.vec_logits && j + 4 <= n_kv) {
+            __pipeline_memcpy_async(mine + u, lrow + j, 4*sizeof(float));
         } else {
-            keys[u*PBS_THREADS + tid] = __float_as_uint(-INFINITY);
+            for (int e = 0; e < 4; ++e) {
+                if (a.has_logits && j + e < n_kv) {
+                    __pipeline_memcpy_async(mine + u + e, lrow + j + e, sizeof(float));
+                } else {
+                    mine[u + e] = __float_as_uint(-INFINITY);
+                }
+            }
         }
     }
     __pipeline_commit();
@@ -1807,34 +1808,32 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const bool sparse = kind == ROW_SPARSE, find_cand = sparse && a.n_top > 0;
     const uint16_t * m = mask_row(a, c);
     const int32_t * pr = pos_row(a, c);
-    for (int i = tid; i < cpt/8; i += PBS_THREADS) {
+    const int n_chunks_block = (int) ((int64_t) cpt*PBS_THREADS / A_CHUNK);
+    for (int i = tid; i < n_chunks_block; i += PBS_THREADS) {
         const int64_t ch = base / A_CHUNK + i;
         const int32_t * cv = s.cvis + (w*a.n_chunks_a + ch)*3;
         pos_chunk[i] = ch < a.n_chunks_a && sparse && cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi);
     }
+    ex.hist[0][tid] = 0;
     __pipeline_wait_prior(0);
     __syncthreads();
 
-    // 2. keys in place of the logits (each thread its own cells), forced bits
+    // 2. keys in place of the logits, forced bits, the exponents' histogram (the first digit of K)
     uint64_t forced = 0;
     int64_t n_ws = 0;  // forced window cells + (sink cells << 32)
-    for (int u0 = 0; u0 < cpt; u0 += 8) {
-        const bool need_pos = pos_chunk[u0/8];
-        int64_t cells[8], pos_c[8];
-        float score[8];
+    for (int u0 = 0; u0 < cpt; u0 += 4) {
+        const bool need_pos = pos_chunk[(tid*cpt + u0) / A_CHUNK];
+        const uint4 raw = *(const uint4 *) (mine + u0);
+        int64_t cells[4];
+        float score[4] = { __uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z), __uint_as_float(raw.w) };
+        bool vis[4], scored[4];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int64_t j = cells[u] = base + (int64_t) (u0 + u)*PBS_THREADS + tid;
-            score[u] = __uint_as_float(keys[(u0 + u)*PBS_THREADS + tid]);  // the logit until the score below
-            pos_c[u] = need_pos && j < n_kv ? position(pr, j) : 0;
-        }
-        bool vis[8], scored[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const int64_t j = cells[u];
+        for (int u = 0; u < 4; ++u) {
+            const int64_t j = cells[u] = j0 + u0 + u;
             vis[u] = score[u] != -INFINITY || (j < n_kv && visible(m, j));
-            const bool in_w = sparse && vis[u] && need_pos && pos_c[u] > w_lo;
-            const bool in_s = sparse && vis[u] && need_pos && pos_c[u] < s_hi;
+            const int64_t pj = need_pos && vis[u] ? position(pr, j) : 0;
+            const bool in_w = sparse && vis[u] && need_pos && pj > w_lo;
+            const bool in_s = sparse && vis[u] && need_pos && pj < s_hi;
             n_ws += (int64_t) in_w + ((int64_t) in_s << 32);
             const bool mark = kind == ROW_DENSE ? vis[u] : (in_w || in_s);
             forced |= (uint64_t) mark << (u0 + u);
@@ -1842,32 +1841,30 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         }
         // group scores as kernel B: the first head from the logit (0 + x, as group_scores), then the other heads
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < 4; ++u) {
             score[u] = scored[u] ? 0.0f + __expf(score[u] - rst[0]) * rst[G] : 0.0f;
         }
         if (G > 1) {
             group_scores(lrow, n_kv, G, rst, cells, scored, score, 1);
         }
+        uint32_t key[4];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            keys[(u0 + u)*PBS_THREADS + tid] = scored[u] ? score_key(score[u]) : (vis[u] ? 1u : 0u);
+        for (int u = 0; u < 4; ++u) {
+            key[u] = scored[u] ? score_key(score[u]) : (vis[u] ? 1u : 0u);
+            if (find_cand && vis[u] && !((forced >> (u0 + u)) & 1)) {
+                atomicAdd(&ex.hist[0][key[u] >> 23], 1u);  // K's top 8 of 31 + cell_bits bits: the key's bits 30..23
+            }
         }
-    }
-    SPARQ_TIMING_MARK(2);
-
-    // 3. the first radix pass with the forced counts; every block reads the cluster's sums
-    const int total_bits = 31 + a.cell_bits;  // group scores are at most G <= 64: score_key < 2^31
-    int sh = max(0, total_bits - 8), width = total_bits - sh, par = 0, n_pass = 0;
-    uint64_t prefix = 0;
-    if (find_cand) {
-        pbs_count(keys, forced, cpt, base, a.cell_bits, sh, width, prefix, ex.hist[0]);
+        *(uint4 *) (mine + u0) = make_uint4(key[0], key[1], key[2], key[3]);
     }
     n_ws = block_reduce(n_ws, op_add(), (int64_t) 0, redl);
     if (tid == 0) {
         ex.n_w = (int) (n_ws & 0xFFFFFFFF);
         ex.n_s = (int) (n_ws >> 32);
     }
-    SPARQ_TIMING_MARK(3);
+    SPARQ_TIMING_MARK(2);
+
+    // 3. the cluster's sums: the forced counts, the first digit's histogram; the boundary bin; further passes
     cluster.sync();  // also: every block of the cluster runs, so its shared memory can be read
     if (warp == 0) {
         const pbs_exchange * o = cluster.map_shared_rank(&ex, lane % PBS_CLUSTER);
@@ -1879,22 +1876,15 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             row_sum[1] = ns_b;
         }
     }
-    // thread t: bin 255 - t summed over the cluster (the scan below runs from the top bin down)
-    uint32_t cnt = 0;
-    if (find_cand) {
-        uint32_t part[PBS_CLUSTER];
-#pragma unroll
-        for (int b = 0; b < PBS_CLUSTER; ++b) {
-            part[b] = cluster.map_shared_rank(&ex.hist[0][0], b)[PBS_BINS - 1 - tid];
-        }
-#pragma unroll
-        for (int b = 0; b < PBS_CLUSTER; ++b) {
-            cnt += part[b];
-        }
-    }
+    uint32_t cnt = find_cand ? pbs_cluster_bin(cluster, ex.hist[0]) : 0;
     __syncthreads();
+    SPARQ_TIMING_MARK(3);
     // kernel S's condition for the fast path: exactly the window and the sinks forced, and disjoint
     const bool exact_all = sparse && !(row_sum[0] == a.window && row_sum[1] == a.sinks && w_lo >= s_hi - 1);
+    const int total_bits = 31 + a.cell_bits;  // group scores are at most G <= 64: score_key < 2^31
+    int sh = total_bits - 8, width = 8, par = 0, n_pass = 0;
+    uint64_t prefix = 0;
+    uint32_t top_digit = 0;  // the boundary's exponent (the first pass's bin)
     if (find_cand && !exact_all) {
         uint32_t need = (uint32_t) a.n_top;
         for (;;) {
@@ -1906,6 +1896,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             }
             __syncthreads();
             prefix = (prefix << width) | bin_found[0];
+            top_digit = n_pass == 1 ? bin_found[0] : top_digit;
             need -= bin_found[1];
             if (bin_found[2] == need || sh == 0) {
                 break;
@@ -1914,63 +1905,53 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             width = sh - sh_next;
             sh = sh_next;
             par ^= 1;
-            pbs_count(keys, forced, cpt, base, a.cell_bits, sh, width, prefix, ex.hist[par]);
+            uint32_t * h = ex.hist[par];
+            h[tid] = 0;
+            __syncthreads();
+            for (int u0 = 0; u0 < cpt; u0 += 4) {
+                const uint4 raw = *(const uint4 *) (mine + u0);
+                const uint32_t k4[4] = { raw.x, raw.y, raw.z, raw.w };
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    if (k4[u] >> 23 == top_digit && k4[u] != 0 && !((forced >> (u0 + u)) & 1)) {
+                        const uint64_t K = ((uint64_t) k4[u] << a.cell_bits) | (cmask - (uint64_t) (j0 + u0 + u));
+                        if ((K >> (sh + width)) == prefix) {
+                            atomicAdd(&h[(uint32_t) (K >> sh) & ((1u << width) - 1)], 1u);
+                        }
+                    }
+                }
+            }
             cluster.sync();
-            uint32_t part[PBS_CLUSTER];
-#pragma unroll
-            for (int b = 0; b < PBS_CLUSTER; ++b) {
-                part[b] = cluster.map_shared_rank(&ex.hist[par][0], b)[PBS_BINS - 1 - tid];
-            }
-            cnt = 0;
-#pragma unroll
-            for (int b = 0; b < PBS_CLUSTER; ++b) {
-                cnt += part[b];
-            }
+            cnt = pbs_cluster_bin(cluster, h);
         }
     }
     SPARQ_TIMING_MARK(4);
 
-    // 4. the selected cells: forced, or candidates in the top; per (round, warp) counts in cell order
+    // 4. the selected cells: forced, or candidates with K >= prefix << sh; this thread's cells are consecutive
+    const uint64_t thr = prefix << sh;
     uint64_t sel = 0;
     float part_alpha = 0.0f;  // alpha_0's part (G = 1: the scores themselves)
     if (!exact_all) {
-        for (int u = 0; u < cpt; ++u) {
-            const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
-            const uint32_t key = keys[u*PBS_THREADS + tid];
-            const bool f = (forced >> u) & 1;
-            const uint64_t K = ((uint64_t) key << a.cell_bits) | (cmask - (uint64_t) j);
-            const bool is_sel = f || (find_cand && key != 0 && (K >> sh) >= prefix);
-            sel |= (uint64_t) is_sel << u;
-            if (is_sel && G == 1 && a.has_logits) {
-                part_alpha += __uint_as_float(key - 1u);
-            }
-            const uint32_t ballot = __ballot_sync(0xFFFFFFFF, is_sel);
-            if (lane == 0) {
-                wballot[u*PBS_WARPS + warp] = ballot;
-                wcount[u*PBS_WARPS + warp] = __popc(ballot);
+        for (int u0 = 0; u0 < cpt; u0 += 4) {
+            const uint4 raw = *(const uint4 *) (mine + u0);
+            const uint32_t k4[4] = { raw.x, raw.y, raw.z, raw.w };
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const bool f = (forced >> (u0 + u)) & 1;
+                bool top = false;
+                if (find_cand && k4[u] != 0 && !f && k4[u] >> 23 >= top_digit) {
+                    const uint64_t K = ((uint64_t) k4[u] << a.cell_bits) | (cmask - (uint64_t) (j0 + u0 + u));
+                    top = K >= thr;
+                }
+                sel |= (uint64_t) (f || top) << (u0 + u);
+                if ((f || top) && G == 1 && a.has_logits) {
+                    part_alpha += __uint_as_float(k4[u] - 1u);
+                }
             }
         }
     }
-    __syncthreads();
     int n_sel_block = 0;
-    if (!exact_all) {
-        constexpr int MAX_PER = PBS_MAX_CPT*PBS_WARPS/PBS_THREADS;
-        const int n_slots = cpt*PBS_WARPS, per = (n_slots + PBS_THREADS - 1) / PBS_THREADS;
-        int v[MAX_PER], tsum = 0;
-#pragma unroll
-        for (int e = 0; e < MAX_PER; ++e) {
-            v[e] = e < per && tid*per + e < n_slots ? wcount[tid*per + e] : 0;
-            tsum += v[e];
-        }
-        int at = block_exclusive_scan(tsum, &n_sel_block, red);
-#pragma unroll
-        for (int e = 0; e < MAX_PER; ++e) {
-            if (e < per && tid*per + e < n_slots) {
-                wcount[tid*per + e] = at;
-                at += v[e];
-            }
-        }
-    }
+    const int at_thread = block_exclusive_scan(__popcll(sel), &n_sel_block, red);
     SPARQ_TIMING_MARK(5);
     // alpha_g's part of this block (sparse rows with the mean on), in a fixed order
     const bool want_alpha = sparse && a.p.mean_on && !exact_all;
@@ -1979,11 +1960,9 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             float p = part_alpha;
             if (G > 1) {
                 p = 0.0f;
-                for (int u = 0; u < cpt; ++u) {
-                    if ((sel >> u) & 1) {
-                        const int64_t j = base + (int64_t) u*PBS_THREADS + tid;
-                        p += __expf(lrow[g*n_kv + j] - rst[g]) * rst[G + g];
-                    }
+                for (uint64_t bits = sel; bits; bits &= bits - 1) {
+                    const int64_t j = j0 + __ffsll((long long) bits) - 1;
+                    p += __expf(lrow[g*n_kv + j] - rst[g]) * rst[G + g];
                 }
             }
             p = warp_reduce(p, op_add());
@@ -2037,14 +2016,10 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     SPARQ_TIMING_MARK(7);
     int32_t * i2 = s.i2 + w*k2;
     if (!exact_all) {
-        const int64_t before = row_sum[2];
-        for (int u = 0; u < cpt; ++u) {
-            if ((sel >> u) & 1) {
-                const int slot = u*PBS_WARPS + warp;
-                const int64_t at = before + wcount[slot] + __popc(wballot[slot] & ((1u << lane) - 1));
-                if (at < k2) {
-                    i2[at] = (int32_t) (base + (int64_t) u*PBS_THREADS + tid);
-                }
+        int64_t at = row_sum[2] + at_thread;
+        for (uint64_t bits = sel; bits; bits &= bits - 1, ++at) {
+            if (at < k2) {
+                i2[at] = (int32_t) (j0 + __ffsll((long long) bits) - 1);
             }
         }
     } else if (rank == 0) {
@@ -2065,7 +2040,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     if (a.timing && tid == 0 && w == 0 && rank == 0) {
         printf("PBS passes %d exact_all %d cpt %d\n", n_pass, (int) exact_all, cpt);
     }
-    SPARQ_TIMING_PRINT("PBS: merge, keys, count, exchange+radix, select, alpha, exchange, i2, wait", w*PBS_CLUSTER + rank, 10);
+    SPARQ_TIMING_PRINT("PBS: merge, keys+count, exchange, radix, select, alpha, exchange, i2, wait", w*PBS_CLUSTER + rank, 10);
 #else
     NO_DEVICE_CODE;
 #endif
@@ -2335,7 +2310,7 @@ void launch_logits_values(int vpt, int slice, int64_t nw, cudaStream_t stream, c
 }
 
 // Kernel PBS's dynamic shared memory: the keys of a block's cells.
-size_t pbs_smem(int64_t n_kv) { return sizeof(uint32_t) * pbs_cpt(n_kv)*PBS_THREADS; }
+size_t pbs_smem(int64_t n_kv) { return sizeof(uint32_t) * pbs_stride(pbs_cpt(n_kv))*PBS_THREADS; }
 
 // Whether kernel PBS runs for rows of n_kv cells on the current device: Hopper or later with the kernel built for it
 // (a cluster launch), a cluster of PBS_CLUSTER blocks of the largest size schedulable, rows short enough, and not
@@ -2355,7 +2330,7 @@ bool pbs_usable(int64_t n_kv) {
         cudaFuncAttributes attr;
         CUDA_CHECK(cudaFuncGetAttributes(&attr, sparq_pbs));
         if (ggml_cuda_info().devices[device].cc >= GGML_CUDA_CC_HOPPER && attr.binaryVersion >= 90) {
-            const size_t smem = sizeof(uint32_t) * PBS_MAX_CPT*PBS_THREADS;
+            const size_t smem = sizeof(uint32_t) * pbs_stride(PBS_MAX_CPT)*PBS_THREADS;
             ensure_smem<sparq_pbs>(smem);
             cudaLaunchConfig_t cfg = {};
             cfg.gridDim = dim3(PBS_CLUSTER);
