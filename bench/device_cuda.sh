@@ -19,8 +19,9 @@
 #                                            --squeeze on the GPU (tests/test_squeeze_cuda.py), at one commit
 #   bench/device_cuda.sh build test timeline timing8   session 15: the op's kernels as they run (SPARQ_CUDA_TIMELINE),
 #                                            tail phases (the A/B stages releaseab and qab of 9074b42 and 4c58db3 are s15ab)
-#   bench/device_cuda.sh build s16test s16ab; TIMELINE_VARIANTS="early pbs0" ... timeline   session 16: kernel PBS
-#                                            (P, B, S as one cluster kernel per row) tested and measured against P, B, S
+#   bench/device_cuda.sh build s16test s16ab s16timing s16e2e; TIMELINE_VARIANTS="early pbs0" ... timeline
+#                                            session 16: kernel PBS (P, B, S as one cluster kernel per row) tested and
+#                                            measured against P, B, S, op and end to end
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -636,6 +637,25 @@ stage_s16timing() {
             echo "Llama-2 heads, S = $s, B = $b:"
             SPARQ_CUDA_TIMING=1 timeout 60 python3 bench/cuda_profile.py --seq $s --batch $b --runs 2 2>/dev/null | grep PBS | sort | uniq -c
         done
+    done
+}
+
+stage_s16e2e() {
+    # Session 16: end to end with kernel PBS (the default where it runs: B = 1 up to 32k) and without it
+    # (SPARQ_CUDA_PBS=0) in one run: llama-bench tg32 -r 3, Llama-2 shape, depths 16k and 32k
+    local m; m=$(llama2_model) || return 1
+    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
+    for d in 16384 32768; do
+        timeout 100 "${lb[@]}" -d $d -sparq 0 > "$OUT/s16tg_${d}_dense.json" 2>/dev/null
+        timeout 100 "${lb[@]}" -d $d -sparq 1 > "$OUT/s16tg_${d}_pbs.json" 2>/dev/null
+        SPARQ_CUDA_PBS=0 timeout 100 "${lb[@]}" -d $d -sparq 1 > "$OUT/s16tg_${d}_pbs0.json" 2>/dev/null
+        python3 - "$OUT" $d <<'PYEOF'
+import json, sys
+out, d = sys.argv[1:]
+ms = {v: 1000 / json.load(open(f"{out}/s16tg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "pbs", "pbs0")}
+print(f"tg d {d}: dense {ms['dense']:.2f} ms, sparq with PBS {ms['pbs']:.2f} ms ({ms['dense']/ms['pbs']:.2f}x), "
+      f"sparq with P, B, S {ms['pbs0']:.2f} ms ({ms['dense']/ms['pbs0']:.2f}x)")
+PYEOF
     done
 }
 

@@ -30,7 +30,6 @@
 #include "ggml-sparq.h"
 
 #include <cooperative_groups.h>
-#include <cuda_pipeline.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -1683,8 +1682,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // timeline). Kernel PBS spreads a row over a cluster of PBS_CLUSTER blocks that exchange their counts through
 // distributed shared memory: no sample, no threshold guess, no candidate list, no fallback for a misleading sample.
 //   1. block b takes cells [b*span, (b+1)*span), thread t of it the cpt cells from b*span + t*cpt (so the order of
-//      threads is the order of cells); their first-head logits are copied into shared memory asynchronously while
-//      the block merges kernel A's chunk statistics (as kernel P, the same bits): the row's kind, window and sinks
+//      threads is the order of cells); their first-head logits are loaded (16-byte loads, all in flight) before the
+//      block merges kernel A's chunk statistics (as kernel P, the same bits): the row's kind, window and sinks
 //      bounds and softmax statistics are known in every block without an exchange;
 //   2. visibility (from the logits, the mask only for -inf), forced cells (window, sinks; every visible cell of a
 //      dense row), group scores as kernel B, 32-bit keys in place of the logits, and the histogram of the keys'
@@ -1696,13 +1695,18 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 //   4. I2 in cell order: each thread's selected cells, a block scan, the blocks before this one from the cluster;
 //      alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
 // Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
-// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 8, at most
-// PBS_MAX_CPT: n_kv <= PBS_CLUSTER * PBS_THREADS * PBS_MAX_CPT; longer rows, devices before Hopper and SPARQ_CUDA_PBS=0
-// run kernels P, B and S. Versions and phase timings: bench/notes_cuda.md, session 16.
+// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt 8 or 16.
+// Where it runs (pbs_usable): kernel PBS is built for latency, one wave of clusters doing few cells each; kernels P, B
+// and S for throughput (kernel B's sweep spreads any number of cells over many blocks, and its per-cell work is a
+// threshold test where PBS's is a key, a histogram count and a select test). Measured (H100, session 16, op bench,
+// Llama-2 heads, 64 cells per thread at most then): B = 1 at 4k 60 vs 72 us, at 32k 92 vs 100, at 64k 134 vs 136, at
+// 128k 212 vs 195; B = 8 slower at every length (e.g. 32k 372 vs 321). So PBS runs for n_kv <= 32k (cpt <= 16) when every
+// row's cluster is resident at once; devices before Hopper and SPARQ_CUDA_PBS=0 run P, B and S.
+// Versions and phase timings: bench/notes_cuda.md, session 16.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
 constexpr int PBS_WARPS   = PBS_THREADS / WARP_SIZE;
-constexpr int PBS_MAX_CPT = 64;
+constexpr int PBS_MAX_CPT = 16;
 constexpr int PBS_BINS    = 256;  // 8-bit digits
 static_assert(PBS_BINS == PBS_THREADS, "a thread per histogram bin");
 static_assert(A_CHUNK % 8 == 0, "a thread's group of 4 cells lies in one chunk of kernel A");
@@ -1723,6 +1727,7 @@ __host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a m
 // A thread's keys in shared memory: cpt words and 4 of padding, so that the 16-byte accesses of 8 consecutive threads
 // (one phase of a warp's vector access) fall on distinct banks.
 __host__ __device__ inline int pbs_stride(int cpt) { return cpt + 4; }
+constexpr int PBS_VEC = PBS_MAX_CPT / 4;  // 16-byte loads of a thread's logits
 
 // The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
 // cluster's blocks' hist[bin], read through distributed shared memory.
@@ -1772,21 +1777,21 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const float * lrow = s.logits + w*G*n_kv;
 
     // 1. the first head's logits of this thread's cells, in flight during the merge
-    for (int u = 0; u < cpt; u += 4) {
-        const int64_t j = j0 + u;
-        if (a.has_logits && a.vec_logits && j + 4 <= n_kv) {
-            __pipeline_memcpy_async(mine + u, lrow + j, 4*sizeof(float));
+    uint4 raw_l[PBS_VEC];
+#pragma unroll
+    for (int v = 0; v < PBS_VEC; ++v) {
+        const int64_t j = j0 + 4*v;
+        if (4*v < cpt && a.has_logits && a.vec_logits && j + 4 <= n_kv) {
+            raw_l[v] = *(const uint4 *) (lrow + j);
         } else {
+            uint32_t e4[4];
+#pragma unroll
             for (int e = 0; e < 4; ++e) {
-                if (a.has_logits && j + e < n_kv) {
-                    __pipeline_memcpy_async(mine + u + e, lrow + j + e, sizeof(float));
-                } else {
-                    mine[u + e] = __float_as_uint(-INFINITY);
-                }
+                e4[e] = 4*v < cpt && a.has_logits && j + e < n_kv ? __float_as_uint(lrow[j + e]) : __float_as_uint(-INFINITY);
             }
+            raw_l[v] = make_uint4(e4[0], e4[1], e4[2], e4[3]);
         }
     }
-    __pipeline_commit();
     const row_merge rm = merge_chunk_stats(a, s, w, rst, rank == 0, redl);
     SPARQ_TIMING_MARK(1);
     const int64_t kind = rm.n_vis == 0 ? ROW_EMPTY : rm.n_vis <= k2 ? ROW_DENSE : ROW_SPARSE;
@@ -1799,7 +1804,6 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         ri[RI_S_HI] = s_hi;
     }
     if (kind == ROW_EMPTY) {  // the same in every block: no exchange
-        __pipeline_wait_prior(0);
         if (rank == 0 && tid == 0) {
             ri[RI_N_SEL] = 0;
         }
@@ -1815,7 +1819,12 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         pos_chunk[i] = ch < a.n_chunks_a && sparse && cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi);
     }
     ex.hist[0][tid] = 0;
-    __pipeline_wait_prior(0);
+#pragma unroll
+    for (int v = 0; v < PBS_VEC; ++v) {
+        if (4*v < cpt) {
+            *(uint4 *) (mine + 4*v) = raw_l[v];
+        }
+    }
     __syncthreads();
 
     // 2. keys in place of the logits, forced bits, the exponents' histogram (the first digit of K)
@@ -2312,10 +2321,11 @@ void launch_logits_values(int vpt, int slice, int64_t nw, cudaStream_t stream, c
 // Kernel PBS's dynamic shared memory: the keys of a block's cells.
 size_t pbs_smem(int64_t n_kv) { return sizeof(uint32_t) * pbs_stride(pbs_cpt(n_kv))*PBS_THREADS; }
 
-// Whether kernel PBS runs for rows of n_kv cells on the current device: Hopper or later with the kernel built for it
-// (a cluster launch), a cluster of PBS_CLUSTER blocks of the largest size schedulable, rows short enough, and not
-// switched off (SPARQ_CUDA_PBS=0: kernels P, B and S, for A/B runs). Checked once per device.
-bool pbs_usable(int64_t n_kv) {
+// Whether kernel PBS runs for nw rows of n_kv cells on the current device (see the kernel): Hopper or later with the
+// kernel built for it (a cluster launch), rows of at most PBS_MAX_CPT cells per thread, every row's cluster resident at
+// once (the occupancy of the largest size, once per device), and not switched off (SPARQ_CUDA_PBS=0: kernels P, B and
+// S, for A/B runs).
+bool pbs_usable(int64_t n_kv, int64_t nw) {
     static const bool off = [] {
         const char * e = getenv("SPARQ_CUDA_PBS");
         return e != nullptr && atoi(e) == 0;
@@ -2323,10 +2333,11 @@ bool pbs_usable(int64_t n_kv) {
     if (off || pbs_cpt(n_kv) > PBS_MAX_CPT) {
         return false;
     }
-    static int usable[GGML_CUDA_MAX_DEVICES] = {};  // 0 unknown, 1 yes, -1 no
+    static int max_clusters[GGML_CUDA_MAX_DEVICES] = {};  // resident clusters (0: none, or not Hopper)
+    static bool known[GGML_CUDA_MAX_DEVICES] = {};
     const int device = ggml_cuda_get_device();
-    if (usable[device] == 0) {
-        usable[device] = -1;
+    if (!known[device]) {
+        known[device] = true;
         cudaFuncAttributes attr;
         CUDA_CHECK(cudaFuncGetAttributes(&attr, sparq_pbs));
         if (ggml_cuda_info().devices[device].cc >= GGML_CUDA_CC_HOPPER && attr.binaryVersion >= 90) {
@@ -2344,13 +2355,13 @@ bool pbs_usable(int64_t n_kv) {
             cfg.attrs = &cluster;
             cfg.numAttrs = 1;
             int n_clusters = 0;
-            if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs, &cfg) == cudaSuccess && n_clusters > 0) {
-                usable[device] = 1;
+            if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs, &cfg) == cudaSuccess) {
+                max_clusters[device] = n_clusters;
             }
             (void) cudaGetLastError();  // a refused query leaves no error behind
         }
     }
-    return usable[device] == 1;
+    return nw <= max_clusters[device];
 }
 
 // Kernel PBS: a cluster of PBS_CLUSTER blocks per row, launched dependent on kernel A as the other kernels are
@@ -2393,7 +2404,7 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
         case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
-    if (pbs_usable(a.n_kv)) {
+    if (pbs_usable(a.n_kv, nw)) {
         launch_pbs(nw, stream, a, s, r0);
     } else {
         const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
