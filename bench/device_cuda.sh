@@ -659,6 +659,17 @@ PYEOF
     done
 }
 
+stage_s16sanitize() {
+    # Session 16: compute-sanitizer over tests that run kernel PBS (rows up to 32k, few rows), each tool time-boxed
+    local t="tests/test_op_sparq_attn_cuda.py"
+    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
+        -k "(random_case and (33 or 77 or 250 or 401)) or (window_and_sinks and 1) or empty_rows or k2_covering or (long_sequences and (shape2 or shape3 or shape4 or shape5))" \
+        > "$OUT/memcheck_pbs.log" 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_pbs.log" | tail -3
+    timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
+        -k "(random_case and (33 or 77)) or (window_and_sinks and 2) or (long_sequences and on and (shape2 or shape3))" \
+        > "$OUT/racecheck_pbs.log" 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_pbs.log" | tail -3
+}
+
 stage_centroidtest() {
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 \
         | tee "$OUT/test_centroid_cuda.log" | tail -3
