@@ -19,6 +19,9 @@
 //      large), I2 in cell order (from the lists for k2 <= LIST_MAX_K2, else out of the bitmap), alpha_g.
 //   LV. logits and values (grid: output slices x heads, rows): exact logits of the head over I2, softmax,
 //      Sparse-V cut, weighted sum of V, mean mix.
+// On Hopper, where a few rows of up to 32k cells are all in flight at once (one decode step of one sequence), kernel
+// PBS does P's, B's and S's work in one launch: a cluster of 8 blocks per row exchanging counts through distributed
+// shared memory, the exact top by radix passes (see the kernel; pbs_usable decides).
 // One block per row would run the last steps as a serial chain of memory round trips (~45 us per step).
 // When the sample misleads (too few or too many candidates) or positions are not distinct, kernel S
 // falls back to exact selections over all cells: slower, same result. Launch sizes depend on shapes only
@@ -1701,7 +1704,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // threshold test where PBS's is a key, a histogram count and a select test). Measured (H100, session 16, op bench,
 // Llama-2 heads, 64 cells per thread at most then): B = 1 at 4k 60 vs 72 us, at 32k 92 vs 100, at 64k 134 vs 136, at
 // 128k 212 vs 195; B = 8 slower at every length (e.g. 32k 372 vs 321). So PBS runs for n_kv <= 32k (cpt <= 16) when every
-// row's cluster is resident at once; devices before Hopper and SPARQ_CUDA_PBS=0 run P, B and S.
+// row's cluster is resident at once (measured so, B = 1: 4k 61 vs 72 us, 32k 91 vs 100); devices before Hopper and
+// SPARQ_CUDA_PBS=0 run P, B and S.
 // Versions and phase timings: bench/notes_cuda.md, session 16.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
