@@ -50,3 +50,17 @@ def test_json_output(tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert data["32768/32"]["runs"] == 3 and data["32768/32"]["kernels"]["S"]["end"] == 74.0
     assert "n_kv 4096, rows 8, 1 runs" in capsys.readouterr().out
+
+
+def test_the_pbs_chain_hands_over_from_kernel_a(tmp_path):
+    # session 16: kernel PBS replaces P, B and S; its predecessor is kernel A, LV's is PBS
+    path = tmp_path / "timeline.log"
+    path.write_text("\n".join(HEADER.format(n=32768, r=32) + line for line in (
+        " Q 0.00 0.40 4.70; A - - 46.50; PBS 45.90 47.10 81.90; LV 48.20 82.30 91.00;",
+        " Q 0.00 0.40 4.60; A - - 46.00; PBS 45.00 46.50 80.00; LV 47.00 80.50 90.00;",
+        " Q 0.00 0.40 4.80; A - - 47.00; PBS 46.00 47.50 84.00; LV 49.00 84.60 92.00;")))
+    k = timeline_summary.summarise(timeline_summary.parse(path)[(32768, 32)])
+    assert set(k) == {"Q", "A", "PBS", "LV"}
+    assert k["PBS"]["gap"] == pytest.approx(0.5)  # 0.6, 0.5, 0.5
+    assert k["PBS"]["body"] == pytest.approx(34.8)  # 34.8, 33.5, 36.5
+    assert k["LV"]["gap"] == pytest.approx(0.5) and k["LV"]["body"] == pytest.approx(8.7)  # 8.7, 9.5, 7.4
