@@ -32,7 +32,14 @@
 
 #include "ggml-sparq.h"
 
-#include <cooperative_groups.h>
+// Kernel PBS needs thread-block clusters: the CUDA 12 runtime and device code for sm_90 or later. Other builds (older
+// toolkits, HIP, MUSA) run kernels P, B and S.
+#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA) && CUDART_VERSION >= 12000
+#    define SPARQ_PBS_BUILT 1
+#    include <cooperative_groups.h>
+#else
+#    define SPARQ_PBS_BUILT 0
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -1735,6 +1742,7 @@ constexpr int PBS_VEC = PBS_MAX_CPT / 4;  // 16-byte loads of a thread's logits
 
 // The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
 // cluster's blocks' hist[bin], read through distributed shared memory.
+#if SPARQ_PBS_BUILT
 __device__ __forceinline__ uint32_t pbs_cluster_bin(const cooperative_groups::cluster_group & cluster, uint32_t * hist) {
     uint32_t part[PBS_CLUSTER], cnt = 0;
 #pragma unroll
@@ -1747,9 +1755,10 @@ __device__ __forceinline__ uint32_t pbs_cluster_bin(const cooperative_groups::cl
     }
     return cnt;
 }
+#endif  // SPARQ_PBS_BUILT
 
 __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, const sparq_scratch s, int64_t r0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if SPARQ_PBS_BUILT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     extern __shared__ __align__(16) uint32_t keys[];  // [PBS_THREADS][stride]: logits, then 0 hidden / score keys
@@ -2334,9 +2343,10 @@ bool pbs_usable(int64_t n_kv, int64_t nw) {
         const char * e = getenv("SPARQ_CUDA_PBS");
         return e != nullptr && atoi(e) == 0;
     }();
-    if (off || pbs_cpt(n_kv) > PBS_MAX_CPT) {
+    if (!SPARQ_PBS_BUILT || off || pbs_cpt(n_kv) > PBS_MAX_CPT) {
         return false;
     }
+#if SPARQ_PBS_BUILT
     static int max_clusters[GGML_CUDA_MAX_DEVICES] = {};  // resident clusters (0: none, or not Hopper)
     static bool known[GGML_CUDA_MAX_DEVICES] = {};
     const int device = ggml_cuda_get_device();
@@ -2366,11 +2376,16 @@ bool pbs_usable(int64_t n_kv, int64_t nw) {
         }
     }
     return nw <= max_clusters[device];
+#else
+    GGML_UNUSED(nw);
+    return false;
+#endif  // SPARQ_PBS_BUILT
 }
 
 // Kernel PBS: a cluster of PBS_CLUSTER blocks per row, launched dependent on kernel A as the other kernels are
 // (ggml_cuda_kernel_launch's rules: GGML_CUDA_PDL=0 turns dependent launches off).
 void launch_pbs(int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+#if SPARQ_PBS_BUILT
     const size_t smem = pbs_smem(a.n_kv);
     ensure_smem<sparq_pbs>(smem);
     cudaLaunchConfig_t cfg = {};
@@ -2397,6 +2412,11 @@ void launch_pbs(int64_t nw, cudaStream_t stream, const sparq_args & a, const spa
     }
 #endif
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparq_pbs, a, s, r0));
+#else
+    GGML_UNUSED(nw); GGML_UNUSED(stream); GGML_UNUSED(a); GGML_UNUSED(s); GGML_UNUSED(r0);
+    (void) sparq_pbs;
+    GGML_ABORT("kernel PBS is not built (pbs_usable returns false)");
+#endif  // SPARQ_PBS_BUILT
 }
 
 template <typename T>
