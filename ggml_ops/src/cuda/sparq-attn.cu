@@ -1716,7 +1716,6 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // Versions and phase timings: bench/notes_cuda.md, session 16.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
-constexpr int PBS_WARPS   = PBS_THREADS / WARP_SIZE;
 constexpr int PBS_MAX_CPT = 16;
 constexpr int PBS_BINS    = 256;  // 8-bit digits
 static_assert(PBS_BINS == PBS_THREADS, "a thread per histogram bin");
@@ -1767,7 +1766,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     __shared__ int64_t redl[96];
     __shared__ int red[32];
     __shared__ bool pos_chunk[PBS_MAX_CPT*PBS_THREADS/A_CHUNK];  // this block's A chunks whose cells can be forced
-    __shared__ float walpha[PBS_WARPS];
+    __shared__ float fred[32];  // block_reduce of alpha_g's parts
     __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
     __shared__ int64_t row_sum[3];     // from the cluster: forced window cells, sink cells; selected cells before this block
     __shared__ uint32_t hist[HIST_WORDS];  // kernel S's exact selection (first block, rows that need it)
@@ -1987,18 +1986,9 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
                     p += __expf(lrow[g*n_kv + j] - rst[g]) * rst[G + g];
                 }
             }
-            p = warp_reduce(p, op_add());
-            __syncthreads();  // walpha of the previous head read
-            if (lane == 0) {
-                walpha[warp] = p;
-            }
-            __syncthreads();
+            p = block_reduce(p, op_add(), 0.0f, fred);
             if (tid == 0) {
-                float sum = 0.0f;
-                for (int i = 0; i < PBS_WARPS; ++i) {
-                    sum += walpha[i];
-                }
-                ex.alpha[g] = sum;
+                ex.alpha[g] = p;
             }
         }
     }
@@ -2331,8 +2321,45 @@ void launch_logits_values(int vpt, int slice, int64_t nw, cudaStream_t stream, c
     }
 }
 
-// Kernel PBS's dynamic shared memory: the keys of a block's cells.
-size_t pbs_smem(int64_t n_kv) { return sizeof(uint32_t) * pbs_stride(pbs_cpt(n_kv))*PBS_THREADS; }
+// Kernel PBS's dynamic shared memory at cpt cells per thread: the keys of a block's cells.
+size_t pbs_smem(int cpt) { return sizeof(uint32_t) * pbs_stride(cpt)*PBS_THREADS; }
+
+#if SPARQ_PBS_BUILT
+// A launch of kernel PBS for nw rows at cpt cells per thread: clusters of PBS_CLUSTER blocks, dependent on its
+// predecessor by ggml_cuda_kernel_launch's rules (GGML_CUDA_USE_PDL; GGML_CUDA_PDL=0 turns it off) where `dependent`.
+struct pbs_launch {
+    cudaLaunchAttribute attrs[2];
+    cudaLaunchConfig_t  cfg = {};
+
+    pbs_launch(int64_t nw, int cpt, cudaStream_t stream, bool dependent) {
+        cfg.gridDim = dim3((unsigned) (nw*PBS_CLUSTER));
+        cfg.blockDim = dim3(PBS_THREADS);
+        cfg.dynamicSmemBytes = pbs_smem(cpt);
+        cfg.stream = stream;
+        attrs[0].id = cudaLaunchAttributeClusterDimension;
+        attrs[0].val.clusterDim.x = PBS_CLUSTER;
+        attrs[0].val.clusterDim.y = 1;
+        attrs[0].val.clusterDim.z = 1;
+        cfg.attrs = attrs;
+        cfg.numAttrs = 1;
+#if defined(GGML_CUDA_USE_PDL)
+        static const bool pdl = [] {
+            const char * e = getenv("GGML_CUDA_PDL");
+            return e == nullptr || atoi(e) != 0;
+        }();
+        if (dependent && pdl) {
+            attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attrs[1].val.programmaticStreamSerializationAllowed = 1;
+            cfg.numAttrs = 2;
+        }
+#else
+        GGML_UNUSED(dependent);
+#endif
+    }
+    pbs_launch(const pbs_launch &) = delete;  // cfg points at attrs
+    pbs_launch & operator=(const pbs_launch &) = delete;
+};
+#endif  // SPARQ_PBS_BUILT
 
 // Whether kernel PBS runs for nw rows of n_kv cells on the current device (see the kernel): Hopper or later with the
 // kernel built for it (a cluster launch), rows of at most PBS_MAX_CPT cells per thread, every row's cluster resident at
@@ -2355,21 +2382,10 @@ bool pbs_usable(int64_t n_kv, int64_t nw) {
         cudaFuncAttributes attr;
         CUDA_CHECK(cudaFuncGetAttributes(&attr, sparq_pbs));
         if (ggml_cuda_info().devices[device].cc >= GGML_CUDA_CC_HOPPER && attr.binaryVersion >= 90) {
-            const size_t smem = sizeof(uint32_t) * pbs_stride(PBS_MAX_CPT)*PBS_THREADS;
-            ensure_smem<sparq_pbs>(smem);
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(PBS_CLUSTER);
-            cfg.blockDim = dim3(PBS_THREADS);
-            cfg.dynamicSmemBytes = smem;
-            cudaLaunchAttribute cluster;
-            cluster.id = cudaLaunchAttributeClusterDimension;
-            cluster.val.clusterDim.x = PBS_CLUSTER;
-            cluster.val.clusterDim.y = 1;
-            cluster.val.clusterDim.z = 1;
-            cfg.attrs = &cluster;
-            cfg.numAttrs = 1;
+            ensure_smem<sparq_pbs>(pbs_smem(PBS_MAX_CPT));
+            const pbs_launch l(1, PBS_MAX_CPT, nullptr, false);
             int n_clusters = 0;
-            if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs, &cfg) == cudaSuccess) {
+            if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs, &l.cfg) == cudaSuccess) {
                 max_clusters[device] = n_clusters;
             }
             (void) cudaGetLastError();  // a refused query leaves no error behind
@@ -2386,32 +2402,9 @@ bool pbs_usable(int64_t n_kv, int64_t nw) {
 // (ggml_cuda_kernel_launch's rules: GGML_CUDA_PDL=0 turns dependent launches off).
 void launch_pbs(int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
 #if SPARQ_PBS_BUILT
-    const size_t smem = pbs_smem(a.n_kv);
-    ensure_smem<sparq_pbs>(smem);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned) (nw*PBS_CLUSTER));
-    cfg.blockDim = dim3(PBS_THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = PBS_CLUSTER;
-    attrs[0].val.clusterDim.y = 1;
-    attrs[0].val.clusterDim.z = 1;
-    cfg.attrs = attrs;
-    cfg.numAttrs = 1;
-#if defined(GGML_CUDA_USE_PDL)
-    static const bool pdl = [] {
-        const char * e = getenv("GGML_CUDA_PDL");
-        return e == nullptr || atoi(e) != 0;
-    }();
-    if (pdl) {
-        attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attrs[1].val.programmaticStreamSerializationAllowed = 1;
-        cfg.numAttrs = 2;
-    }
-#endif
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparq_pbs, a, s, r0));
+    const pbs_launch l(nw, pbs_cpt(a.n_kv), stream, true);
+    ensure_smem<sparq_pbs>(l.cfg.dynamicSmemBytes);
+    CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, sparq_pbs, a, s, r0));
 #else
     GGML_UNUSED(nw); GGML_UNUSED(stream); GGML_UNUSED(a); GGML_UNUSED(s); GGML_UNUSED(r0);
     (void) sparq_pbs;
