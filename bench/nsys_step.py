@@ -16,6 +16,16 @@ import csv
 from pathlib import Path
 
 
+def short_name(name: str) -> str:
+    """A demangled kernel name up to its argument list (template arguments kept: they tell instances apart)."""
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0 and i > 0:
+            return name[:i].strip()[:70]
+    return name.strip()[:70]
+
+
 def kernel_totals(path: Path) -> dict[str, tuple[float, int]]:
     """Kernel name (up to its argument list) -> (total ns, instances)."""
     with path.open(newline="") as f:
@@ -27,7 +37,7 @@ def kernel_totals(path: Path) -> dict[str, tuple[float, int]]:
     for r in rows[start + 1:]:
         if len(r) <= max(ti, ni, ki):
             continue
-        name = r[ki].split("(")[0].strip()[:70]
+        name = short_name(r[ki])
         t, n = out.get(name, (0.0, 0))
         out[name] = (t + float(r[ti].replace(",", "")), n + int(r[ni].replace(",", "")))
     return out
