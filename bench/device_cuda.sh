@@ -22,7 +22,8 @@
 #   bench/device_cuda.sh build s16test s16ab s16timing s16e2e; TIMELINE_VARIANTS="early pbs0" ... timeline
 #                                            session 16: kernel PBS (P, B, S as one cluster kernel per row) tested and
 #                                            measured against P, B, S, op and end to end
-#   bench/device_cuda.sh build s17gap                 session 17: a decode token's GPU kernels at 32k, dense vs SparQ (nsys)
+#   bench/device_cuda.sh build s17steps               session 17: a decode step's GPU kernels at 32k, dense vs SparQ
+#                                            (s17gap: the same through nsys, which the device machine lacks)
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -688,6 +689,13 @@ stage_s17gap() {
         echo "$mode, tg at 32k (ms per token, -n 8 / -n 40 under nsys): $(python3 -c "import json,sys; print(' / '.join(f\"{1000/json.load(open(a))[0]['avg_ts']:.2f}\" for a in sys.argv[1:]))" "$OUT/s17gap_${mode}_8.json" "$OUT/s17gap_${mode}_40.json" 2>&1 | tail -1)"
         python3 bench/nsys_step.py "$OUT/s17gap_${mode}_8_cuda_gpu_kern_sum.csv" "$OUT/s17gap_${mode}_40_cuda_gpu_kern_sum.csv" 32 --top 25
     done
+}
+
+stage_s17steps() {
+    # Session 17: a decode step's GPU kernels by name at 32k, dense vs SparQ (kernel PBS on), Llama-2 shape
+    # (bench/cuda_step_kernels.py: PyTorch's profiler, as this machine has no nsys)
+    local m; m=$(llama2_model) || return 1
+    timeout 300 python3 bench/cuda_step_kernels.py --model "$m" --depth 32768 --steps 16 --out "$OUT/s17steps_32k.json" 2>&1 | tail -70
 }
 
 stage_centroidtest() {
