@@ -24,6 +24,7 @@
 #                                            measured against P, B, S, op and end to end
 #   bench/device_cuda.sh build s17steps               session 17: a decode step's GPU kernels at 32k, dense vs SparQ
 #                                            (s17gap: the same through nsys, which the device machine lacks)
+#   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -696,6 +697,22 @@ stage_s17steps() {
     # (bench/cuda_step_kernels.py: PyTorch's profiler, as this machine has no nsys)
     local m; m=$(llama2_model) || return 1
     timeout 300 python3 bench/cuda_step_kernels.py --model "$m" --depth 32768 --steps 16 --out "$OUT/s17steps_32k.json" 2>&1 | tail -70
+}
+
+stage_s17test() {
+    # Session 17: kernel PBS with cells per thread in steps of 4 up to 20 (rows up to 40960 cells): the CUDA op tests
+    # (PBS where it runs: now also the 33000- and 40000-cell rows), then the op with PBS vs P, B, S at the cache sizes
+    # of decodes at depths 4k, 16k and 32k (n_kv padded to 256: 4352, 16640, 33024), at 32768 and 40960, ROUNDS rounds
+    echo "tests, PBS: $(timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs.log" | tail -1)"
+    grep -E "^(FAILED|E  )" "$OUT/test_pbs.log" | head -20
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+        for v in pbs pbs0; do
+            local env=(X=0); [ $v = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
+            echo "variant $v, round $round"
+            env "${env[@]}" timeout 120 python3 bench/cuda_op.py --runs 30 --seqs 4352,16640,32768,33024,40960 --batches 1 \
+                --out "$OUT/op_s17_${v}_$round.json" 2>&1 | grep -v "^wrote"
+        done
+    done
 }
 
 stage_centroidtest() {

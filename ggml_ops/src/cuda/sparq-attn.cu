@@ -19,7 +19,7 @@
 //      large), I2 in cell order (from the lists for k2 <= LIST_MAX_K2, else out of the bitmap), alpha_g.
 //   LV. logits and values (grid: output slices x heads, rows): exact logits of the head over I2, softmax,
 //      Sparse-V cut, weighted sum of V, mean mix.
-// On Hopper, where a few rows of up to 32k cells are all in flight at once (one decode step of one sequence), kernel
+// On Hopper, where a few rows of up to 40k cells are all in flight at once (one decode step of one sequence), kernel
 // PBS does P's, B's and S's work in one launch: a cluster of 8 blocks per row exchanging counts through distributed
 // shared memory, the exact top by radix passes (see the kernel; pbs_usable decides).
 // One block per row would run the last steps as a serial chain of memory round trips (~45 us per step).
@@ -1705,18 +1705,19 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 //   4. I2 in cell order: each thread's selected cells, a block scan, the blocks before this one from the cluster;
 //      alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
 // Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
-// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt 8 or 16.
+// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 4 up to 20.
 // Where it runs (pbs_usable): kernel PBS is built for latency, one wave of clusters doing few cells each; kernels P, B
 // and S for throughput (kernel B's sweep spreads any number of cells over many blocks, and its per-cell work is a
 // threshold test where PBS's is a key, a histogram count and a select test). Measured (H100, session 16, op bench,
 // Llama-2 heads, 64 cells per thread at most then): B = 1 at 4k 60 vs 72 us, at 32k 92 vs 100, at 64k 134 vs 136, at
-// 128k 212 vs 195; B = 8 slower at every length (e.g. 32k 372 vs 321). So PBS runs for n_kv <= 32k (cpt <= 16) when every
-// row's cluster is resident at once (measured so, B = 1: 4k 61 vs 72 us, 32k 91 vs 100); devices before Hopper and
-// SPARQ_CUDA_PBS=0 run P, B and S.
+// 128k 212 vs 195; B = 8 slower at every length (e.g. 32k 372 vs 321). So PBS runs for n_kv <= 40960 (cpt <= 20) when
+// every row's cluster is resident at once (measured so, B = 1: 4k 61 vs 72 us, 32k 91 vs 100); devices before Hopper
+// and SPARQ_CUDA_PBS=0 run P, B and S. The bound was 32768 (cpt <= 16, multiples of 8) until session 17 found that a
+// decode at depth 32k has n_kv 33024 (the cache view is padded), so end to end at "32k" PBS had not run.
 // Versions and phase timings: bench/notes_cuda.md, session 16.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
-constexpr int PBS_MAX_CPT = 16;
+constexpr int PBS_MAX_CPT = 20;    // rows up to 40960 cells: a decode at depth 32k has n_kv 33024 (padded)
 constexpr int PBS_BINS    = 256;  // 8-bit digits
 static_assert(PBS_BINS == PBS_THREADS, "a thread per histogram bin");
 static_assert(A_CHUNK % 8 == 0, "a thread's group of 4 cells lies in one chunk of kernel A");
@@ -1730,13 +1731,13 @@ struct pbs_exchange {
     float    alpha[MAX_G];       // the block's part of alpha_g
 };
 
-__host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a multiple of 8
+__host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a multiple of 4 (16-byte accesses)
     const int64_t per_thread = (n_kv + PBS_CLUSTER*PBS_THREADS - 1) / (PBS_CLUSTER*PBS_THREADS);
-    return (int) ((per_thread + 7) / 8 * 8);
+    return (int) ((per_thread + 3) / 4 * 4);
 }
-// A thread's keys in shared memory: cpt words and 4 of padding, so that the 16-byte accesses of 8 consecutive threads
-// (one phase of a warp's vector access) fall on distinct banks.
-__host__ __device__ inline int pbs_stride(int cpt) { return cpt + 4; }
+// A thread's keys in shared memory: cpt words and 4 or 8 of padding, a stride of 4 mod 8 words, so that the 16-byte
+// accesses of 8 consecutive threads (one phase of a warp's vector access) fall on distinct banks.
+__host__ __device__ inline int pbs_stride(int cpt) { return cpt % 8 == 0 ? cpt + 4 : cpt + 8; }
 constexpr int PBS_VEC = PBS_MAX_CPT / 4;  // 16-byte loads of a thread's logits
 
 // The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
@@ -1765,7 +1766,8 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     __shared__ float rst[2*MAX_G];
     __shared__ int64_t redl[96];
     __shared__ int red[32];
-    __shared__ bool pos_chunk[PBS_MAX_CPT*PBS_THREADS/A_CHUNK];  // this block's A chunks whose cells can be forced
+    __shared__ bool pos_chunk[PBS_MAX_CPT*PBS_THREADS/A_CHUNK + 1];  // the A chunks this block's cells meet: can any
+                                                                     // of their cells be forced
     __shared__ float fred[32];  // block_reduce of alpha_g's parts
     __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
     __shared__ int64_t row_sum[3];     // from the cluster: forced window cells, sink cells; selected cells before this block
@@ -1824,9 +1826,10 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const bool sparse = kind == ROW_SPARSE, find_cand = sparse && a.n_top > 0;
     const uint16_t * m = mask_row(a, c);
     const int32_t * pr = pos_row(a, c);
-    const int n_chunks_block = (int) ((int64_t) cpt*PBS_THREADS / A_CHUNK);
+    const int64_t ch0 = base / A_CHUNK;  // a block's span need not start or end at a chunk's edge (cpt % 8 == 4)
+    const int n_chunks_block = (int) ((base + (int64_t) cpt*PBS_THREADS - 1) / A_CHUNK - ch0 + 1);
     for (int i = tid; i < n_chunks_block; i += PBS_THREADS) {
-        const int64_t ch = base / A_CHUNK + i;
+        const int64_t ch = ch0 + i;
         const int32_t * cv = s.cvis + (w*a.n_chunks_a + ch)*3;
         pos_chunk[i] = ch < a.n_chunks_a && sparse && cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi);
     }
@@ -1843,7 +1846,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     uint64_t forced = 0;
     int64_t n_ws = 0;  // forced window cells + (sink cells << 32)
     for (int u0 = 0; u0 < cpt; u0 += 4) {
-        const bool need_pos = pos_chunk[(tid*cpt + u0) / A_CHUNK];
+        const bool need_pos = pos_chunk[(j0 + u0) / A_CHUNK - ch0];  // 4 cells never straddle a chunk's edge
         const uint4 raw = *(const uint4 *) (mine + u0);
         int64_t cells[4];
         float score[4] = { __uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z), __uint_as_float(raw.w) };
