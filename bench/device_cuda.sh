@@ -25,6 +25,7 @@
 #   bench/device_cuda.sh build s17steps               session 17: a decode step's GPU kernels at 32k, dense vs SparQ
 #                                            (s17gap: the same through nsys, which the device machine lacks)
 #   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
+#   bench/device_cuda.sh build s17test64; s17e2e64   session 17: kernel PBS up to 73728 cells (36 per thread), the same at 64k
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -713,6 +714,38 @@ stage_s17test() {
                 --out "$OUT/op_s17_${v}_$round.json" 2>&1 | grep -v "^wrote"
         done
     done
+}
+
+stage_s17test64() {
+    # Session 17: kernel PBS up to 36 cells per thread (rows up to 73728 cells; the 70000-cell test rows now take it):
+    # the CUDA op tests, then the op with PBS vs P, B, S at decodes' cache sizes for depths 32k, 48k and 64k
+    echo "tests, PBS: $(timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs64.log" | tail -1)"
+    grep -E "^(FAILED|E  )" "$OUT/test_pbs64.log" | head -20
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+        for v in pbs pbs0; do
+            local env=(X=0); [ $v = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
+            echo "variant $v, round $round"
+            env "${env[@]}" timeout 120 python3 bench/cuda_op.py --runs 30 --seqs 33024,49408,65792 --batches 1 \
+                --out "$OUT/op_s17_64_${v}_$round.json" 2>&1 | grep -v "^wrote"
+        done
+    done
+}
+
+stage_s17e2e64() {
+    # Session 17: end to end at depth 64k with kernel PBS (now up to 73728 cells) and without it, in one run:
+    # llama-bench tg32 -r 3, Llama-2 shape
+    local m; m=$(llama2_model) || return 1
+    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json) d=65536
+    timeout 150 "${lb[@]}" -d $d -sparq 0 > "$OUT/s17tg_${d}_dense.json" 2>/dev/null
+    timeout 150 "${lb[@]}" -d $d -sparq 1 > "$OUT/s17tg_${d}_pbs.json" 2>/dev/null
+    SPARQ_CUDA_PBS=0 timeout 150 "${lb[@]}" -d $d -sparq 1 > "$OUT/s17tg_${d}_pbs0.json" 2>/dev/null
+    python3 - "$OUT" $d <<'PYEOF'
+import json, sys
+out, d = sys.argv[1:]
+ms = {v: 1000 / json.load(open(f"{out}/s17tg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "pbs", "pbs0")}
+print(f"tg d {d}: dense {ms['dense']:.2f} ms, sparq with PBS {ms['pbs']:.2f} ms ({ms['dense']/ms['pbs']:.2f}x), "
+      f"sparq with P, B, S {ms['pbs0']:.2f} ms ({ms['dense']/ms['pbs0']:.2f}x)")
+PYEOF
 }
 
 stage_centroidtest() {

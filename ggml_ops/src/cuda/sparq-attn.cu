@@ -19,7 +19,7 @@
 //      large), I2 in cell order (from the lists for k2 <= LIST_MAX_K2, else out of the bitmap), alpha_g.
 //   LV. logits and values (grid: output slices x heads, rows): exact logits of the head over I2, softmax,
 //      Sparse-V cut, weighted sum of V, mean mix.
-// On Hopper, where a few rows of up to 40k cells are all in flight at once (one decode step of one sequence), kernel
+// On Hopper, where a few rows of up to 72k cells are all in flight at once (one decode step of one sequence), kernel
 // PBS does P's, B's and S's work in one launch: a cluster of 8 blocks per row exchanging counts through distributed
 // shared memory, the exact top by radix passes (see the kernel; pbs_usable decides).
 // One block per row would run the last steps as a serial chain of memory round trips (~45 us per step).
@@ -1705,19 +1705,21 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 //   4. I2 in cell order: each thread's selected cells, a block scan, the blocks before this one from the cluster;
 //      alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
 // Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
-// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 4 up to 20.
+// all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 4 up to 36.
 // Where it runs (pbs_usable): kernel PBS is built for latency, one wave of clusters doing few cells each; kernels P, B
 // and S for throughput (kernel B's sweep spreads any number of cells over many blocks, and its per-cell work is a
 // threshold test where PBS's is a key, a histogram count and a select test). Measured (H100, session 16, op bench,
 // Llama-2 heads, 64 cells per thread at most then): B = 1 at 4k 60 vs 72 us, at 32k 92 vs 100, at 64k 134 vs 136, at
-// 128k 212 vs 195; B = 8 slower at every length (e.g. 32k 372 vs 321). So PBS runs for n_kv <= 40960 (cpt <= 20) when
+// 128k 212 vs 195; B = 8 slower at every length (e.g. 32k 372 vs 321). So PBS runs for n_kv <= 73728 (cpt <= 36) when
 // every row's cluster is resident at once (measured so, B = 1: 4k 61 vs 72 us, 32k 91 vs 100); devices before Hopper
 // and SPARQ_CUDA_PBS=0 run P, B and S. The bound was 32768 (cpt <= 16, multiples of 8) until session 17 found that a
-// decode at depth 32k has n_kv 33024 (the cache view is padded), so end to end at "32k" PBS had not run.
+// decode at depth 32k has n_kv 33024 (the cache view is padded), so end to end at "32k" PBS had not run; there it is
+// worth more than the op bench shows (llama-bench tg at 32k: 7.36 vs 8.03 ms; op 96 vs 104 us): notes_cuda.md.
 // Versions and phase timings: bench/notes_cuda.md, session 16.
 constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
-constexpr int PBS_MAX_CPT = 20;    // rows up to 40960 cells: a decode at depth 32k has n_kv 33024 (padded)
+constexpr int PBS_MAX_CPT = 36;    // rows up to 73728 cells: decodes at depth 64k (n_kv 65792, padded) take PBS
+constexpr int PBS_REG_CPT = 20;    // a thread's first logits held in registers during the merge (more would spill)
 constexpr int PBS_BINS    = 256;  // 8-bit digits
 static_assert(PBS_BINS == PBS_THREADS, "a thread per histogram bin");
 static_assert(A_CHUNK % 8 == 0, "a thread's group of 4 cells lies in one chunk of kernel A");
@@ -1738,7 +1740,20 @@ __host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a m
 // A thread's keys in shared memory: cpt words and 4 or 8 of padding, a stride of 4 mod 8 words, so that the 16-byte
 // accesses of 8 consecutive threads (one phase of a warp's vector access) fall on distinct banks.
 __host__ __device__ inline int pbs_stride(int cpt) { return cpt % 8 == 0 ? cpt + 4 : cpt + 8; }
-constexpr int PBS_VEC = PBS_MAX_CPT / 4;  // 16-byte loads of a thread's logits
+constexpr int PBS_VEC = PBS_REG_CPT / 4;  // 16-byte loads of a thread's logits in flight during the merge
+
+// Four first-head logits from cell j (-inf past the row's end or without logits): one 16-byte load where aligned.
+__device__ __forceinline__ uint4 pbs_logits4(const sparq_args & a, const float * lrow, int64_t n_kv, int64_t j) {
+    if (a.has_logits && a.vec_logits && j + 4 <= n_kv) {
+        return *(const uint4 *) (lrow + j);
+    }
+    uint32_t e4[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        e4[e] = a.has_logits && j + e < n_kv ? __float_as_uint(lrow[j + e]) : __float_as_uint(-INFINITY);
+    }
+    return make_uint4(e4[0], e4[1], e4[2], e4[3]);
+}
 
 // The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
 // cluster's blocks' hist[bin], read through distributed shared memory.
@@ -1766,8 +1781,9 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     __shared__ float rst[2*MAX_G];
     __shared__ int64_t redl[96];
     __shared__ int red[32];
-    __shared__ bool pos_chunk[PBS_MAX_CPT*PBS_THREADS/A_CHUNK + 1];  // the A chunks this block's cells meet: can any
-                                                                     // of their cells be forced
+    __shared__ bool pos_chunk[PBS_MAX_CPT*PBS_THREADS/A_CHUNK + 2];  // the A chunks this block's cells meet (a span
+                                                                     // not on chunk edges meets up to 2 more than
+                                                                     // span / A_CHUNK): can any of their cells be forced
     __shared__ float fred[32];  // block_reduce of alpha_g's parts
     __shared__ uint32_t bin_found[3];  // the pass's boundary bin, the items above it, the items in it
     __shared__ int64_t row_sum[3];     // from the cluster: forced window cells, sink cells; selected cells before this block
@@ -1790,21 +1806,11 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
     const float * lrow = s.logits + w*G*n_kv;
 
-    // 1. the first head's logits of this thread's cells, in flight during the merge
+    // 1. the first head's logits of this thread's cells (the first PBS_REG_CPT), in flight during the merge
     uint4 raw_l[PBS_VEC];
 #pragma unroll
     for (int v = 0; v < PBS_VEC; ++v) {
-        const int64_t j = j0 + 4*v;
-        if (4*v < cpt && a.has_logits && a.vec_logits && j + 4 <= n_kv) {
-            raw_l[v] = *(const uint4 *) (lrow + j);
-        } else {
-            uint32_t e4[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                e4[e] = 4*v < cpt && a.has_logits && j + e < n_kv ? __float_as_uint(lrow[j + e]) : __float_as_uint(-INFINITY);
-            }
-            raw_l[v] = make_uint4(e4[0], e4[1], e4[2], e4[3]);
-        }
+        raw_l[v] = 4*v < cpt ? pbs_logits4(a, lrow, n_kv, j0 + 4*v) : make_uint4(0, 0, 0, 0);
     }
     const row_merge rm = merge_chunk_stats(a, s, w, rst, rank == 0, redl);
     SPARQ_TIMING_MARK(1);
@@ -1839,6 +1845,9 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         if (4*v < cpt) {
             *(uint4 *) (mine + 4*v) = raw_l[v];
         }
+    }
+    for (int u0 = 4*PBS_VEC; u0 < cpt; u0 += 4) {  // rows of more than PBS_REG_CPT cells per thread: the rest now
+        *(uint4 *) (mine + u0) = pbs_logits4(a, lrow, n_kv, j0 + u0);
     }
     __syncthreads();
 
