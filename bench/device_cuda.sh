@@ -26,6 +26,7 @@
 #                                            (s17gap: the same through nsys, which the device machine lacks)
 #   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
 #   bench/device_cuda.sh build s17test64; s17e2e64   session 17: kernel PBS up to 73728 cells (36 per thread), the same at 64k
+#   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
 # Carry `.device`: the source pack (python vendor/fetch.py --pack .device/llama.cpp-src.tgz), the wheels of
@@ -746,6 +747,23 @@ ms = {v: 1000 / json.load(open(f"{out}/s17tg_{d}_{v}.json"))[0]["avg_ts"] for v 
 print(f"tg d {d}: dense {ms['dense']:.2f} ms, sparq with PBS {ms['pbs']:.2f} ms ({ms['dense']/ms['pbs']:.2f}x), "
       f"sparq with P, B, S {ms['pbs0']:.2f} ms ({ms['dense']/ms['pbs0']:.2f}x)")
 PYEOF
+}
+
+stage_s17memcheck() {
+    # Session 17: compute-sanitizer memcheck over tests whose rows take kernel PBS at 4 to 36 cells per thread (spans
+    # off kernel A's chunk edges: 5000, 20000, 33000, 40000 and 70000 cells), time-boxed
+    local t="tests/test_op_sparq_attn_cuda.py"
+    timeout 250 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
+        -k "(random_case and (33 or 77 or 250 or 401)) or (window_and_sinks and (1 or 5)) or (long_sequences and on and (shape0 or shape1 or shape2 or shape5 or shape6))" \
+        > "$OUT/memcheck_s17.log" 2>&1; echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_s17.log" | tail -3
+}
+
+stage_s17racecheck() {
+    # Session 17: compute-sanitizer racecheck over PBS rows at 4, 20 and 36 cells per thread, time-boxed
+    local t="tests/test_op_sparq_attn_cuda.py"
+    timeout 250 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
+        -k "(random_case and 33) or (window_and_sinks and 2) or (long_sequences and on and (shape0 or shape5 or shape6))" \
+        > "$OUT/racecheck_s17.log" 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_s17.log" | tail -3
 }
 
 stage_centroidtest() {
