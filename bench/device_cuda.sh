@@ -23,7 +23,7 @@
 #                                            session 16: kernel PBS (P, B, S as one cluster kernel per row) tested and
 #                                            measured against P, B, S, op and end to end
 #   bench/device_cuda.sh build s17steps               session 17: a decode step's GPU kernels at 32k, dense vs SparQ
-#                                            (s17gap: the same through nsys, which the device machine lacks)
+#                                            (PyTorch's profiler: the device machine has no nsys)
 #   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
 #   bench/device_cuda.sh build s17test64; s17e2e64   session 17: kernel PBS up to 73728 cells (36 per thread), the same at 64k
 #   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
@@ -673,25 +673,6 @@ stage_s16sanitize() {
     timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
         -k "(random_case and (33 or 77)) or (window_and_sinks and 2) or (long_sequences and on and (shape2 or shape3))" \
         > "$OUT/racecheck_pbs.log" 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_pbs.log" | tail -3
-}
-
-stage_s17gap() {
-    # Session 17: where a decode token's GPU time goes at 32k, dense vs SparQ (kernel PBS on), kernel by kernel:
-    # nsys traces of llama-bench tg -n 8 and -n 40 at depth 32k, differenced (bench/nsys_step.py: what both runs do
-    # alike cancels); llama-bench's own per-token times beside them
-    local nsys; nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-    [ -n "$nsys" ] || { echo "no nsys here"; return 1; }
-    local m; m=$(llama2_model) || return 1
-    for mode in dense sparq; do
-        local sq=0; [ $mode = sparq ] && sq=1
-        for n in 8 40; do
-            timeout 150 "$nsys" profile --cuda-graph-trace=node -t cuda -o "/tmp/ns_${mode}_$n" -f true \
-                "${LB_SPARQ[@]}" -m "$m" -p 0 -n $n -r 1 -d 32768 -sparq $sq -o json > "$OUT/s17gap_${mode}_$n.json" 2> "$OUT/s17gap_${mode}_$n.log"
-            "$nsys" stats --report cuda_gpu_kern_sum --format csv -o "$OUT/s17gap_${mode}_$n" "/tmp/ns_${mode}_$n.nsys-rep" > /dev/null 2>&1
-        done
-        echo "$mode, tg at 32k (ms per token, -n 8 / -n 40 under nsys): $(python3 -c "import json,sys; print(' / '.join(f\"{1000/json.load(open(a))[0]['avg_ts']:.2f}\" for a in sys.argv[1:]))" "$OUT/s17gap_${mode}_8.json" "$OUT/s17gap_${mode}_40.json" 2>&1 | tail -1)"
-        python3 bench/nsys_step.py "$OUT/s17gap_${mode}_8_cuda_gpu_kern_sum.csv" "$OUT/s17gap_${mode}_40_cuda_gpu_kern_sum.csv" 32 --top 25
-    done
 }
 
 stage_s17steps() {
