@@ -2,7 +2,7 @@
 """Retrieval accuracy with a prepared fixed prefix (centroid-sparse attention) vs dense, on SmolLM2.
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
-    python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc]]]]
+    python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc[:it]]]]]
     python bench/squeeze_quality.py --seed 1 --n 20 ...      # a held-out example set
 
 The quality harness's retrieval task (`sparq_llama.eval.tasks`: needles with distractors in a haystack): each
@@ -61,8 +61,9 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--n", type=int, default=10, help="examples (spread over depths 0.1 .. 0.9)")
     ap.add_argument("--settings", default="0.3:max,0.2:max,0.1:max,0.1:mean",
-                    help="comma-separated keep:group[:centroids[:levels[:var[:kc]]]] (centroids default --centroids, "
-                         "levels 1, var: the kept rule's var_weight, kc: keep_coarse; defaults SqueezeConfig's)")
+                    help="comma-separated keep:group[:centroids[:levels[:var[:kc[:it]]]]] (centroids default "
+                         "--centroids, levels 1, var: the kept rule's var_weight, kc: keep_coarse (0: the default), "
+                         "it: k-means iterations at most; defaults SqueezeConfig's)")
     ap.add_argument("--centroids", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
@@ -75,8 +76,10 @@ def main() -> int:
         cent = float(rest[0]) if rest else args.centroids
         levels = int(rest[1]) if len(rest) > 1 else 1
         var = {"var_weight": float(rest[2])} if len(rest) > 2 else {}
-        if len(rest) > 3:
+        if len(rest) > 3 and float(rest[3]) > 0:
             var["keep_coarse"] = float(rest[3])
+        if len(rest) > 4:
+            var["n_iter"] = int(rest[4])
         settings.append((spec if rest else f"keep{float(keep):g}-{group}",
                          squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels, **var)))
     engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed)
