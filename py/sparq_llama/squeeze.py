@@ -35,9 +35,9 @@ ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
 class SqueezeConfig:
     """How a fixed prefix is prepared; the fields of `struct llama_squeeze_params`.
 
-    centroids: fine clusters per layer and KV head, as a fraction of the clustered prefix tokens (the paper's 5%
-        retrieves on SmolLM2 at keep = 0.1 with the variance rule below; without it, 30-50% was needed: README,
-        bench/notes_squeeze_quality.md).
+    centroids: fine clusters per layer and KV head, as a fraction of the clustered prefix tokens. The paper's 5%
+        (the default) finds 88% of dense's needles on SmolLM2 at keep = 0.1 with the variance rule below (none
+        without it); 10% finds 94% for ~23% more decode time (README, bench/notes_squeeze_quality.md).
     keep: target fraction of the clustered prefix read per query (calibrated on the prefix's last tokens).
     levels: 1, or 2 (coarse clusters prune before the fine ones).
     centroids_coarse: levels = 2: coarse clusters as a fraction of the clustered prefix.
