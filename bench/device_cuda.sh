@@ -25,7 +25,7 @@
 #   bench/device_cuda.sh build s17steps               session 17: a decode step's GPU kernels at 32k, dense vs SparQ
 #                                            (PyTorch's profiler: the device machine has no nsys)
 #   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
-#   bench/device_cuda.sh build s17test64; s17e2e64   session 17: kernel PBS up to 73728 cells (36 per thread), the same at 64k
+#   bench/device_cuda.sh build s17test64; E2E_DEPTHS=65536 ... s16e2e   session 17: kernel PBS up to 73728 cells, the same at 64k
 #   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
@@ -647,10 +647,11 @@ stage_s16timing() {
 
 stage_s16e2e() {
     # Session 16: end to end with kernel PBS (the default where it runs: B = 1 up to 32k) and without it
-    # (SPARQ_CUDA_PBS=0) in one run: llama-bench tg32 -r 3, Llama-2 shape, depths 16k and 32k
+    # (SPARQ_CUDA_PBS=0) in one run: llama-bench tg32 -r 3, Llama-2 shape, depths E2E_DEPTHS (16k and 32k; session 17
+    # ran it with E2E_DEPTHS=65536 as stage s17e2e64, a copy of this one since folded back in)
     local m; m=$(llama2_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
-    for d in 16384 32768; do
+    for d in ${E2E_DEPTHS:-16384 32768}; do
         timeout 100 "${lb[@]}" -d $d -sparq 0 > "$OUT/s16tg_${d}_dense.json" 2>/dev/null
         timeout 100 "${lb[@]}" -d $d -sparq 1 > "$OUT/s16tg_${d}_pbs.json" 2>/dev/null
         SPARQ_CUDA_PBS=0 timeout 100 "${lb[@]}" -d $d -sparq 1 > "$OUT/s16tg_${d}_pbs0.json" 2>/dev/null
@@ -711,23 +712,6 @@ stage_s17test64() {
                 --out "$OUT/op_s17_64_${v}_$round.json" 2>&1 | grep -v "^wrote"
         done
     done
-}
-
-stage_s17e2e64() {
-    # Session 17: end to end at depth 64k with kernel PBS (now up to 73728 cells) and without it, in one run:
-    # llama-bench tg32 -r 3, Llama-2 shape
-    local m; m=$(llama2_model) || return 1
-    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json) d=65536
-    timeout 150 "${lb[@]}" -d $d -sparq 0 > "$OUT/s17tg_${d}_dense.json" 2>/dev/null
-    timeout 150 "${lb[@]}" -d $d -sparq 1 > "$OUT/s17tg_${d}_pbs.json" 2>/dev/null
-    SPARQ_CUDA_PBS=0 timeout 150 "${lb[@]}" -d $d -sparq 1 > "$OUT/s17tg_${d}_pbs0.json" 2>/dev/null
-    python3 - "$OUT" $d <<'PYEOF'
-import json, sys
-out, d = sys.argv[1:]
-ms = {v: 1000 / json.load(open(f"{out}/s17tg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "pbs", "pbs0")}
-print(f"tg d {d}: dense {ms['dense']:.2f} ms, sparq with PBS {ms['pbs']:.2f} ms ({ms['dense']/ms['pbs']:.2f}x), "
-      f"sparq with P, B, S {ms['pbs0']:.2f} ms ({ms['dense']/ms['pbs0']:.2f}x)")
-PYEOF
 }
 
 stage_s17memcheck() {
