@@ -25,7 +25,7 @@
 #   bench/device_cuda.sh build s17steps               session 17: a decode step's GPU kernels at 32k, dense vs SparQ
 #                                            (PyTorch's profiler: the device machine has no nsys)
 #   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
-#   bench/device_cuda.sh build s17test64; E2E_DEPTHS=65536 ... s16e2e   session 17: kernel PBS up to 73728 cells, the same at 64k
+#   SEQS=33024,49408,65792 ROUNDS=1 ... build s17test; E2E_DEPTHS=65536 ... s16e2e   session 17: PBS up to 73728 cells, at 64k
 #   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
@@ -686,30 +686,16 @@ stage_s17steps() {
 stage_s17test() {
     # Session 17: kernel PBS with cells per thread in steps of 4 up to 20 (rows up to 40960 cells): the CUDA op tests
     # (PBS where it runs: now also the 33000- and 40000-cell rows), then the op with PBS vs P, B, S at the cache sizes
-    # of decodes at depths 4k, 16k and 32k (n_kv padded to 256: 4352, 16640, 33024), at 32768 and 40960, ROUNDS rounds
+    # of decodes at depths 4k, 16k and 32k (n_kv padded to 256: 4352, 16640, 33024), at 32768 and 40960 (or SEQS), ROUNDS
+    # rounds. Session 17's 36-cell version ran as stage s17test64, this with SEQS=33024,49408,65792 ROUNDS=1 (folded in)
     echo "tests, PBS: $(timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs.log" | tail -1)"
     grep -E "^(FAILED|E  )" "$OUT/test_pbs.log" | head -20
     for round in $(seq 1 "${ROUNDS:-2}"); do
         for v in pbs pbs0; do
             local env=(X=0); [ $v = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
             echo "variant $v, round $round"
-            env "${env[@]}" timeout 120 python3 bench/cuda_op.py --runs 30 --seqs 4352,16640,32768,33024,40960 --batches 1 \
+            env "${env[@]}" timeout 120 python3 bench/cuda_op.py --runs 30 --seqs "${SEQS:-4352,16640,32768,33024,40960}" --batches 1 \
                 --out "$OUT/op_s17_${v}_$round.json" 2>&1 | grep -v "^wrote"
-        done
-    done
-}
-
-stage_s17test64() {
-    # Session 17: kernel PBS up to 36 cells per thread (rows up to 73728 cells; the 70000-cell test rows now take it):
-    # the CUDA op tests, then the op with PBS vs P, B, S at decodes' cache sizes for depths 32k, 48k and 64k
-    echo "tests, PBS: $(timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs64.log" | tail -1)"
-    grep -E "^(FAILED|E  )" "$OUT/test_pbs64.log" | head -20
-    for round in $(seq 1 "${ROUNDS:-1}"); do
-        for v in pbs pbs0; do
-            local env=(X=0); [ $v = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
-            echo "variant $v, round $round"
-            env "${env[@]}" timeout 120 python3 bench/cuda_op.py --runs 30 --seqs 33024,49408,65792 --batches 1 \
-                --out "$OUT/op_s17_64_${v}_$round.json" 2>&1 | grep -v "^wrote"
         done
     done
 }
