@@ -572,6 +572,53 @@ def test_a_copy_into_another_stream_keeps_the_prefix(llm, doc, questions):
         ctx.close()
 
 
+def test_a_copy_of_the_prefix_stream_reads_it_sparsely(llm, doc, questions):
+    """With one stream per sequence, a cross-stream seq_cp copies the prefix's stream cell for cell: the copy (a
+    mirror) reads the prefix sparsely too (the same clusters over the same cells: the same bits as the preparing
+    sequence, where reading it densely answers otherwise), and so does a copy of the copy. A removal inside the
+    clustered prefix, a state load or another stream's copy ends a mirror (dense there again) and keeps the prefix."""
+    with Ctx(llm.model, n_seq_max=3, kv_unified=False, n_ctx=3 * N_CTX) as ctx:
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
+        want = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        ctx.prefill(questions[1], seq=1)                       # stream 1 holds another sequence
+        assert squeeze_api.seq_sparse(ctx.ctx, 0) and not squeeze_api.seq_sparse(ctx.ctx, 1)
+        lc.llama_memory_seq_cp(ctx.mem, 0, 1, -1, -1)          # stream 0 -> stream 1 (the buffers at the next decode)
+        assert squeeze_api.seq_sparse(ctx.ctx, 1)
+        np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, seq=1, all_logits=True), want)
+        lc.llama_memory_seq_cp(ctx.mem, 1, 2, -1, -1)          # a copy of the copy
+        lc.llama_memory_seq_rm(ctx.mem, 2, N_PREFIX, -1)
+        np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, seq=2, all_logits=True), want)
+        # the oracle's other side: the same cells read densely answer otherwise, so the bits above are the op's
+        lc.llama_memory_seq_rm(ctx.mem, 2, N_PREFIX, -1)
+        squeeze_api.set_prefill(ctx.ctx, "dense")
+        assert not np.array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, seq=2, all_logits=True), want)
+        squeeze_api.set_prefill(ctx.ctx, "sparse")
+        # a removal inside the clustered prefix ends stream 2's mirror only
+        lc.llama_memory_seq_rm(ctx.mem, 2, 100, 101)
+        assert not squeeze_api.seq_sparse(ctx.ctx, 2)
+        assert squeeze_api.seq_sparse(ctx.ctx, 1) and squeeze_api.info(ctx.ctx).prepared
+        # a copy from a stream that does not hold the prefix into a mirror ends it
+        lc.llama_memory_seq_cp(ctx.mem, 2, 1, -1, -1)
+        assert not squeeze_api.seq_sparse(ctx.ctx, 1) and squeeze_api.info(ctx.ctx).prepared
+        # copied again it mirrors again, and the prefix's own sequence still answers with the same bits
+        lc.llama_memory_seq_cp(ctx.mem, 0, 1, -1, -1)
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        assert squeeze_api.seq_sparse(ctx.ctx, 1)
+        np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, seq=1, all_logits=True), want)
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True), want)
+        # a state load of the mirror's only sequence rewrites its cells: the mirror ends, the prefix stays
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
+        buf = (ctypes.c_uint8 * size)()
+        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
+        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        assert not squeeze_api.seq_sparse(ctx.ctx, 1) and squeeze_api.seq_sparse(ctx.ctx, 0)
+        assert squeeze_api.info(ctx.ctx).prepared
+
+
 def test_a_state_load_of_another_sequence_keeps_the_prefix(llm, doc, questions):
     """llama_state_seq_set_data of another sequence writes only that sequence's cells: the prefix stays prepared
     and answers with the same bits; a load of the prefix's own sequence drops it."""

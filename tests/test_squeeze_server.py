@@ -1,9 +1,9 @@
 """Centroid-sparse attention in llama-server and llama-cli (--squeeze ...): the fixed prefix is prepared once at start
 in slot 0, a completion whose prompt starts with it evaluates only what follows and answers as the Python API does over
 the same prepared prefix, other prompts run in the other slots without touching it, a single slot refuses them with a
-clear error, with one cache stream other slots share the prefix's cells, a dropped prefix is prepared again, a saved
-prefix loads, --squeeze-chat prepares the chat rendering of a system message, and llama-cli (which runs the server
-in-process) answers through it."""
+clear error, other slots share the prefix (its cells with one cache stream, a copy of its stream with one per slot), a
+dropped prefix is prepared again, a saved prefix loads, --squeeze-chat prepares the chat rendering of a system message,
+and llama-cli (which runs the server in-process) answers through it."""
 from __future__ import annotations
 
 import itertools
@@ -117,11 +117,17 @@ def server_tokens_of(server: SqueezeServer, text: str) -> list[int]:
     return out["tokens"]
 
 
-def test_with_one_stream_other_slots_share_the_prefix(smollm2_path, document, tokens, tmp_path):
-    # -kvu: slot 1 takes the prefix's cells by reference (seq_cp) when slot 0 is busy or it is asked for, evaluates only
-    # the question, and reads the prefix sparsely (the open question gets keep 0.1's answer, as in slot 0)
+@pytest.mark.parametrize(("kv_args", "shares"), [
+    (["-kvu"], "shares the prepared fixed prefix's cells with slot 0"),
+    ([], "copies the prepared fixed prefix's cache stream from slot 0"),
+], ids=["one-stream", "stream-per-slot"])
+def test_other_slots_share_the_prefix(smollm2_path, document, tokens, tmp_path, kv_args, shares):
+    # slot 1 takes the prefix when slot 0 is busy or it is asked for: with one cache stream (-kvu) its cells by
+    # reference (seq_cp within the stream), with a stream per slot a copy of slot 0's stream (seq_cp across streams,
+    # cell for cell, which the library reads sparsely too). It evaluates only the question and reads the prefix
+    # sparsely (the open question gets keep 0.1's answer, as in slot 0).
     prefix, question, open_question = tokens
-    srv = SqueezeServer(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-prefix-file", document,
+    srv = SqueezeServer(smollm2_path, tmp_path, "-np", "2", *kv_args, "--squeeze", "--squeeze-prefix-file", document,
                  "--squeeze-keep", KEEP)
     try:
         home = [srv.complete(prefix + q) for q in (question, open_question)]
@@ -133,8 +139,8 @@ def test_with_one_stream_other_slots_share_the_prefix(smollm2_path, document, to
         assert shared[0]["timings"]["prompt_n"] == len(question), shared[0]
         assert 0 < shared[1]["timings"]["prompt_n"] <= len(open_question), shared[1]
         log = srv.log()
-        assert f"shares the prepared fixed prefix's cells with slot 0 ({len(prefix)} tokens)" in log
-        assert "dropped" not in log and "no longer prepared" not in log
+        assert f"{shares} ({len(prefix)} tokens)" in log
+        assert "dropped" not in log and "no longer prepared" not in log and "densely" not in log
         # the same cells and clusters, but the question's cells sit elsewhere in the cache (another summation order),
         # which this small model amplifies after a few tokens: the first sentence is compared, the one that tells
         # keep 0.1 (" The text is written in Latin.") from reading every key (" The text is in the form of a dialogue")
@@ -155,7 +161,7 @@ def test_with_one_stream_other_slots_share_the_prefix(smollm2_path, document, to
         # slot 0 was busy (an idle slot 0 takes every prompt with the prefix)
         assert busy["id_slot"] == 0 and meanwhile["id_slot"] == 1, (busy, meanwhile)
         assert meanwhile["timings"]["prompt_n"] == len(open_question), meanwhile
-        assert srv.log().count("shares the prepared fixed prefix's cells with slot 0") == 2
+        assert srv.log().count(shares) == 2 and "densely" not in srv.log()
     finally:
         srv.close()
 

@@ -312,6 +312,12 @@ struct llama_squeeze_info {
 };
 SPARQ_API struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ctx);
 
+// Whether seq_id reads the prepared prefix sparsely: it holds every clustered cell of the prefix, in the prefix's
+// cache stream (the preparing sequence, or one that shares its cells through llama_memory_seq_cp in that stream) or in
+// a stream that a cross-stream llama_memory_seq_cp filled from one that held it (one stream per sequence: the copy
+// holds the prefix's keys in the same cells). false when nothing is prepared.
+SPARQ_API bool llama_squeeze_seq_sparse(const struct llama_context * ctx, int32_t seq_id);
+
 // The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
 // (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
 // calibration queries), table [n_layers][n_head_kv][n_cent][table_width] (components, the size, with width 2d + 1

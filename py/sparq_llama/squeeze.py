@@ -146,7 +146,8 @@ def _api() -> ctypes.CDLL:
 
     lib = libllama()
     names = ("llama_squeeze_default_params", "llama_squeeze_check", "llama_squeeze_prepare", "llama_squeeze_save",
-             "llama_squeeze_load", "llama_squeeze_clear", "llama_squeeze_get_info", "llama_squeeze_last_error")
+             "llama_squeeze_load", "llama_squeeze_clear", "llama_squeeze_get_info", "llama_squeeze_seq_sparse",
+             "llama_squeeze_last_error")
     missing = [n for n in names if not hasattr(lib, n)]
     if missing:
         raise RuntimeError(f"this build of sparq-llama's libllama has no centroid-sparse API ({', '.join(missing)} "
@@ -171,6 +172,8 @@ def _api() -> ctypes.CDLL:
     lib.llama_squeeze_clear.restype = None
     lib.llama_squeeze_get_info.argtypes = [ctypes.c_void_p]
     lib.llama_squeeze_get_info.restype = LlamaSqueezeInfo
+    lib.llama_squeeze_seq_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.llama_squeeze_seq_sparse.restype = ctypes.c_bool
     lib.llama_squeeze_last_error.argtypes = []
     lib.llama_squeeze_last_error.restype = ctypes.c_char_p
     return lib
@@ -266,6 +269,12 @@ def info(ctx: Any) -> SqueezeInfo:
                        kept_calib=float(c.kept_calib),
                        prefill=PREFILL_MODES[c.prefill] if 0 <= c.prefill < len(PREFILL_MODES) else str(c.prefill),
                        var_weight=float(c.var_weight))
+
+
+def seq_sparse(ctx: Any, seq_id: int) -> bool:
+    """llama_squeeze_seq_sparse: whether sequence `seq_id` reads the prepared prefix sparsely (it holds every clustered
+    cell, in the prefix's cache stream or in a stream a cross-stream llama_memory_seq_cp filled from one)."""
+    return bool(_api().llama_squeeze_seq_sparse(_ctx_ptr(ctx), _as_int("seq_id", seq_id)))
 
 
 def sidecar_path(state_path: str) -> str:

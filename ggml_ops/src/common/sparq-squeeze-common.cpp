@@ -224,7 +224,7 @@ bool common_squeeze_slot::held(const llama_context * ctx) {
 }
 
 common_squeeze_slot::route common_squeeze_slot::choose(const std::vector<slot_view> & slots, int32_t id_slot,
-                                                       bool shares, const llama_tokens & home_tokens) const {
+                                                       const llama_tokens & home_tokens) const {
     route r;
     const slot_view * home = nullptr;
     for (const auto & v : slots) {
@@ -232,9 +232,6 @@ common_squeeze_slot::route common_squeeze_slot::choose(const std::vector<slot_vi
     }
     if (home != nullptr && (id_slot == -1 || id_slot == seq_id) && !home->busy) {
         r.slot = seq_id;
-        return r;
-    }
-    if (!shares) {
         return r;
     }
     const slot_view * best = nullptr;
@@ -249,7 +246,7 @@ common_squeeze_slot::route common_squeeze_slot::choose(const std::vector<slot_vi
     if (best == nullptr) {
         return r;
     }
-    if (best->lcp < (size_t) n_clustered) {
+    if (best->lcp < (size_t) n_clustered || !best->sparse) {
         size_t n = 0;
         while (n < tokens.size() && n < home_tokens.size() && home_tokens[n] == tokens[n]) {
             ++n;

@@ -40,19 +40,18 @@ struct common_squeeze_slot {
         bool    busy;
         size_t  lcp;          // tokens the slot's cache has in common with the prompt
         int64_t t_last_used;
+        bool    sparse;       // the slot reads the prefix sparsely now (llama_squeeze_seq_sparse)
     };
     struct route {
         int32_t slot    = -1;  // -1: the server's usual choice (a requested busy slot, or none free: the task waits)
         size_t  n_share = 0;   // > 0: first give the slot the first n_share cells of the prefix (seq_cp from seq_id)
     };
 
-    // The slot for a prompt that matches(): the prefix's own slot when idle; else, when other slots can share its cells
-    // (`shares`: one cache stream), the idle slot whose cache matches the prompt longest (the least recently used of
-    // equals), given the prefix's cells first when it holds fewer than the clustered tokens. home_tokens: the tokens
-    // the prefix's slot holds now (slot 0 only ever removes cells after the clustered part). id_slot: a requested slot
-    // or -1.
-    route choose(const std::vector<slot_view> & slots, int32_t id_slot, bool shares,
-                 const llama_tokens & home_tokens) const;
+    // The slot for a prompt that matches(): the prefix's own slot when idle; else the idle slot whose cache matches the
+    // prompt longest (the least recently used of equals), given the prefix's cells first when it holds fewer than the
+    // clustered tokens or does not read them sparsely. home_tokens: the tokens the prefix's slot holds now (slot 0 only
+    // ever removes cells after the clustered part). id_slot: a requested slot or -1.
+    route choose(const std::vector<slot_view> & slots, int32_t id_slot, const llama_tokens & home_tokens) const;
 
     // Why a task that cannot use the prefix is refused ("" when another slot takes it): with one slot, or when it asks
     // for the prefix's slot.

@@ -102,6 +102,9 @@ struct squeeze_kv_state {
     float    threshold = 0.0f, threshold_coarse = 0.0f, kept_calib = 0.0f;
     std::vector<int32_t>  tokens;      // the prefix
     std::vector<uint32_t> cells;       // [n_clustered]: the cell holding each clustered position
+    // other streams that a cross-stream seq_cp filled from the prefix's stream (or from a mirror): they hold the
+    // prefix's keys in the same cells, so their slices of the tables are the prefix's (one stream per sequence)
+    std::vector<uint32_t> mirrors;
     std::vector<squeeze_kv_layer> layers; // indexed like llama_kv_cache::layers
     std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
 

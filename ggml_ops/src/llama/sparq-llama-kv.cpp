@@ -137,17 +137,18 @@ void llama_kv_cache::sparq_invalidate(bool kt, bool vsum, int32_t keys_stream, l
         sparq_squeeze_access::verify(*this);
     }
     if (squeeze) {
-        bool prefix_keys = keys_stream < 0 || keys_stream == (int32_t) squeeze->stream;
-        if (prefix_keys && keys_seq >= 0) {
-            // a state load of one sequence writes that sequence's cells after removing it: the prefix's cells can
-            // be rewritten only if that sequence alone holds some of them (another sequence sharing them keeps them)
-            prefix_keys = sparq_squeeze_access::sole_holder(*this, keys_seq);
-        }
-        if (kt && prefix_keys) {
+        // a state load of one sequence writes that sequence's cells after removing it: the prefix's cells can
+        // be rewritten only if that sequence alone holds some of them (another sequence sharing them keeps them)
+        const bool rewrites = kt && (keys_seq < 0 || sparq_squeeze_access::sole_holder(*this, keys_seq));
+        if (rewrites && (keys_stream < 0 || keys_stream == (int32_t) squeeze->stream)) {
             // the prefix's K itself may have changed (K-shift, a copy into its stream, a state load of a
             // sequence that alone held some of its cells): the clusters no longer describe it
             sparq_squeeze_access::drop(*this, "the cache's keys changed (shift, stream copy or state load)");
         } else {
+            if (rewrites && keys_seq >= 0) {
+                // the same in a mirror stream ends that mirror (a copy into one is decided by sparq_stream_copied)
+                sparq_squeeze_access::end_mirror(*this, (uint32_t) keys_stream, "a state load rewrote its cells");
+            }
             squeeze->check = true; // cells may have been removed or copied: verified before the next graph
         }
     }
@@ -178,6 +179,13 @@ void llama_kv_cache::sparq_invalidate_range(llama_seq_id seq_id, llama_pos p0, l
             sparq->vsum_dirty = true;
             return;
         }
+    }
+}
+
+// seq_cp across streams, after the destination's cells were set: the destination may now mirror the prepared prefix
+void llama_kv_cache::sparq_stream_copied(uint32_t s_src, uint32_t s_dst) {
+    if (squeeze) {
+        sparq_squeeze_access::stream_copied(*this, s_src, s_dst);
     }
 }
 

@@ -1413,6 +1413,16 @@ struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ct
     return info;
 }
 
+bool llama_squeeze_seq_sparse(const struct llama_context * ctx, int32_t seq_id) {
+    std::string err;
+    llama_kv_cache * kv = ctx ? sparq_squeeze_access::cache(const_cast<llama_context &>(*ctx), err) : nullptr;
+    if (kv == nullptr) {
+        return false;
+    }
+    sparq_squeeze_access::verify(*kv);
+    return sparq_squeeze_access::seq_sparse(*kv, seq_id);
+}
+
 const char * llama_squeeze_last_error(void) {
     return g_squeeze_error.c_str();
 }

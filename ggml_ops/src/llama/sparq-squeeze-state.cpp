@@ -4,6 +4,8 @@
 //   - the device tables graphs read: per layer the centroid table [width, n_cent, n_head_kv, n_stream] and the
 //     cell -> cluster map [kv_size, n_head_kv, n_stream] (-1 outside the clustered prefix), both built from the
 //     host copies (so preparing and loading a sidecar install the same thing);
+//   - mirror streams (one stream per sequence): a cross-stream seq_cp copies a whole stream's buffers, cell for
+//     cell, so a copy of the prefix's stream holds the prefix's keys in the same cells and gets the same slices;
 //   - the graph side: ggml_centroid_attn over the cache view (squeeze_build_attn).
 #include "sparq-squeeze.h"
 
@@ -13,6 +15,7 @@
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -33,6 +36,48 @@ public:
         return kv->squeeze && kv->squeeze->ready && kv->squeeze->generation == generation;
     }
 };
+
+static bool is_mirror(const squeeze_kv_state & st, uint32_t stream) {
+    return std::find(st.mirrors.begin(), st.mirrors.end(), stream) != st.mirrors.end();
+}
+
+// Stream `stream`'s slice of each active layer's tables: the prefix's (fill), or empty (no cluster has members, no
+// cell is clustered: that stream is read densely).
+static void set_stream_tables(const squeeze_kv_state & st, uint32_t kv_size, uint32_t stream, bool fill) {
+    const int64_t n_clustered = st.n_clustered;
+    for (const auto & L : st.layers) {
+        if (!L.active) {
+            continue;
+        }
+        const size_t cent_stream = L.cent->nb[3];
+        const size_t cell_stream = L.cell->nb[2];
+        if (!fill) {
+            ggml_backend_tensor_memset(L.cent, 0, cent_stream*stream, cent_stream);
+            ggml_backend_tensor_memset(L.cell, 0xFF, cell_stream*stream, cell_stream);  // -1
+            if (L.coarse) {
+                ggml_backend_tensor_memset(L.coarse, 0, L.coarse->nb[3]*stream, L.coarse->nb[3]);
+                ggml_backend_tensor_memset(L.par, 0, L.par->nb[2]*stream, L.par->nb[2]);
+            }
+            continue;
+        }
+        GGML_ASSERT(L.table.size()*sizeof(float) == cent_stream);
+        ggml_backend_tensor_set(L.cent, L.table.data(), cent_stream*stream, cent_stream);
+        // the map is -1 except at the clustered cells
+        std::vector<int32_t> map((size_t) kv_size*L.n_head_kv, -1);
+        for (int64_t h = 0; h < L.n_head_kv; ++h) {
+            int32_t * row = map.data() + (size_t) h*kv_size;
+            for (int64_t p = 0; p < n_clustered; ++p) {
+                row[st.cells[p]] = L.assign[h*n_clustered + p];
+            }
+        }
+        GGML_ASSERT(map.size()*sizeof(int32_t) == cell_stream);
+        ggml_backend_tensor_set(L.cell, map.data(), cell_stream*stream, cell_stream);
+        if (L.coarse) {
+            ggml_backend_tensor_set(L.coarse, L.coarse_table.data(), L.coarse->nb[3]*stream, L.coarse->nb[3]);
+            ggml_backend_tensor_set(L.par, L.parent.data(), L.par->nb[2]*stream, L.par->nb[2]);
+        }
+    }
+}
 
 static void ensure_graph_input(llm_graph_result * res, const llama_kv_cache * kv, uint64_t generation) {
     for (auto & inp : res->inputs) {
@@ -97,6 +142,17 @@ void sparq_squeeze_access::drop(llama_kv_cache & kv, const char * why) {
     kv.squeeze.reset();
 }
 
+bool sparq_squeeze_access::holds_prefix(const llama_kv_cache & kv, const squeeze_kv_state & st, uint32_t stream) {
+    const auto & lcells = kv.v_cells[stream];
+    for (size_t p = 0; p < st.cells.size(); ++p) {
+        const uint32_t c = st.cells[p];
+        if (c >= lcells.size() || lcells.is_empty(c) || lcells.pos_get(c) != (llama_pos) p) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void sparq_squeeze_access::verify(llama_kv_cache & kv) {
     squeeze_kv_state * st = kv.squeeze.get();
     if (st == nullptr || !st->check) {
@@ -109,29 +165,86 @@ void sparq_squeeze_access::verify(llama_kv_cache & kv) {
     // Any sequence may hold the prefix's cells (the one it was prepared in, or others that share them through
     // seq_cp within the stream: the op reads them through each row's mask). It stays valid while every clustered
     // cell is held by some sequence at its position. This runs before the next ubatch is placed, so a cell that
-    // was freed cannot have been reused yet.
-    const auto & lcells = kv.v_cells[st->stream];
-    for (size_t p = 0; p < st->cells.size(); ++p) {
-        const uint32_t c = st->cells[p];
-        if (c >= lcells.size() || lcells.is_empty(c) || lcells.pos_get(c) != (llama_pos) p) {
-            drop(kv, "its cells changed (a removal by every sequence that held them, or a shift, inside the clustered prefix)");
-            return;
+    // was freed cannot have been reused yet. The same holds for each mirror stream, which alone is ended.
+    if (!holds_prefix(kv, *st, st->stream)) {
+        drop(kv, "its cells changed (a removal by every sequence that held them, or a shift, inside the clustered prefix)");
+        return;
+    }
+    const std::vector<uint32_t> mirrors = st->mirrors;
+    for (const uint32_t m : mirrors) {
+        if (!holds_prefix(kv, *st, m)) {
+            end_mirror(kv, m, "its cells changed (a removal or a shift inside the clustered prefix)");
         }
     }
 }
 
 bool sparq_squeeze_access::sole_holder(const llama_kv_cache & kv, int32_t seq_id) {
     const squeeze_kv_state * st = kv.squeeze.get();
-    if (st == nullptr || !st->ready) {
+    if (st == nullptr || !st->ready || seq_id < 0 || (uint32_t) seq_id >= kv.n_seq_max) {
         return false;
     }
-    const auto & lcells = kv.v_cells[st->stream];
+    const uint32_t stream = kv.seq_to_stream[seq_id];
+    if (stream != st->stream && !sqd::is_mirror(*st, stream)) {
+        return false;
+    }
+    const auto & lcells = kv.v_cells[stream];
     for (const uint32_t c : st->cells) {
         if (c < lcells.size() && lcells.seq_has(c, seq_id) && lcells.seq_count(c) == 1) {
             return true;
         }
     }
     return false;
+}
+
+bool sparq_squeeze_access::seq_sparse(const llama_kv_cache & kv, int32_t seq_id) {
+    const squeeze_kv_state * st = kv.squeeze.get();
+    if (st == nullptr || !st->ready || seq_id < 0 || (uint32_t) seq_id >= kv.n_seq_max) {
+        return false;
+    }
+    const uint32_t stream = kv.seq_to_stream[seq_id];
+    if (stream != st->stream && !sqd::is_mirror(*st, stream)) {
+        return false;
+    }
+    const auto & lcells = kv.v_cells[stream];
+    for (size_t p = 0; p < st->cells.size(); ++p) {
+        const uint32_t c = st->cells[p];
+        if (c >= lcells.size() || !lcells.seq_has(c, seq_id) || lcells.pos_get(c) != (llama_pos) p) {
+            return false;
+        }
+    }
+    return true;
+}
+
+void sparq_squeeze_access::stream_copied(llama_kv_cache & kv, uint32_t s_src, uint32_t s_dst) {
+    verify(kv);  // the source's standing first (seq_cp marked the state for a check before it changed the cells)
+    squeeze_kv_state * st = kv.squeeze.get();
+    if (st == nullptr || !st->ready || s_dst == st->stream) {
+        return;  // a copy into the prefix's own stream has dropped it (sparq_invalidate)
+    }
+    // The buffers are copied whole, cell for cell, at the next update: s_dst holds the prefix's keys in the prefix's
+    // cells when the source stream did and the copied sequence held every clustered cell there.
+    const bool from_prefix = s_src == st->stream || sqd::is_mirror(*st, s_src);
+    if (from_prefix && holds_prefix(kv, *st, s_dst)) {
+        if (!sqd::is_mirror(*st, s_dst)) {
+            sqd::set_stream_tables(*st, kv.get_size(), s_dst, true);
+            st->mirrors.push_back(s_dst);
+            LLAMA_LOG_INFO("%s: stream %u holds a copy of the centroid-sparse prefix of sequence %d: read sparsely there too\n",
+                    __func__, s_dst, st->seq_id);
+        }
+    } else if (sqd::is_mirror(*st, s_dst)) {
+        end_mirror(kv, s_dst, "another stream's contents were copied into it");
+    }
+}
+
+void sparq_squeeze_access::end_mirror(llama_kv_cache & kv, uint32_t stream, const char * why) {
+    squeeze_kv_state * st = kv.squeeze.get();
+    if (st == nullptr || !sqd::is_mirror(*st, stream)) {
+        return;
+    }
+    st->mirrors.erase(std::find(st->mirrors.begin(), st->mirrors.end(), stream));
+    sqd::set_stream_tables(*st, kv.get_size(), stream, false);
+    LLAMA_LOG_INFO("%s: stream %u no longer reads the centroid-sparse prefix of sequence %d sparsely: %s\n", __func__,
+            stream, st->seq_id, why);
 }
 
 std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state & st) {
@@ -163,35 +276,16 @@ std::string sparq_squeeze_access::install(llama_kv_cache & kv, squeeze_kv_state 
         if (buf == nullptr) {
             return std::string("failed to allocate the centroid tables in ") + ggml_backend_buft_name(buft);
         }
-        // other streams: no cluster has members (sizes 0) and no cell is clustered (-1): dense there
         ggml_backend_buffer_clear(buf, 0);
         LLAMA_LOG_INFO("%s: %10s centroid-sparse tables = %8.2f MiB\n", __func__, ggml_backend_buffer_name(buf),
                 ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
         st.ctxs_bufs.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
     }
-    const int64_t n_clustered = st.n_clustered;
-    for (auto & L : st.layers) {
-        if (!L.active) {
-            continue;
-        }
-        // the squeezed stream's slice of each table; the map is -1 except at the clustered cells
-        const size_t cent_stream = ggml_row_size(GGML_TYPE_F32, L.width*L.n_cent*L.n_head_kv);
-        ggml_backend_tensor_set(L.cent, L.table.data(), cent_stream*st.stream, cent_stream);
-        std::vector<int32_t> map((size_t) kv_size*L.n_head_kv*ns, -1);
-        for (int64_t h = 0; h < L.n_head_kv; ++h) {
-            int32_t * row = map.data() + ((size_t) st.stream*L.n_head_kv + h)*kv_size;
-            for (int64_t p = 0; p < n_clustered; ++p) {
-                row[st.cells[p]] = L.assign[h*n_clustered + p];
-            }
-        }
-        ggml_backend_tensor_set(L.cell, map.data(), 0, ggml_nbytes(L.cell));
-        if (L.coarse) {
-            const size_t coarse_stream = ggml_row_size(GGML_TYPE_F32, L.width*L.n_coarse*L.n_head_kv);
-            ggml_backend_tensor_set(L.coarse, L.coarse_table.data(), coarse_stream*st.stream, coarse_stream);
-            const size_t par_stream = ggml_row_size(GGML_TYPE_I32, L.n_cent*L.n_head_kv);
-            ggml_backend_tensor_set(L.par, L.parent.data(), par_stream*st.stream, par_stream);
-        }
+    // every stream but the prefix's: no cluster has members and no cell is clustered (dense there)
+    for (uint32_t s = 0; s < (uint32_t) ns; ++s) {
+        sqd::set_stream_tables(st, kv_size, s, s == st.stream);
     }
+    st.mirrors.clear();
     st.ready = true;
     return "";
 }

@@ -33,6 +33,15 @@ struct sparq_squeeze_access {
     static bool sole_holder(const llama_kv_cache & kv, int32_t seq_id);
     static void drop(llama_kv_cache & kv, const char * why);
 
+    // Mirror streams (one stream per sequence): a cross-stream seq_cp whose source stream holds the prefix makes the
+    // destination a mirror (its table slices filled), any other copy into a mirror ends it (slices cleared: dense).
+    static void stream_copied(llama_kv_cache & kv, uint32_t s_src, uint32_t s_dst);
+    static void end_mirror(llama_kv_cache & kv, uint32_t stream, const char * why);
+    // whether stream holds every clustered position of the prefix in the prefix's cells
+    static bool holds_prefix(const llama_kv_cache & kv, const squeeze_kv_state & st, uint32_t stream);
+    // whether seq_id reads the prefix sparsely: it holds every clustered cell, in the prefix's stream or a mirror
+    static bool seq_sparse(const llama_kv_cache & kv, int32_t seq_id);
+
     static const squeeze_kv_layer * layer(const llama_kv_cache & kv, int32_t il);
 
     // context side (sparq-squeeze-prepare.cpp)
