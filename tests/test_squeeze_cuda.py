@@ -27,7 +27,11 @@ import pytest
 import sparq_llama
 from conftest import REPO, Server
 from sparq_llama import Llama
+from sparq_llama import squeeze as squeeze_api
+from test_sparq_decode import Ctx
 from test_squeeze_decode import prefill_in_each_mode, prefill_question
+
+from llama_cpp import llama_cpp as lc  # isort: skip
 
 sys.path.insert(0, str(REPO / "bench"))
 import random_gguf
@@ -63,6 +67,36 @@ def test_prefill_auto_reads_the_prefix_densely_on_the_gpu(gpu_llm):
     np.testing.assert_array_equal(auto, plain)
     # the sparse mode reads the kept clusters through the op: other kernels, so other logits
     assert not np.array_equal(sparse, plain), "the sparse prefill equals the plain cache's: is the op used?"
+
+
+def test_a_copy_of_the_prefix_stream_reads_it_sparsely_on_the_gpu(gpu_llm):
+    """One stream per sequence, KV on the GPU: a cross-stream copy of the prefix's stream (a mirror) reads the prefix
+    through the op with the prefix's tables, the same bits as the preparing sequence; a removal inside the clustered
+    prefix ends the mirror (its table slices cleared on the device: that stream reads densely again)."""
+    rng = np.random.default_rng(14)
+    n_vocab = gpu_llm.n_vocab()
+    doc = rng.integers(10, n_vocab, N_PREFIX).tolist()
+    question = rng.integers(10, n_vocab, N_QUESTION).tolist()
+    with Ctx(gpu_llm.model, n_seq_max=2, kv_unified=False, n_ctx=2048) as ctx:
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.1, centroids=0.1))
+        squeeze_api.set_prefill(ctx.ctx, "sparse")
+        want = ctx.prefill(question, pos0=N_PREFIX, all_logits=True)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        lc.llama_memory_seq_cp(ctx.mem, 0, 1, -1, -1)
+        assert squeeze_api.seq_sparse(ctx.ctx, 1)
+        np.testing.assert_array_equal(ctx.prefill(question, pos0=N_PREFIX, seq=1, all_logits=True), want)
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        squeeze_api.set_prefill(ctx.ctx, "dense")
+        dense = ctx.prefill(question, pos0=N_PREFIX, seq=1, all_logits=True)
+        assert not np.array_equal(dense, want), "the copy read densely equals the sparse read: is the op used?"
+        squeeze_api.set_prefill(ctx.ctx, "sparse")
+        lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
+        lc.llama_memory_seq_rm(ctx.mem, 1, 100, 101)
+        assert not squeeze_api.seq_sparse(ctx.ctx, 1) and squeeze_api.seq_sparse(ctx.ctx, 0)
+        # clearing stream 1's slices left the prefix's own stream as it was
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        np.testing.assert_array_equal(ctx.prefill(question, pos0=N_PREFIX, all_logits=True), want)
 
 
 def _server_binary() -> str | None:
