@@ -113,8 +113,8 @@ PY
     done
 }
 
-llama2_model() {  # prints the path of the random-weight Llama-2-7B-shape Q8_0 model, made on first use
-    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), 'llama2-7b'))" | tail -1
+llama2_model() {  # prints the path of the random-weight Q8_0 model of shape $1 (default llama2-7b), made on first use
+    python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), '${1:-llama2-7b}'))" | tail -1
 }
 
 make_small_model() {  # random-weight Llama-2 layout, 4 layers (bench/random_gguf.py)
@@ -647,9 +647,11 @@ stage_s16timing() {
 
 stage_s16e2e() {
     # Session 16: end to end with kernel PBS (the default where it runs: B = 1 up to 32k) and without it
-    # (SPARQ_CUDA_PBS=0) in one run: llama-bench tg32 -r 3, Llama-2 shape, depths E2E_DEPTHS (16k and 32k; session 17
-    # ran it with E2E_DEPTHS=65536 as stage s17e2e64, a copy of this one since folded back in)
-    local m; m=$(llama2_model) || return 1
+    # (SPARQ_CUDA_PBS=0) in one run: llama-bench tg32 -r 3, shape E2E_SHAPE (default llama2-7b, or llama3-8b), depths
+    # E2E_DEPTHS (16k and 32k; session 17 ran it with E2E_DEPTHS=65536 as stage s17e2e64, a copy of this one since
+    # folded back in)
+    echo "shape ${E2E_SHAPE:-llama2-7b}"
+    local m; m=$(llama2_model "${E2E_SHAPE:-llama2-7b}") || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
     for d in ${E2E_DEPTHS:-16384 32768}; do
         timeout 100 "${lb[@]}" -d $d -sparq 0 > "$OUT/s16tg_${d}_dense.json" 2>/dev/null
