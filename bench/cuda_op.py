@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark (a) of issue 6: ggml_sparq_attn vs ggml_flash_attn_ext on CUDA, one decode step.
 
-Llama-2-7B heads (32 q / 32 kv, d = 128), f16 KV, k1 = 32, k2 = 128, S in {4k, 16k, 32k, 64k, 128k},
+Llama-2-7B heads (32 q / 32 kv, d = 128; `--heads llama3-8b`: 32 q / 8 kv), f16 KV, k1 = 32, k2 = 128, S in {4k, 16k, 32k, 64k, 128k},
 B in {1, 16} sequences (streams of S cells each). Median of N interleaved runs per op. Reports time, the
 bandwidth each op achieves on the paper's transfer model, the speedup and the speedup the model predicts.
 
@@ -22,7 +22,8 @@ from sparq_llama.sparq import transfer_elements, transfer_ratio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_common import provenance, write_record  # noqa: E402
 
-HEADS = dict(d=128, n_head=32, n_head_kv=32)
+HEAD_SHAPES = {"llama2-7b": dict(d=128, n_head=32, n_head_kv=32), "llama3-8b": dict(d=128, n_head=32, n_head_kv=8)}
+HEADS = dict(HEAD_SHAPES["llama2-7b"])  # --heads sets it
 
 
 def bytes_moved(s: int, b: int, k1: int, k2: int, sparq: bool) -> float:
@@ -49,8 +50,10 @@ def main() -> int:
     ap.add_argument("--k1", type=int, default=32)
     ap.add_argument("--k2", type=int, default=128)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cuda_op.json")
+    ap.add_argument("--heads", choices=sorted(HEAD_SHAPES), default="llama2-7b", help="the attention shape")
     ap.add_argument("--one", type=int, nargs=2, metavar=("S", "B"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    HEADS.update(HEAD_SHAPES[args.heads])
     if args.one:
         print(json.dumps(measure(*args.one, args.k1, args.k2, args.runs)))
         return 0
@@ -62,7 +65,8 @@ def main() -> int:
         for s in (int(x) for x in args.seqs.split(",")):
             # one process per configuration: a failure (a CUDA error aborts the process) is recorded, not fatal
             proc = subprocess.run([sys.executable, __file__, "--one", str(s), str(b), "--runs", str(args.runs),
-                                   "--k1", str(args.k1), "--k2", str(args.k2)], capture_output=True, text=True, check=False)
+                                   "--k1", str(args.k1), "--k2", str(args.k2), "--heads", args.heads],
+                                  capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 rows.append(dict(S=s, B=b, error=proc.stderr[-2000:]))
                 print(f"{s:>7} {b:>3} failed: {proc.stderr.strip().splitlines()[-1:]}", flush=True)

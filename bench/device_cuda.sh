@@ -26,6 +26,8 @@
 #                                            (PyTorch's profiler: the device machine has no nsys)
 #   bench/device_cuda.sh build s17test; s16e2e    session 17: kernel PBS up to 40960 cells (20 per thread), tests, op A/B, end to end
 #   SEQS=33024,49408,65792 ROUNDS=1 ... build s17test; E2E_DEPTHS=65536 ... s16e2e   session 17: PBS up to 73728 cells, at 64k
+#   bench/device_cuda.sh build s18test; s18op; HEADS=llama2-7b SEQS=33024,65792 s18op; E2E_SHAPE=llama3-8b ... s16e2e
+#                                            session 18: kernel PBS with clusters of 16 for few long rows
 #   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
@@ -717,6 +719,29 @@ stage_s17racecheck() {
     timeout 250 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x "$t" \
         -k "(random_case and 33) or (window_and_sinks and 2) or (long_sequences and on and (shape0 or shape5 or shape6))" \
         > "$OUT/racecheck_s17.log" 2>&1; echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$OUT/racecheck_s17.log" | tail -3
+}
+
+stage_s18test() {
+    # Session 18: kernel PBS with clusters of 16 blocks for few long rows (GQA). The CUDA op tests with the default
+    # choice (pbs_cluster_for) and with 16 preferred wherever it fits (SPARQ_CUDA_PBS_CLUSTER=16)
+    for v in default 16; do
+        echo "tests, PBS clusters $v: $(SPARQ_CUDA_PBS_CLUSTER=${v/default/0} timeout 280 python3 -m pytest -q -p no:cacheprovider -x \
+            tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs_$v.log" | tail -1)"
+        grep -E "^(FAILED|E  )" "$OUT/test_pbs_$v.log" | head -20
+    done
+}
+
+stage_s18op() {
+    # Session 18: the op with PBS at clusters of 8 (as session 17), of 16 where they fit, and P, B, S (SPARQ_CUDA_PBS=0),
+    # interleaved, at the cache sizes of decodes at depths 16k-128k (or SEQS), for HEADS (llama3-8b: 8 rows at B = 1)
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+        for v in pbs8 pbs16 pbs0; do
+            local env=(SPARQ_CUDA_PBS_CLUSTER=${v#pbs}); [ $v = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
+            echo "${HEADS:-llama3-8b} variant $v, round $round"
+            env "${env[@]}" timeout 150 python3 bench/cuda_op.py --heads "${HEADS:-llama3-8b}" --runs 30 --batches 1 \
+                --seqs "${SEQS:-16640,33024,49408,65792,131328}" --out "$OUT/op_s18_${HEADS:-llama3-8b}_${v}_$round.json" 2>&1 | grep -v "^wrote"
+        done
+    done
 }
 
 stage_centroidtest() {

@@ -21,7 +21,7 @@
 //      Sparse-V cut, weighted sum of V, mean mix.
 // On Hopper, where a few rows of up to 72k cells are all in flight at once (one decode step of one sequence), kernel
 // PBS does P's, B's and S's work in one launch: a cluster of 8 blocks per row exchanging counts through distributed
-// shared memory, the exact top by radix passes (see the kernel; pbs_usable decides).
+// shared memory, the exact top by radix passes (see the kernel; pbs_cluster_for decides).
 // One block per row would run the last steps as a serial chain of memory round trips (~45 us per step).
 // When the sample misleads (too few or too many candidates) or positions are not distinct, kernel S
 // falls back to exact selections over all cells: slower, same result. Launch sizes depend on shapes only
@@ -1689,7 +1689,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 
 // Kernels P, B and S run each row's selection as a chain of dependent memory round trips and block barriers in
 // one block per row (P, S) or through a global candidate list (B): ~35 us of the chain's ~86 at 32k (session 15's
-// timeline). Kernel PBS spreads a row over a cluster of PBS_CLUSTER blocks that exchange their counts through
+// timeline). Kernel PBS spreads a row over a cluster of 8 or 16 blocks that exchange their counts through
 // distributed shared memory: no sample, no threshold guess, no candidate list, no fallback for a misleading sample.
 //   1. block b takes cells [b*span, (b+1)*span), thread t of it the cpt cells from b*span + t*cpt (so the order of
 //      threads is the order of cells); their first-head logits are loaded (16-byte loads, all in flight) before the
@@ -1706,7 +1706,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 //      alpha_g from the selected cells' scores (G = 1) or logits, summed over the blocks in rank order.
 // Rows whose window or sinks do not come out exact (positions not distinct) take kernel S's exact selection over
 // all cells in the cluster's first block. Sizes: span = cpt * PBS_THREADS cells, cpt a multiple of 4 up to 36.
-// Where it runs (pbs_usable): kernel PBS is built for latency, one wave of clusters doing few cells each; kernels P, B
+// Where it runs (pbs_cluster_for): kernel PBS is built for latency, one wave of clusters doing few cells each; kernels P, B
 // and S for throughput (kernel B's sweep spreads any number of cells over many blocks, and its per-cell work is a
 // threshold test where PBS's is a key, a histogram count and a select test). Measured (H100, session 16, op bench,
 // Llama-2 heads, 64 cells per thread at most then): B = 1 at 4k 60 vs 72 us, at 32k 92 vs 100, at 64k 134 vs 136, at
@@ -1716,7 +1716,6 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // decode at depth 32k has n_kv 33024 (the cache view is padded), so end to end at "32k" PBS had not run; there it is
 // worth more than the op bench shows (llama-bench tg at 32k: 7.36 vs 8.03 ms; op 96 vs 104 us): notes_cuda.md.
 // Versions and phase timings: bench/notes_cuda.md, sessions 16 and 17.
-constexpr int PBS_CLUSTER = 8;    // portable cluster size
 constexpr int PBS_THREADS = 256;
 constexpr int PBS_MAX_CPT = 36;    // rows up to 73728 cells: decodes at depth 64k (n_kv 65792, padded) take PBS
 constexpr int PBS_REG_CPT = 20;    // a thread's first logits held in registers during the merge (more would spill)
@@ -1733,8 +1732,9 @@ struct pbs_exchange {
     float    alpha[MAX_G];       // the block's part of alpha_g
 };
 
-__host__ __device__ inline int pbs_cpt(int64_t n_kv) {  // cells per thread, a multiple of 4 (16-byte accesses)
-    const int64_t per_thread = (n_kv + PBS_CLUSTER*PBS_THREADS - 1) / (PBS_CLUSTER*PBS_THREADS);
+// cells per thread, a multiple of 4 (16-byte accesses), with clusters of cl blocks per row
+__host__ __device__ inline int pbs_cpt(int64_t n_kv, int cl) {
+    const int64_t per_thread = (n_kv + cl*PBS_THREADS - 1) / (cl*PBS_THREADS);
     return (int) ((per_thread + 3) / 4 * 4);
 }
 // A thread's keys in shared memory: cpt words and 4 or 8 of padding, a stride of 4 mod 8 words, so that the 16-byte
@@ -1758,21 +1758,28 @@ __device__ __forceinline__ uint4 pbs_logits4(const sparq_args & a, const float *
 // The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
 // cluster's blocks' hist[bin], read through distributed shared memory.
 #if SPARQ_PBS_BUILT
+template <int CL>
 __device__ __forceinline__ uint32_t pbs_cluster_bin(const cooperative_groups::cluster_group & cluster, uint32_t * hist) {
-    uint32_t part[PBS_CLUSTER], cnt = 0;
+    uint32_t cnt = 0;
 #pragma unroll
-    for (int b = 0; b < PBS_CLUSTER; ++b) {
-        part[b] = cluster.map_shared_rank(hist, b)[PBS_BINS - 1 - threadIdx.x];
-    }
+    for (int b0 = 0; b0 < CL; b0 += 8) {
+        uint32_t part[8];
 #pragma unroll
-    for (int b = 0; b < PBS_CLUSTER; ++b) {
-        cnt += part[b];
+        for (int b = 0; b < 8; ++b) {
+            part[b] = cluster.map_shared_rank(hist, b0 + b)[PBS_BINS - 1 - threadIdx.x];
+        }
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            cnt += part[b];
+        }
     }
     return cnt;
 }
 #endif  // SPARQ_PBS_BUILT
 
+template <int CL>  // blocks per row (cluster size): 8 or 16
 __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    static_assert(CL == 8 || CL == 16, "a warp's lanes read the cluster's blocks");
 #if SPARQ_PBS_BUILT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
@@ -1796,11 +1803,11 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     pdl_release();
     SPARQ_TIMING_MARK(0);
     const int rank = (int) cluster.block_rank();
-    const int64_t w = blockIdx.x / PBS_CLUSTER;
+    const int64_t w = blockIdx.x / CL;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, n_kv = a.n_kv, k2 = a.p.k2;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    const int cpt = pbs_cpt(n_kv);
+    const int cpt = pbs_cpt(n_kv, CL);
     const int64_t base = rank*(int64_t) cpt*PBS_THREADS, j0 = base + (int64_t) tid*cpt;  // this thread: [j0, j0 + cpt)
     uint32_t * mine = keys + tid*pbs_stride(cpt);
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
@@ -1900,8 +1907,8 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     // 3. the cluster's sums: the forced counts, the first digit's histogram; the boundary bin; further passes
     cluster.sync();  // also: every block of the cluster runs, so its shared memory can be read
     if (warp == 0) {
-        const pbs_exchange * o = cluster.map_shared_rank(&ex, lane % PBS_CLUSTER);
-        int64_t nw_b = lane < PBS_CLUSTER ? o->n_w : 0, ns_b = lane < PBS_CLUSTER ? o->n_s : 0;
+        const pbs_exchange * o = cluster.map_shared_rank(&ex, lane % CL);
+        int64_t nw_b = lane < CL ? o->n_w : 0, ns_b = lane < CL ? o->n_s : 0;
         nw_b = warp_reduce(nw_b, op_add());
         ns_b = warp_reduce(ns_b, op_add());
         if (lane == 0) {
@@ -1909,7 +1916,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
             row_sum[1] = ns_b;
         }
     }
-    uint32_t cnt = find_cand ? pbs_cluster_bin(cluster, ex.hist[0]) : 0;
+    uint32_t cnt = find_cand ? pbs_cluster_bin<CL>(cluster, ex.hist[0]) : 0;
     __syncthreads();
     SPARQ_TIMING_MARK(3);
     // kernel S's condition for the fast path: exactly the window and the sinks forced, and disjoint
@@ -1955,7 +1962,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
                 }
             }
             cluster.sync();
-            cnt = pbs_cluster_bin(cluster, h);
+            cnt = pbs_cluster_bin<CL>(cluster, h);
         }
     }
     SPARQ_TIMING_MARK(4);
@@ -2010,7 +2017,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     }
     cluster.sync();
     if (warp == 0) {  // lane b: block b's count; this block's offset and the row's total
-        const int n_b = lane < PBS_CLUSTER ? cluster.map_shared_rank(&ex, lane % PBS_CLUSTER)->n_sel : 0;
+        const int n_b = lane < CL ? cluster.map_shared_rank(&ex, lane % CL)->n_sel : 0;
         const int64_t before = warp_reduce(lane < rank ? (int64_t) n_b : (int64_t) 0, op_add());
         const int64_t total = warp_reduce((int64_t) n_b, op_add());
         if (lane == 0) {
@@ -2022,15 +2029,18 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     }
     if (want_alpha && rank == 0) {
         for (int64_t g = tid; g < G; g += PBS_THREADS) {
-            float part[PBS_CLUSTER];
+            float sum = 0.0f;  // in rank order
 #pragma unroll
-            for (int b = 0; b < PBS_CLUSTER; ++b) {
-                part[b] = cluster.map_shared_rank(&ex, b)->alpha[g];
-            }
-            float sum = 0.0f;
+            for (int b0 = 0; b0 < CL; b0 += 8) {
+                float part[8];
 #pragma unroll
-            for (int b = 0; b < PBS_CLUSTER; ++b) {
-                sum += part[b];
+                for (int b = 0; b < 8; ++b) {
+                    part[b] = cluster.map_shared_rank(&ex, b0 + b)->alpha[g];
+                }
+#pragma unroll
+                for (int b = 0; b < 8; ++b) {
+                    sum += part[b];
+                }
             }
             s.alpha[w*G + g] = sum;
         }
@@ -2064,7 +2074,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     if (a.timing && tid == 0 && w == 0 && rank == 0) {
         printf("PBS passes %d exact_all %d cpt %d\n", n_pass, (int) exact_all, cpt);
     }
-    SPARQ_TIMING_PRINT("PBS: merge, keys+count, exchange, radix, select, alpha, exchange, i2, wait", w*PBS_CLUSTER + rank, 10);
+    SPARQ_TIMING_PRINT("PBS: merge, keys+count, exchange, radix, select, alpha, exchange, i2, wait", w*CL + rank, 10);
 #else
     NO_DEVICE_CODE;
 #endif
@@ -2337,19 +2347,19 @@ void launch_logits_values(int vpt, int slice, int64_t nw, cudaStream_t stream, c
 size_t pbs_smem(int cpt) { return sizeof(uint32_t) * pbs_stride(cpt)*PBS_THREADS; }
 
 #if SPARQ_PBS_BUILT
-// A launch of kernel PBS for nw rows at cpt cells per thread: clusters of PBS_CLUSTER blocks, dependent on its
-// predecessor by ggml_cuda_kernel_launch's rules (GGML_CUDA_USE_PDL; GGML_CUDA_PDL=0 turns it off) where `dependent`.
+// A launch of kernel PBS for nw rows at cpt cells per thread: clusters of cl blocks, dependent on its predecessor by
+// ggml_cuda_kernel_launch's rules (GGML_CUDA_USE_PDL; GGML_CUDA_PDL=0 turns it off) where `dependent`.
 struct pbs_launch {
     cudaLaunchAttribute attrs[2];
     cudaLaunchConfig_t  cfg = {};
 
-    pbs_launch(int64_t nw, int cpt, cudaStream_t stream, bool dependent) {
-        cfg.gridDim = dim3((unsigned) (nw*PBS_CLUSTER));
+    pbs_launch(int64_t nw, int cl, int cpt, cudaStream_t stream, bool dependent) {
+        cfg.gridDim = dim3((unsigned) (nw*cl));
         cfg.blockDim = dim3(PBS_THREADS);
         cfg.dynamicSmemBytes = pbs_smem(cpt);
         cfg.stream = stream;
         attrs[0].id = cudaLaunchAttributeClusterDimension;
-        attrs[0].val.clusterDim.x = PBS_CLUSTER;
+        attrs[0].val.clusterDim.x = cl;
         attrs[0].val.clusterDim.y = 1;
         attrs[0].val.clusterDim.z = 1;
         cfg.attrs = attrs;
@@ -2371,56 +2381,85 @@ struct pbs_launch {
     pbs_launch(const pbs_launch &) = delete;  // cfg points at attrs
     pbs_launch & operator=(const pbs_launch &) = delete;
 };
+
+// How many clusters of CL blocks at the largest size are resident at once on the current device (0: none)
+template <int CL>
+int pbs_resident_clusters() {
+    if (CL > 8) {  // 16 is Hopper's non-portable size: the kernel opts in
+        if (cudaFuncSetAttribute(sparq_pbs<CL>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+            (void) cudaGetLastError();
+            return 0;
+        }
+    }
+    ensure_smem<sparq_pbs<CL>>(pbs_smem(PBS_MAX_CPT));
+    const pbs_launch l(1, CL, PBS_MAX_CPT, nullptr, false);
+    int n_clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs<CL>, &l.cfg) != cudaSuccess) {
+        n_clusters = 0;
+    }
+    (void) cudaGetLastError();  // a refused query leaves no error behind
+    return n_clusters;
+}
 #endif  // SPARQ_PBS_BUILT
 
-// Whether kernel PBS runs for nw rows of n_kv cells on the current device (see the kernel): Hopper or later with the
-// kernel built for it (a cluster launch), rows of at most PBS_MAX_CPT cells per thread, every row's cluster resident at
-// once (the occupancy of the largest size, once per device), and not switched off (SPARQ_CUDA_PBS=0: kernels P, B and
-// S, for A/B runs).
-bool pbs_usable(int64_t n_kv, int64_t nw) {
+// Rows longer than this many cells per thread at clusters of 8 take clusters of 16 where those fit (pbs_cluster_for)
+constexpr int PBS_CL16_FROM_CPT = 20;
+
+// The cluster size kernel PBS takes for nw rows of n_kv cells on the current device, 0 for kernels P, B and S (see the
+// kernel): Hopper or later with the kernel built for it (a cluster launch), rows of at most PBS_MAX_CPT cells per thread,
+// every row's cluster resident at once (the occupancy of the largest size, once per device), and not switched off
+// (SPARQ_CUDA_PBS=0: kernels P, B and S, for A/B runs). Clusters of 16 halve the cells per thread of few long rows
+// (GQA models: 8 rows whose 8-block clusters would leave half the SMs idle); SPARQ_CUDA_PBS_CLUSTER=8 or 16 prefers
+// that size wherever it fits, for A/B runs.
+int pbs_cluster_for(int64_t n_kv, int64_t nw) {
     static const bool off = [] {
         const char * e = getenv("SPARQ_CUDA_PBS");
         return e != nullptr && atoi(e) == 0;
     }();
-    if (!SPARQ_PBS_BUILT || off || pbs_cpt(n_kv) > PBS_MAX_CPT) {
-        return false;
+    static const int prefer = [] {
+        const char * e = getenv("SPARQ_CUDA_PBS_CLUSTER");
+        return e != nullptr ? atoi(e) : 0;
+    }();
+    if (!SPARQ_PBS_BUILT || off) {
+        return 0;
     }
 #if SPARQ_PBS_BUILT
-    static int max_clusters[GGML_CUDA_MAX_DEVICES] = {};  // resident clusters (0: none, or not Hopper)
+    static int resident[GGML_CUDA_MAX_DEVICES][2] = {};  // clusters of 8, of 16 (0: none, or not Hopper)
     static bool known[GGML_CUDA_MAX_DEVICES] = {};
     const int device = ggml_cuda_get_device();
     if (!known[device]) {
         known[device] = true;
         cudaFuncAttributes attr;
-        CUDA_CHECK(cudaFuncGetAttributes(&attr, sparq_pbs));
+        CUDA_CHECK(cudaFuncGetAttributes(&attr, sparq_pbs<8>));
         if (ggml_cuda_info().devices[device].cc >= GGML_CUDA_CC_HOPPER && attr.binaryVersion >= 90) {
-            ensure_smem<sparq_pbs>(pbs_smem(PBS_MAX_CPT));
-            const pbs_launch l(1, PBS_MAX_CPT, nullptr, false);
-            int n_clusters = 0;
-            if (cudaOccupancyMaxActiveClusters(&n_clusters, sparq_pbs, &l.cfg) == cudaSuccess) {
-                max_clusters[device] = n_clusters;
-            }
-            (void) cudaGetLastError();  // a refused query leaves no error behind
+            resident[device][0] = pbs_resident_clusters<8>();
+            resident[device][1] = pbs_resident_clusters<16>();
         }
     }
-    return nw <= max_clusters[device];
+    const bool fits8  = pbs_cpt(n_kv, 8)  <= PBS_MAX_CPT && nw <= resident[device][0];
+    const bool fits16 = pbs_cpt(n_kv, 16) <= PBS_MAX_CPT && nw <= resident[device][1];
+    if (fits16 && (prefer == 16 || (prefer != 8 && (!fits8 || pbs_cpt(n_kv, 8) > PBS_CL16_FROM_CPT)))) {
+        return 16;
+    }
+    return fits8 ? 8 : 0;
 #else
-    GGML_UNUSED(nw);
-    return false;
+    GGML_UNUSED(n_kv); GGML_UNUSED(nw); GGML_UNUSED(prefer);
+    return 0;
 #endif  // SPARQ_PBS_BUILT
 }
 
-// Kernel PBS: a cluster of PBS_CLUSTER blocks per row, launched dependent on kernel A as the other kernels are
+// Kernel PBS: a cluster of cl blocks per row, launched dependent on kernel A as the other kernels are
 // (ggml_cuda_kernel_launch's rules: GGML_CUDA_PDL=0 turns dependent launches off).
+template <int CL>
 void launch_pbs(int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
 #if SPARQ_PBS_BUILT
-    const pbs_launch l(nw, pbs_cpt(a.n_kv), stream, true);
-    ensure_smem<sparq_pbs>(l.cfg.dynamicSmemBytes);
-    CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, sparq_pbs, a, s, r0));
+    const pbs_launch l(nw, CL, pbs_cpt(a.n_kv, CL), stream, true);
+    ensure_smem<sparq_pbs<CL>>(l.cfg.dynamicSmemBytes);
+    CUDA_CHECK(cudaLaunchKernelEx(&l.cfg, sparq_pbs<CL>, a, s, r0));
 #else
     GGML_UNUSED(nw); GGML_UNUSED(stream); GGML_UNUSED(a); GGML_UNUSED(s); GGML_UNUSED(r0);
-    (void) sparq_pbs;
-    GGML_ABORT("kernel PBS is not built (pbs_usable returns false)");
+    (void) sparq_pbs<CL>;
+    GGML_ABORT("kernel PBS is not built (pbs_cluster_for returns 0)");
 #endif  // SPARQ_PBS_BUILT
 }
 
@@ -2433,8 +2472,11 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
         case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
     }
-    if (pbs_usable(a.n_kv, nw)) {
-        launch_pbs(nw, stream, a, s, r0);
+    const int pbs_cl = pbs_cluster_for(a.n_kv, nw);
+    if (pbs_cl == 16) {
+        launch_pbs<16>(nw, stream, a, s, r0);
+    } else if (pbs_cl == 8) {
+        launch_pbs<8>(nw, stream, a, s, r0);
     } else {
         const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
         ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
