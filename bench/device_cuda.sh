@@ -727,7 +727,7 @@ stage_s18test() {
     for v in default 16; do
         echo "tests, PBS clusters $v: $(SPARQ_CUDA_PBS_CLUSTER=${v/default/0} timeout 280 python3 -m pytest -q -p no:cacheprovider -x \
             tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_pbs_$v.log" | tail -1)"
-        grep -E "^(FAILED|E  )" "$OUT/test_pbs_$v.log" | head -20
+        grep -E "^(FAILED|E  )" "$OUT/test_pbs_$v.log" | head -20 || true
     done
 }
 
