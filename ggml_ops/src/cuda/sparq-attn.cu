@@ -1715,7 +1715,8 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
 // and SPARQ_CUDA_PBS=0 run P, B and S. The bound was 32768 (cpt <= 16, multiples of 8) until session 17 found that a
 // decode at depth 32k has n_kv 33024 (the cache view is padded), so end to end at "32k" PBS had not run; there it is
 // worth more than the op bench shows (llama-bench tg at 32k: 7.36 vs 8.03 ms; op 96 vs 104 us): notes_cuda.md.
-// Versions and phase timings: bench/notes_cuda.md, sessions 16 and 17.
+// Few long rows (GQA: 8 rows at B = 1) take clusters of 16 blocks (session 18, op with Llama-3 heads at 65792 cells:
+// 83 us vs 97 with clusters of 8 and 91 with P, B, S). Versions and phase timings: bench/notes_cuda.md, sessions 16-18.
 constexpr int PBS_THREADS = 256;
 constexpr int PBS_MAX_CPT = 36;    // rows up to 73728 cells: decodes at depth 64k (n_kv 65792, padded) take PBS
 constexpr int PBS_REG_CPT = 20;    // a thread's first logits held in registers during the merge (more would spill)
