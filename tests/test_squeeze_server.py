@@ -211,18 +211,22 @@ def test_saved_prefix_loads_and_answers_the_same(server, smollm2_path, tokens, d
                "-p", QUESTION, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", KEEP,
                "--squeeze-save", state], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    # the saved state has one stream (llama.cpp's sequence state records it): -np 2 needs the unified cache
-    res = run(["llama-server", "-m", str(smollm2_path), "--port", str(free_port()), "-c", "4096", "-t", "2",
-               "--no-warmup", "-np", "2", "--squeeze", "--squeeze-load", state], timeout=120)
-    assert res.returncode != 0 and "add --kv-unified (-kvu) to -np 2" in res.stderr + res.stdout
-    loaded = SqueezeServer(smollm2_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-load", state)
-    try:
-        assert f"loaded a prepared prefix of {len(prefix)} tokens" in loaded.log()
-        out = loaded.complete(prefix + question)
-    finally:
-        loaded.close()
-    assert out["timings"]["prompt_n"] == len(question)
-    assert out["content"] == server.complete(prefix + question)["content"]
+    want = server.complete(prefix + question)["content"]
+    # with one cache stream (-kvu) and with one per slot (the state's one stream is loaded into slot 0's), where slot 1
+    # then takes a copy of slot 0's stream and reads the prefix sparsely too
+    for kv_args in (["-kvu"], []):
+        loaded = SqueezeServer(smollm2_path, tmp_path, "-np", "2", *kv_args, "--squeeze", "--squeeze-load", state)
+        try:
+            assert f"loaded a prepared prefix of {len(prefix)} tokens" in loaded.log()
+            out = loaded.complete(prefix + question)
+            other = loaded.complete(prefix + question, id_slot=1)
+        finally:
+            loaded.close()
+        assert out["timings"]["prompt_n"] == len(question) and out["id_slot"] == 0, (kv_args, out)
+        assert out["content"] == want, kv_args
+        assert other["id_slot"] == 1 and other["timings"]["prompt_n"] == len(question), (kv_args, other)
+        assert "48213" in other["content"] and "densely" not in loaded.log(), kv_args
+    assert "one cache stream loaded into slot 0's of 2" in loaded.log()
 
 
 @pytest.mark.parametrize(("args", "message"), [
