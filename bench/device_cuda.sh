@@ -545,14 +545,16 @@ stage_timeline() {
     # block's start, the first block past its wait, the last warp's end), B = 1 and 8, with kernel A's early
     # release (the default) and without it (SPARQ_CUDA_A_RELEASE_EXIT=1); medians by bench/timeline_summary.py
     # (cuda_op.py --one: the device's printf lines go to the log; the op's own times are not comparable here: the
-    # printing kernel runs inside the timed region)
+    # printing kernel runs inside the timed region). TIMELINE_BATCHES, TIMELINE_SEQS and HEADS (cuda_op.py --heads)
+    # pick other shapes (session 18: HEADS=llama3-8b TIMELINE_BATCHES=1 TIMELINE_SEQS="33024 65792")
     for rel in ${TIMELINE_VARIANTS:-early exit}; do
         local env=(); [ $rel = exit ] && env=(SPARQ_CUDA_A_RELEASE_EXIT=1); [ $rel = old ] && env=("${S15_OLD[@]}")
         [ $rel = pbs0 ] && env=(SPARQ_CUDA_PBS=0)
         : > "$OUT/timeline_$rel.log"
-        for b in 1 8; do
-            for sq in 4096 32768 65536; do
-                env "${env[@]}" SPARQ_CUDA_TIMELINE=1 python3 bench/cuda_op.py --one $sq $b --runs 20 >> "$OUT/timeline_$rel.log" 2>&1
+        for b in ${TIMELINE_BATCHES:-1 8}; do
+            for sq in ${TIMELINE_SEQS:-4096 32768 65536}; do
+                env "${env[@]}" SPARQ_CUDA_TIMELINE=1 python3 bench/cuda_op.py --one $sq $b --runs 20 --heads "${HEADS:-llama2-7b}" \
+                    >> "$OUT/timeline_$rel.log" 2>&1
             done
         done
         echo "release $rel:"; python3 bench/timeline_summary.py "$OUT/timeline_$rel.log" --json "$OUT/timeline_$rel.json"
