@@ -60,7 +60,7 @@ constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
 // waves of the 32k grid (16 x 32 blocks) where 3 made 1.29, whose last 0.29 wave ran ~12 us alone at a
 // fraction of the bandwidth.
 template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
-    return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
+    return (NG <= 2 ? 16 : NG <= 4 ? 8 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
