@@ -58,10 +58,10 @@ constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
 // three of 8 (bench/harness_a/NOTES.md, H100, Llama-2 heads, with the shorter prologue and epilogue: 39.2 ->
 // 36.4 us at 32k, 65.3 -> 58.6 at 64k): half the DRAM round trips per block, and 2 blocks per SM make 1.94
 // waves of the 32k grid (16 x 32 blocks) where 3 made 1.29, whose last 0.29 wave ran ~12 us alone at a
-// fraction of the bandwidth. With 3-4 heads per pass (GQA, G = 4) 8 rows in flight fit the same 128 registers
-// (4 until session 18, which left Llama-3's few rows latency-bound: bench/notes_cuda.md).
+// fraction of the bandwidth. With 3-4 heads per pass (GQA, G = 4) 8 rows in flight fit 128 registers without spill
+// but made Llama-3's kernel A slower (session 18: 24.7 -> 26.7 us at 33024 cells, 27.4 -> 31.1 at 65792), so 4 stay.
 template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
-    return (NG <= 2 ? 16 : NG <= 4 ? 8 : 4) / (sizeof(T) == 4 ? 2 : 1);
+    return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
