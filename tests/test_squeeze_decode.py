@@ -218,6 +218,19 @@ def prefill_in_each_mode(llm: Llama, question: list[int], n_prefix: int) -> dict
     return out
 
 
+def seq_state(ctx: Ctx, seq: int) -> ctypes.Array:
+    """Sequence `seq`'s state (llama_state_seq_get_data)."""
+    size = lc.llama_state_seq_get_size(ctx.ctx, seq)
+    buf = (ctypes.c_uint8 * size)()
+    assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, seq) == size
+    return buf
+
+
+def load_seq_state(ctx: Ctx, seq: int, buf: ctypes.Array) -> None:
+    """llama_state_seq_set_data of a seq_state into sequence `seq`."""
+    assert lc.llama_state_seq_set_data(ctx.ctx, buf, len(buf), seq) == len(buf)
+
+
 @pytest.fixture(scope="module")
 def dense_answer(llm, doc, questions):
     """Dense greedy answer to question 0 (16 steps), on the cache a preparation leaves (then cleared)."""
@@ -611,10 +624,7 @@ def test_a_copy_of_the_prefix_stream_reads_it_sparsely(llm, doc, questions):
         np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True), want)
         # a state load of the mirror's only sequence rewrites its cells: the mirror ends, the prefix stays
         lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
-        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
-        buf = (ctypes.c_uint8 * size)()
-        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
-        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        load_seq_state(ctx, 1, seq_state(ctx, 1))
         assert not squeeze_api.seq_sparse(ctx.ctx, 1) and squeeze_api.seq_sparse(ctx.ctx, 0)
         assert squeeze_api.info(ctx.ctx).prepared
 
@@ -628,18 +638,13 @@ def test_a_state_load_of_another_sequence_keeps_the_prefix(llm, doc, questions):
         want = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
         lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
         ctx.prefill(questions[1], seq=1)
-        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
-        buf = (ctypes.c_uint8 * size)()
-        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
+        buf = seq_state(ctx, 1)
         lc.llama_memory_seq_rm(ctx.mem, 1, -1, -1)
-        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        load_seq_state(ctx, 1, buf)
         assert squeeze_api.info(ctx.ctx).prepared, "a state load of sequence 1 dropped sequence 0's prefix"
         np.testing.assert_array_equal(ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True), want)
         lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
-        size0 = lc.llama_state_seq_get_size(ctx.ctx, 0)
-        buf0 = (ctypes.c_uint8 * size0)()
-        assert lc.llama_state_seq_get_data(ctx.ctx, buf0, size0, 0) == size0
-        assert lc.llama_state_seq_set_data(ctx.ctx, buf0, size0, 0) == size0
+        load_seq_state(ctx, 0, seq_state(ctx, 0))
         assert not squeeze_api.info(ctx.ctx).prepared
 
 
@@ -673,10 +678,7 @@ def test_sequences_sharing_the_prefix_cells_read_it_sparsely(llm, doc, questions
         # a state load of sequence 1 (which shares the cells with sequence 2) writes its own new cells and leaves the
         # prefix's alone; the question then lands in other cells (another summation order: TOL_LAYOUT)
         lc.llama_memory_seq_rm(ctx.mem, 1, N_PREFIX, -1)
-        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
-        buf = (ctypes.c_uint8 * size)()
-        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
-        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        load_seq_state(ctx, 1, seq_state(ctx, 1))
         assert squeeze_api.info(ctx.ctx).prepared, "a state load of a sharing sequence dropped the prefix"
         assert_logits_agree(ctx.prefill(questions[0], pos0=N_PREFIX, seq=2, all_logits=True), want,
                             "a sharing sequence after a state load", tol=TOL_LAYOUT)
@@ -692,14 +694,12 @@ def test_sequences_sharing_the_prefix_cells_read_it_sparsely(llm, doc, questions
         # the last holder frees clustered cells, and a state load of another sequence (the same positions) comes
         # before any decode or query: the freed cells are noticed before the load can reuse them
         ctx.prefill(doc, seq=1)
-        size = lc.llama_state_seq_get_size(ctx.ctx, 1)
-        buf = (ctypes.c_uint8 * size)()
-        assert lc.llama_state_seq_get_data(ctx.ctx, buf, size, 1) == size
+        buf = seq_state(ctx, 1)
         lc.llama_memory_seq_rm(ctx.mem, 1, -1, -1)
         ctx.prefill(doc)
         squeeze_api.prepare(ctx.ctx, doc, squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1))
         lc.llama_memory_seq_rm(ctx.mem, 0, -1, -1)
-        assert lc.llama_state_seq_set_data(ctx.ctx, buf, size, 1) == size
+        load_seq_state(ctx, 1, buf)
         assert not squeeze_api.info(ctx.ctx).prepared
 
 

@@ -178,15 +178,21 @@ void sparq_squeeze_access::verify(llama_kv_cache & kv) {
     }
 }
 
-bool sparq_squeeze_access::sole_holder(const llama_kv_cache & kv, int32_t seq_id) {
+uint32_t sparq_squeeze_access::prefix_stream_of(const llama_kv_cache & kv, int32_t seq_id) {
     const squeeze_kv_state * st = kv.squeeze.get();
     if (st == nullptr || !st->ready || seq_id < 0 || (uint32_t) seq_id >= kv.n_seq_max) {
-        return false;
+        return UINT32_MAX;
     }
     const uint32_t stream = kv.seq_to_stream[seq_id];
-    if (stream != st->stream && !sqd::is_mirror(*st, stream)) {
+    return stream == st->stream || sqd::is_mirror(*st, stream) ? stream : UINT32_MAX;
+}
+
+bool sparq_squeeze_access::sole_holder(const llama_kv_cache & kv, int32_t seq_id) {
+    const uint32_t stream = prefix_stream_of(kv, seq_id);
+    if (stream == UINT32_MAX) {
         return false;
     }
+    const squeeze_kv_state * st = kv.squeeze.get();
     const auto & lcells = kv.v_cells[stream];
     for (const uint32_t c : st->cells) {
         if (c < lcells.size() && lcells.seq_has(c, seq_id) && lcells.seq_count(c) == 1) {
@@ -197,14 +203,11 @@ bool sparq_squeeze_access::sole_holder(const llama_kv_cache & kv, int32_t seq_id
 }
 
 bool sparq_squeeze_access::seq_sparse(const llama_kv_cache & kv, int32_t seq_id) {
+    const uint32_t stream = prefix_stream_of(kv, seq_id);
+    if (stream == UINT32_MAX) {
+        return false;
+    }
     const squeeze_kv_state * st = kv.squeeze.get();
-    if (st == nullptr || !st->ready || seq_id < 0 || (uint32_t) seq_id >= kv.n_seq_max) {
-        return false;
-    }
-    const uint32_t stream = kv.seq_to_stream[seq_id];
-    if (stream != st->stream && !sqd::is_mirror(*st, stream)) {
-        return false;
-    }
     const auto & lcells = kv.v_cells[stream];
     for (size_t p = 0; p < st->cells.size(); ++p) {
         const uint32_t c = st->cells[p];

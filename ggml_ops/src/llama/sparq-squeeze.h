@@ -41,6 +41,8 @@ struct sparq_squeeze_access {
     static bool holds_prefix(const llama_kv_cache & kv, const squeeze_kv_state & st, uint32_t stream);
     // whether seq_id reads the prefix sparsely: it holds every clustered cell, in the prefix's stream or a mirror
     static bool seq_sparse(const llama_kv_cache & kv, int32_t seq_id);
+    // seq_id's stream when that is the prefix's or a mirror (a prefix is prepared), else UINT32_MAX
+    static uint32_t prefix_stream_of(const llama_kv_cache & kv, int32_t seq_id);
 
     static const squeeze_kv_layer * layer(const llama_kv_cache & kv, int32_t il);
 
