@@ -746,6 +746,19 @@ stage_s18op() {
     done
 }
 
+stage_s18ncua() {
+    # Session 18: ncu sections of kernel A (sparq_scores) with Llama-3 heads (8 KV heads, G = 4), B = 1, at NCU_SEQS
+    # cells: what binds it at 0.7-1.2 TB/s (8 K^T rows in flight made it slower); full reports in $OUT
+    for sq in ${NCU_SEQS:-33024 65792}; do
+        ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+            --section LaunchStats --section SchedulerStats -k regex:sparq_scores --launch-skip 2 --launch-count 1 \
+            python3 bench/cuda_profile.py --seq "$sq" --batch 1 --runs 3 --heads 32 8 > "$OUT/ncu_a_l3_$sq.txt" 2>&1
+        echo "S = $sq:"
+        grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Issue Slots|Eligible" \
+            "$OUT/ncu_a_l3_$sq.txt" | head -24
+    done
+}
+
 stage_centroidtest() {
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 \
         | tee "$OUT/test_centroid_cuda.log" | tail -3
