@@ -115,7 +115,7 @@ PY
     done
 }
 
-llama2_model() {  # prints the path of the random-weight Q8_0 model of shape $1 (default llama2-7b), made on first use
+shape_model() {  # prints the path of the random-weight Q8_0 model of shape $1 (default llama2-7b), made on first use
     python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from cuda_e2e import model_path; print(model_path(Path('/tmp/models'), '${1:-llama2-7b}'))" | tail -1
 }
 
@@ -285,7 +285,7 @@ stage_gap() {
     #   4. SPARQ_CUDA_TIMING at 64k: the tail phases and any exact-selection fallback of kernel S;
     #   5. ncu of every kernel of decode steps at depth 0 (the kernel inventory per step, dense vs SparQ).
     # Parts 3-5 are stage gapncu (one device call each: gap after build, gapncu in the next, warm call).
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m")
     "${lb[@]}" -p 0 -n 32 -r 3 -d 32768,65536 -sparq 0,1 -sparq-policy sparq,window -o json > "$OUT/gap_bench.json" 2> "$OUT/gap_bench.log" \
         && python3 -c "import json,sys; [print(f\"d {r['n_depth']} {'sparq-'+r['sparq_policy'] if r['sparq'] else 'dense'}: {r['avg_ts']:.1f} t/s, {1000/r['avg_ts']:.2f} ms\") for r in json.load(open(sys.argv[1]))]" "$OUT/gap_bench.json" \
@@ -322,7 +322,7 @@ squeeze_prepare_32k() {  # MODEL TAG: centroid-sparse prepare of a 32k prefix (r
 }
 
 stage_gapncu() {  # parts 3-5 of stage_gap
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m")
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 32768 -sparq 1 \
         > "$OUT/gap_ncu_sparq32k.csv" 2> "$OUT/gap_ncu_sparq32k.log"
@@ -341,7 +341,7 @@ stage_gap64() {
     # Session 12: SparQ's per-token time grows ~66 us per layer per 32k cells in llama-bench (1.39x at 32k,
     # 1.70x at 64k) but the op bench's only ~30 us: where the rest goes. Exact-selection fallbacks of kernel S
     # (SPARQ_CUDA_TIMING) at 32k and 64k; stage gap64ncu: ncu of the op's kernels at 64k (median and max per kernel).
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m")
     for d in 32768 65536; do
         SPARQ_CUDA_TIMING=1 "${lb[@]}" -p 0 -n 8 -r 1 -d $d -sparq 1 > "$OUT/gap64_timing_$d.txt" 2>&1
@@ -351,7 +351,7 @@ stage_gap64() {
 }
 
 stage_gap64ncu() {
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m")
     ncu --metrics gpu__time_duration.sum --csv -k regex:sparq "${lb[@]}" -p 0 -n 3 -r 1 -d 65536 -sparq 1 \
         > "$OUT/gap64_ncu_sparq.csv" 2> "$OUT/gap64_ncu_sparq.log"
@@ -359,14 +359,14 @@ stage_gap64ncu() {
 }
 
 stage_tg() {  # benchmark (b)'s Llama-2 rows at 32k and 64k, -r 3
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     tg_llama2 "$m" tg
 }
 
 stage_sampleab() {
     # Session 12: kernel P's threshold sample, new (rank >= 16, target 8 n_top) vs before (SPARQ_CUDA_SAMPLE_V6=1),
     # interleaved in one call: llama-bench tg32 at 32k and 64k (Llama-2 shape), dense, SparQ, SparQ with the old sample
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
     for round in 1; do
         for d in 32768 65536; do
@@ -415,7 +415,7 @@ stage_final12() {
         echo "S = $sq:"; python3 bench/ncu_summary.py "$OUT/final12_ncu_$sq.csv"
     done
     python3 bench/cuda_op.py --runs 50 --seqs 4096,32768,65536,131072 --batches 1 --out "$OUT/final12_op.json" 2>&1 | tail -6
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     tg_llama2 "$m" final12
 }
 
@@ -477,7 +477,7 @@ stage_batchprof() {
 
 stage_batchtg() {
     # session 13: llama-batched-bench at B = 8 (Llama-2 shape, 8k prompts): dense, SparQ, SparQ without the mean
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local base=("$BUILD/bin/llama-batched-bench" -m "$m" -c 65792 -b 2048 -ub 512 -ngl 99 -fa on -npp 8192 -ntg 32 -npl 8)
     for mode in dense sparq sparq_mean_off; do
         local extra=()
@@ -512,7 +512,7 @@ stage_recheck() {
     # and 64k, and the centroid-sparse prepare of a 32k prefix with its phase times. Sized for ~150 s after a build.
     python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py -k "underflow or window_and_sinks" 2>&1 \
         | tee "$OUT/test_recheck.log" | tail -2
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     tg_llama2 "$m" recheck
     squeeze_prepare_32k "$m" recheck
 }
@@ -522,7 +522,7 @@ stage_fused() {
     # chunks: the op's CUDA tests, then (b) at 32k/64k, llama-completion's upkeep cost (SparQ vs mean off), and
     # the centroid-sparse prepare phases of a 32k prefix.
     python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py -k vsum 2>&1 | tee "$OUT/test_vsum.log" | tail -2
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     tg_llama2 "$m" fused
     completion_32k "$m" fused
     squeeze_prepare_32k "$m" fused
@@ -536,7 +536,7 @@ stage_cluster() {
 }
 
 stage_prepare() {  # the centroid-sparse prepare of a 32k prefix and its phase times
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     squeeze_prepare_32k "$m" prepare
 }
 
@@ -595,7 +595,7 @@ stage_s15ab() {
 stage_s15e2e() {
     # Session 15: end to end, session 15 on vs off in one run: llama-bench tg32 at 32k / 64k (Llama-2 shape) and
     # llama-batched-bench at B = 8 (Llama-2 shape, 8k prompts)
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
     for d in 32768 65536; do
         "${lb[@]}" -d $d -sparq 0 > "$OUT/s15tg_${d}_dense.json" 2>/dev/null
@@ -655,7 +655,7 @@ stage_s16e2e() {
     # E2E_DEPTHS (16k and 32k; session 17 ran it with E2E_DEPTHS=65536 as stage s17e2e64, a copy of this one since
     # folded back in)
     echo "shape ${E2E_SHAPE:-llama2-7b}"
-    local m; m=$(llama2_model "${E2E_SHAPE:-llama2-7b}") || return 1
+    local m; m=$(shape_model "${E2E_SHAPE:-llama2-7b}") || return 1
     local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
     for d in ${E2E_DEPTHS:-16384 32768}; do
         timeout 100 "${lb[@]}" -d $d -sparq 0 > "$OUT/s16tg_${d}_dense.json" 2>/dev/null
@@ -685,7 +685,7 @@ stage_s16sanitize() {
 stage_s17steps() {
     # Session 17: a decode step's GPU kernels by name at 32k, dense vs SparQ (kernel PBS on), Llama-2 shape
     # (bench/cuda_step_kernels.py: PyTorch's profiler, as this machine has no nsys)
-    local m; m=$(llama2_model) || return 1
+    local m; m=$(shape_model) || return 1
     timeout 300 python3 bench/cuda_step_kernels.py --model "$m" --depth 32768 --steps 16 --out "$OUT/s17steps_32k.json" 2>&1 | tail -70
 }
 
