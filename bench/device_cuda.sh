@@ -28,7 +28,7 @@
 #   SEQS=33024,49408,65792 ROUNDS=1 ... build s17test; E2E_DEPTHS=65536 ... s16e2e   session 17: PBS up to 73728 cells, at 64k
 #   bench/device_cuda.sh build s18test; s18op; HEADS=llama2-7b SEQS=33024,65792 s18op; E2E_SHAPE=llama3-8b ... s16e2e
 #                                            session 18: kernel PBS with clusters of 16 for few long rows
-#   bench/device_cuda.sh s19split build; s19test s19op s19e2e   session 19: kernel A's head split for few GQA rows
+#   bench/device_cuda.sh s19anatomy           session 19: kernel A for few GQA rows in the harness (what its time is made of)
 #   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
@@ -760,55 +760,13 @@ stage_s18ncua() {
     done
 }
 
-stage_s19split() {
-    # Session 19: kernel A's head split (HS = 2: 4 heads per pass over two 256-thread halves) against HS = 1 in the
-    # harness: bit-identity (types, G = 3 and 4, ragged lengths, 8 and 64 rows), then times for 8 and 64 rows
+stage_s19anatomy() {
+    # Session 19: kernel A with Llama-3's decode rows (8 KV heads, G = 4) in the harness: an empty kernel, 2 / 4 / 8
+    # iterations of K^T rows (k1 8 / 16 / 32), adjacent or random K^T rows, L2 flushed or warm. (Session 19's head
+    # split, timed by stage s19split at fda687b, was slower and is gone; its output: results/session19/split_fda687b.txt)
     (cd bench/harness_a && python3 extract_port.py > /dev/null && nvcc -std=c++17 -arch=sm_90 -O3 -use_fast_math -DKA_PORT \
-        -Xptxas -v -o /tmp/ka ka.cu > "$OUT/ptxas_split.txt" 2>&1) || { tail -20 "$OUT/ptxas_split.txt"; return 1; }
-    timeout 200 /tmp/ka --split --reps 100 --nkvs "${SPLIT_SEQS:-16640,33024,65792,131328}" 2>&1 | tee "$OUT/split.txt" | grep -v "^device"
-}
-
-stage_s19test() {
-    # Session 19: the CUDA op tests with kernel A's head split as chosen (a_head_split), and forced off and on
-    # (SPARQ_CUDA_A_SPLIT=1|2: on, every K^T case of 4 heads per pass takes HS = 2)
-    for v in default 1 2; do
-        echo "tests, A split $v: $(SPARQ_CUDA_A_SPLIT=${v/default/0} timeout 180 python3 -m pytest -q -p no:cacheprovider -x \
-            tests/test_op_sparq_attn_cuda.py 2>&1 | tee "$OUT/test_split_$v.log" | tail -1)"
-        grep -E "^(FAILED|E  )" "$OUT/test_split_$v.log" | head -20 || true
-    done
-}
-
-stage_s19op() {
-    # Session 19: the op with kernel A's head split off / on, interleaved, for HEADS (default llama3-8b) at B = 1 and
-    # BATCHES, cache sizes SEQS
-    for round in $(seq 1 "${ROUNDS:-1}"); do
-        for v in 1 2; do
-            echo "${HEADS:-llama3-8b} A split $v, round $round"
-            SPARQ_CUDA_A_SPLIT=$v timeout 150 python3 bench/cuda_op.py --heads "${HEADS:-llama3-8b}" --runs 30 \
-                --batches "${BATCHES:-1}" --seqs "${SEQS:-16640,33024,65792,131328}" \
-                --out "$OUT/op_s19_${HEADS:-llama3-8b}_split${v}_$round.json" 2>&1 | grep -v "^wrote"
-        done
-    done
-}
-
-stage_s19e2e() {
-    # Session 19: end to end, llama-bench tg32 -r 3: dense, SparQ (the head split as chosen), SparQ without it
-    # (SPARQ_CUDA_A_SPLIT=1), shape E2E_SHAPE (default llama3-8b), depths E2E_DEPTHS (default 32k and 64k)
-    echo "shape ${E2E_SHAPE:-llama3-8b}"
-    local m; m=$(shape_model "${E2E_SHAPE:-llama3-8b}") || return 1
-    local lb=("${LB_SPARQ[@]}" -m "$m" -p 0 -n 32 -r 3 -o json)
-    for d in ${E2E_DEPTHS:-32768 65536}; do
-        timeout 100 "${lb[@]}" -d $d -sparq 0 > "$OUT/s19tg_${d}_dense.json" 2>/dev/null
-        timeout 100 "${lb[@]}" -d $d -sparq 1 > "$OUT/s19tg_${d}_split.json" 2>/dev/null
-        SPARQ_CUDA_A_SPLIT=1 timeout 100 "${lb[@]}" -d $d -sparq 1 > "$OUT/s19tg_${d}_nosplit.json" 2>/dev/null
-        python3 - "$OUT" $d <<'PYEOF'
-import json, sys
-out, d = sys.argv[1:]
-ms = {v: 1000 / json.load(open(f"{out}/s19tg_{d}_{v}.json"))[0]["avg_ts"] for v in ("dense", "split", "nosplit")}
-print(f"tg d {d}: dense {ms['dense']:.2f} ms, sparq {ms['split']:.2f} ms ({ms['dense']/ms['split']:.2f}x), "
-      f"sparq without A's split {ms['nosplit']:.2f} ms ({ms['dense']/ms['nosplit']:.2f}x)")
-PYEOF
-    done
+        -Xptxas -v -o /tmp/ka ka.cu > "$OUT/ptxas_anatomy.txt" 2>&1) || { tail -20 "$OUT/ptxas_anatomy.txt"; return 1; }
+    timeout 200 /tmp/ka --anatomy --reps 100 2>&1 | tee "$OUT/anatomy.txt" | grep -v "^device"
 }
 
 stage_centroidtest() {

@@ -1373,28 +1373,24 @@ static bool port_matrix() {
     return ok;
 }
 
-// Kernel A's head split (session 19): HS = 2 against HS = 1 of the tree's kernel, the same 4 heads per pass. Checks the
-// outputs bit for bit (types, G = 3 with a dead head, G = 4, ragged n_kv, rows 8 and 64), then times both interleaved
-// (events, L2 flushed before each launch) for Llama-3's decode rows (8 KV heads, G = 4) and for 64 rows.
-template <typename T, int HS>
-static void split_launch(const dim3 & grid, size_t smem, cudaStream_t st, const var::var_args & a, const sparq_scratch & sc) {
-    port::sparq_scores<T, SC_KT, 4, HS><<<grid, A_THREADS*HS, smem, st>>>(to_port(a), to_port(sc), 0);
-}
-struct SplitCase {
-    var::var_args a; sparq_scratch sc; dim3 grid; size_t smem; size_t nl, nc, nv;
+// Anatomy of the tree's kernel A for Llama-3's decode rows (session 19: 8 KV heads, G = 4, f16): an empty kernel
+// between events, k1 = 8 / 16 / 32 (2 / 4 / 8 iterations of 4 K^T rows in flight), I1 sorted (adjacent K^T rows) or
+// random, with the L2 flushed before each launch or left warm (K^T in L2 where it fits). Session 19 also ran a head
+// split (two 256-thread halves scoring 2 heads each, bit-identical) here: slower, removed (bench/notes_cuda.md).
+struct AnatomyCase {
+    var::var_args a; sparq_scratch sc; dim3 grid; size_t smem;
 };
-template <typename T>
-static SplitCase split_setup(PortBufs & B, int G, int rows, int64_t n_kv, uint32_t seed) {
-    const int d = 128, k1 = 32, n_head = rows*G;
+static AnatomyCase anatomy_setup(PortBufs & B, int G, int rows, int64_t n_kv, uint32_t seed, int k1, bool sorted_i1) {
+    const int d = 128, n_head = rows*G;
     const int64_t stride = n_kv + 256;
     const int n_chunks = (int) ((n_kv + A_CHUNK - 1) / A_CHUNK);
-    fill_any<T><<<1024, 256>>>((T *) B.kt, (int64_t) rows*d*stride, seed);
+    fill_any<half><<<1024, 256>>>((half *) B.kt, (int64_t) rows*d*stride, seed);
     fill_any<float><<<64, 256>>>(B.qs, (int64_t) rows*G*k1, seed + 3);
     std::vector<int32_t> i1((size_t) rows*k1);
     for (int w = 0; w < rows; ++w) {
         int perm[128];
         for (int i = 0; i < 128; ++i) perm[i] = i;
-        for (int i = 0; i < k1; ++i) { const int j = i + rnd() % (128 - i); std::swap(perm[i], perm[j]); i1[w*k1 + i] = perm[i]; }
+        for (int i = 0; i < k1; ++i) { const int j = i + rnd() % (128 - i); std::swap(perm[i], perm[j]); i1[w*k1 + i] = sorted_i1 ? i : perm[i]; }
     }
     CK(cudaMemcpy(B.i1, i1.data(), i1.size()*4, cudaMemcpyHostToDevice));
     const int64_t m_row = ((n_kv + 63) / 64) * 64;
@@ -1405,112 +1401,69 @@ static SplitCase split_setup(PortBufs & B, int G, int rows, int64_t n_kv, uint32
     }
     CK(cudaMemcpy(B.mask, hm.data(), hm.size()*2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(B.pos, hp.data(), hp.size()*4, cudaMemcpyHostToDevice));
-    SplitCase C;
+    AnatomyCase C;
     var::var_args & a = C.a;
     memset(&a, 0, sizeof(a));
     a.kt = B.kt; a.mask = (const char *) B.mask; a.pos = (const char *) B.pos;
     a.d = d; a.d_v = d; a.n_q = 1; a.n_head = n_head; a.n_head_kv = rows; a.ns = 1; a.n_kv = n_kv; a.group = G;
-    a.kt_nb1 = stride*sizeof(T); a.kt_nb2 = a.kt_nb1*d; a.kt_nb3 = a.kt_nb2*rows;
+    a.kt_nb1 = stride*sizeof(half); a.kt_nb2 = a.kt_nb1*d; a.kt_nb3 = a.kt_nb2*rows;
     a.m_nb1 = m_row*2; a.m_nb3 = a.m_nb1; a.m_ns = 1;
     a.p_nb3 = n_kv*4; a.p_ns = 1;
     a.p.k1 = k1; a.p.k2 = 128; a.p.scale = 1.0f / sqrtf((float) d);
     a.n_chunks_a = n_chunks;
-    a.vec_kt = (stride*sizeof(T)) % 16 == 0; a.vec_logits = n_kv % 4 == 0;
+    a.vec_kt = (stride*sizeof(half)) % 16 == 0; a.vec_logits = n_kv % 4 == 0;
     a.vec_mask = a.m_nb1 % 16 == 0; a.vec_pos = a.p_nb3 % 16 == 0;
     memset(&C.sc, 0, sizeof(C.sc));
     C.sc.qs = B.qs; C.sc.i1 = B.i1; C.sc.logits = B.logits; C.sc.cmax = B.cmax; C.sc.csum = B.csum; C.sc.cvis = B.cvis;
     C.grid = dim3((unsigned) n_chunks, (unsigned) rows);
     C.smem = sizeof(float) * 4 * k1;
-    C.nl = (size_t) rows*G*n_kv; C.nc = (size_t) rows*G*n_chunks; C.nv = (size_t) rows*n_chunks*3;
     return C;
 }
-template <typename T>
-static bool split_check(PortBufs & B, int G, int rows, int64_t n_kv) {
-    SplitCase C = split_setup<T>(B, G, rows, n_kv, 555 + (uint32_t) n_kv + 7u*G);
-    auto run = [&](int hs, std::vector<float> & l, std::vector<float> & cm, std::vector<float> & cs, std::vector<int32_t> & cv) {
-        CK(cudaMemset(B.logits, 0xFF, C.nl*4)); CK(cudaMemset(B.cmax, 0xFF, C.nc*4)); CK(cudaMemset(B.csum, 0xFF, C.nc*4));
-        CK(cudaMemset(B.cvis, 0xFF, C.nv*4));
-        if (hs == 1) split_launch<T, 1>(C.grid, C.smem, 0, C.a, C.sc); else split_launch<T, 2>(C.grid, C.smem, 0, C.a, C.sc);
-        CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
-        l.resize(C.nl); cm.resize(C.nc); cs.resize(C.nc); cv.resize(C.nv);
-        CK(cudaMemcpy(l.data(), B.logits, C.nl*4, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(cm.data(), B.cmax, C.nc*4, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(cs.data(), B.csum, C.nc*4, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(cv.data(), B.cvis, C.nv*4, cudaMemcpyDeviceToHost));
-    };
-    std::vector<float> l0, m0, s0, l1, m1, s1; std::vector<int32_t> v0, v1;
-    run(1, l0, m0, s0, v0);
-    run(2, l1, m1, s1, v1);
-    int64_t unwritten = 0;
-    for (float x : l1) unwritten += std::isnan(x);
-    const int64_t dl = n_diff(l1, l0), dm = n_diff(m1, m0), ds = n_diff(s1, s0), dv = n_diff(v1, v0);
-    const bool ok = dl == 0 && dm == 0 && ds == 0 && dv == 0 && unwritten == 0;
-    printf("  split %-5s G %d rows %2d n_kv %6lld: logits %s, cmax %s, csum %s, cvis %s%s\n",
-           sizeof(T) == 4 ? "f32" : std::is_same<T, half>::value ? "f16" : "bf16", G, rows, (long long) n_kv,
-           dl ? ("DIFF " + std::to_string(dl)).c_str() : "bit-identical", dm ? "DIFF" : "same", ds ? "DIFF" : "same",
-           dv ? "DIFF" : "same", unwritten ? " (NaN left)" : "");
-    return ok;
-}
-static bool split_mode(int reps, const std::vector<int64_t> & nkvs) {
+static void anatomy_mode(int reps) {
     PortBufs B;
-    const int64_t max_kv = 131328 + 512;
-    const int max_rows = 64;
-    CK(cudaMalloc(&B.kt, (size_t) max_rows*128*(max_kv + 256)*4));
-    CK(cudaMalloc(&B.qs, max_rows*4*32*4)); CK(cudaMalloc(&B.i1, max_rows*32*4));
+    const int64_t max_kv = 65792 + 512;
+    const int rows = 8, G = 4;
+    CK(cudaMalloc(&B.kt, (size_t) rows*128*(max_kv + 256)*2));
+    CK(cudaMalloc(&B.qs, rows*G*128*4)); CK(cudaMalloc(&B.i1, rows*128*4));
     CK(cudaMalloc(&B.mask, max_kv*2 + 256)); CK(cudaMalloc(&B.pos, max_kv*4 + 256));
-    CK(cudaMalloc(&B.logits, (size_t) max_rows*4*max_kv*4));
+    CK(cudaMalloc(&B.logits, (size_t) rows*G*max_kv*4));
     const size_t max_chunks = (max_kv + A_CHUNK - 1) / A_CHUNK;
-    CK(cudaMalloc(&B.cmax, max_rows*4*max_chunks*4)); CK(cudaMalloc(&B.csum, max_rows*4*max_chunks*4));
-    CK(cudaMalloc(&B.cvis, max_rows*max_chunks*12));
-    bool ok = true;
-    printf("head split against HS = 1:\n");
-    ok &= split_check<half>(B, 4, 8, 33024);
-    ok &= split_check<half>(B, 4, 8, 30001);
-    ok &= split_check<half>(B, 3, 8, 30008);
-    ok &= split_check<half>(B, 4, 64, 4096);
-    ok &= split_check<half>(B, 4, 8, 2001);
-    ok &= split_check<nv_bfloat16>(B, 4, 8, 33024);
-    ok &= split_check<float>(B, 4, 8, 30008);
-    ok &= split_check<float>(B, 3, 8, 4096);
-    printf("split check: %s\n", ok ? "ALL OK" : "FAILURES");
+    CK(cudaMalloc(&B.cmax, rows*G*max_chunks*4)); CK(cudaMalloc(&B.csum, rows*G*max_chunks*4));
+    CK(cudaMalloc(&B.cvis, rows*max_chunks*12));
     const int64_t flush_bytes = 256ll << 20;
     uint4 * flush_buf; uint32_t * sink;
     CK(cudaMalloc(&flush_buf, flush_bytes)); CK(cudaMalloc(&sink, 256));
     cudaStream_t st;
     CK(cudaStreamCreate(&st));
-    printf("\nsplit timing: median of %d reps (events, L2 flushed by a read before each launch, interleaved), f16, G 4\n", reps);
-    for (int rows : { 8, 64 }) {
-        for (int64_t n_kv : nkvs) {
-            if (rows == 64 && n_kv > 33024) continue;
-            SplitCase C = split_setup<half>(B, 4, rows, n_kv, 4242);
-            std::vector<float> t[2];
-            std::vector<cudaEvent_t> e(4*reps);
-            for (auto & x : e) CK(cudaEventCreate(&x));
-            for (int hs = 0; hs < 2; ++hs) { hs ? split_launch<half, 2>(C.grid, C.smem, st, C.a, C.sc) : split_launch<half, 1>(C.grid, C.smem, st, C.a, C.sc); }
-            for (int r = 0; r < reps; ++r) {
-                for (int hs = 0; hs < 2; ++hs) {
-                    flush_l2_read<<<g_sms*4, 256, 0, st>>>(flush_buf, flush_bytes/16, sink);
-                    CK(cudaEventRecord(e[(hs*reps + r)*2], st));
-                    hs ? split_launch<half, 2>(C.grid, C.smem, st, C.a, C.sc) : split_launch<half, 1>(C.grid, C.smem, st, C.a, C.sc);
-                    CK(cudaEventRecord(e[(hs*reps + r)*2 + 1], st));
-                }
-                if (r % 20 == 19) CK(cudaStreamSynchronize(st));
+    auto time_it = [&](const std::function<void()> & f, bool do_flush) {
+        std::vector<cudaEvent_t> e(2*reps);
+        for (auto & x : e) CK(cudaEventCreate(&x));
+        f();
+        for (int r = 0; r < reps; ++r) {
+            if (do_flush) flush_l2_read<<<g_sms*4, 256, 0, st>>>(flush_buf, flush_bytes/16, sink);
+            CK(cudaEventRecord(e[2*r], st)); f(); CK(cudaEventRecord(e[2*r + 1], st));
+            if (r % 20 == 19) CK(cudaStreamSynchronize(st));
+        }
+        CK(cudaGetLastError()); CK(cudaStreamSynchronize(st));
+        std::vector<float> t(reps);
+        for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&t[r], e[2*r], e[2*r + 1]));
+        for (auto & x : e) CK(cudaEventDestroy(x));
+        std::sort(t.begin(), t.end());
+        return t[reps/2]*1e3;
+    };
+    printf("anatomy of kernel A (8 rows, G 4, f16; median of %d):\n", reps);
+    printf("  empty kernel: %.2f us\n", time_it([&] { empty_kernel<<<1, 32, 0, st>>>(); }, true));
+    for (int64_t n_kv : { (int64_t) 16640, (int64_t) 33024, (int64_t) 65792 }) {
+        for (int k1 : { 8, 16, 32 }) {
+            for (int sorted = 0; sorted < 2; ++sorted) {
+                if (sorted && k1 != 32) continue;
+                AnatomyCase C = anatomy_setup(B, G, rows, n_kv, 4242, k1, sorted);
+                auto f = [&] { port::sparq_scores<half, SC_KT, 4><<<C.grid, A_THREADS, C.smem, st>>>(to_port(C.a), to_port(C.sc), 0); };
+                printf("  n_kv %6lld k1 %2d i1 %s: flushed %6.2f us, L2 warm %6.2f us\n", (long long) n_kv, k1,
+                       sorted ? "sorted" : "random", time_it(f, true), time_it(f, false));
             }
-            CK(cudaGetLastError()); CK(cudaStreamSynchronize(st));
-            const double mb = ((double) rows*32*n_kv*2 + (double) rows*4*n_kv*4) / 1e6;
-            printf("  rows %2d n_kv %6lld grid %3u x %2u (%.1f MB):", rows, (long long) n_kv, C.grid.x, C.grid.y, mb);
-            for (int hs = 0; hs < 2; ++hs) {
-                t[hs].resize(reps);
-                for (int r = 0; r < reps; ++r) CK(cudaEventElapsedTime(&t[hs][r], e[(hs*reps + r)*2], e[(hs*reps + r)*2 + 1]));
-                std::sort(t[hs].begin(), t[hs].end());
-                const double med = t[hs][reps/2]*1e3;
-                printf("  HS %d %7.2f us (p10 %6.2f p90 %6.2f, %5.0f GB/s)", hs + 1, med, t[hs][reps/10]*1e3, t[hs][reps*9/10]*1e3, mb*1e3/med);
-            }
-            printf("\n");
-            for (auto & x : e) CK(cudaEventDestroy(x));
         }
     }
-    return ok;
 }
 #endif
 
@@ -1518,7 +1471,7 @@ int main(int argc, char ** argv) {
     int reps = 200;
     std::vector<int64_t> nkvs = { 4096, 32768, 65536, 131072 };
     std::string only;
-    bool ncu_mode = false, dirty_flush = false, no_check = false, split = false;
+    bool ncu_mode = false, dirty_flush = false, no_check = false, anatomy = false;
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--reps")) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--nkv")) { nkvs.clear(); nkvs.push_back(atoll(argv[++i])); }
@@ -1526,7 +1479,7 @@ int main(int argc, char ** argv) {
         else if (!strcmp(argv[i], "--ncu")) ncu_mode = true;
         else if (!strcmp(argv[i], "--dirty")) dirty_flush = true;
         else if (!strcmp(argv[i], "--nocheck")) no_check = true;
-        else if (!strcmp(argv[i], "--split")) split = true;
+        else if (!strcmp(argv[i], "--anatomy")) anatomy = true;
         else if (!strcmp(argv[i], "--nkvs")) { nkvs.clear(); char * p = argv[++i]; while (*p) { nkvs.push_back(strtoll(p, &p, 10)); if (*p == ',') ++p; } }
     }
     cudaDeviceProp prop;
@@ -1573,8 +1526,9 @@ int main(int argc, char ** argv) {
     };
 
 #ifdef KA_PORT
-    if (split) {
-        return split_mode(reps, nkvs) ? 0 : 2;
+    if (anatomy) {
+        anatomy_mode(reps);
+        return 0;
     }
     const bool port_ok = no_check ? true : port_matrix();
 #else

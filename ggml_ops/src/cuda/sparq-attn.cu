@@ -60,9 +60,8 @@ constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
 // waves of the 32k grid (16 x 32 blocks) where 3 made 1.29, whose last 0.29 wave ran ~12 us alone at a
 // fraction of the bandwidth. With 3-4 heads per pass (GQA, G = 4) 8 rows in flight fit 128 registers without spill
 // but made Llama-3's kernel A slower (session 18: 24.7 -> 26.7 us at 33024 cells, 27.4 -> 31.1 at 65792), so 4 stay.
-// HS > 1 (heads split over HS parts of the block, below): 4 rows, to fit the 64 registers of 2 such blocks per SM.
-template <typename T, int NG, int HS = 1> __host__ __device__ constexpr int a_unroll() {
-    return (HS > 1 ? 4 : NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
+template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
+    return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
@@ -188,7 +187,6 @@ struct sparq_args {
     bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
     bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
     int  lv_slice;                 // kernel LV's slice forced by SPARQ_CUDA_LV_SLICE (32 or 128), 0: chosen by lv_slice()
-    int  a_split;                  // kernel A's head split forced by SPARQ_CUDA_A_SPLIT (1 or 2), 0: a_head_split()
 };
 
 struct sparq_scratch {
@@ -991,10 +989,8 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
 //   each); the logits' products and their order are unchanged. Checked bit for bit against the previous kernel
 //   for f16/bf16/f32, 1-8 heads per pass, two passes, a dead head, gather/exact/none, ragged lengths, no or a
 //   misaligned mask (harness: bench/harness_a, port_matrix).
-template <typename T, int POL, int NG, int HS = 1>
-__global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    static_assert(HS == 1 || (POL == SC_KT && NG % HS == 0), "heads are split only for K^T scores, evenly");
-    constexpr int NGT = NG / HS;  // heads per pass of this thread's part
+template <typename T, int POL, int NG>
+__global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
     __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
     __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
@@ -1003,11 +999,7 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
         pdl_release();
     }
     __shared__ int   i1_buf[MAX_HEAD_DIM];
-    // part: which NGT heads of a pass this thread scores; tid, lane and warp are its place within the part, whose
-    // A_THREADS threads cover the chunk's cells as a block of HS = 1 does (so every head's logits and statistics
-    // are those of HS = 1, bit for bit)
-    const int tid = threadIdx.x % A_THREADS, part = threadIdx.x / A_THREADS;
-    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
@@ -1019,7 +1011,7 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
     }
     const uint16_t * m  = mask_row(a, c);
     const int32_t  * pr = pos_row(a, c);
-    const int64_t j0 = chunk*A_CHUNK + (int64_t) tid*A_CELLS;
+    const int64_t j0 = chunk*A_CHUNK + (int64_t) threadIdx.x*A_CELLS;
     cells_raw cr;
     cells_load(a, m, pr, j0, cr);  // in flight with I1 and the first pass's query (used after its barrier)
 
@@ -1051,17 +1043,16 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
     n_vis = warp_reduce(n_vis, op_add());
     p_min = warp_reduce(p_min, op_min());
     p_max = warp_reduce(p_max, op_max());
-    if (lane == 0 && part == 0) {
+    if (lane == 0) {
         red_cells[0][warp] = n_vis; red_cells[1][warp] = p_min; red_cells[2][warp] = p_max;
     }
     for (int64_t g0 = 0; g0 < G; g0 += NG) {
         if (g0 > 0) {
             load_query_pass<POL, NG>(a, s, w, c, g0, qs);
         }
-        const int gp = part*NGT;  // this part's first head of the pass
-        float acc[NGT][A_CELLS];
+        float acc[NG][A_CELLS];
 #pragma unroll
-        for (int g = 0; g < NGT; ++g) {
+        for (int g = 0; g < NG; ++g) {
 #pragma unroll
             for (int u = 0; u < A_CELLS; ++u) {
                 acc[g][u] = 0.0f;
@@ -1072,7 +1063,7 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
             // A_UNROLL rows in flight
             const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
             const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
-            constexpr int A_UNROLL = a_unroll<T, NG, HS>();
+            constexpr int A_UNROLL = a_unroll<T, NG>();
 #pragma unroll 1
             for (int i = 0; i < k1; i += A_UNROLL) {
                 raw8<T> x[A_UNROLL];
@@ -1102,8 +1093,8 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
                         }
                     }
 #pragma unroll
-                    for (int g = 0; g < NGT; ++g) {
-                        const float qv = qs[(gp + g)*k1 + i + uu];
+                    for (int g = 0; g < NG; ++g) {
+                        const float qv = qs[g*k1 + i + uu];
 #pragma unroll
                         for (int u = 0; u < A_CELLS; ++u) {
                             acc[g][u] += qv * xf[u];
@@ -1124,20 +1115,20 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
                     for (int i = 0; i < k1; ++i) {
                         const float x = to_f32(krow[i1_buf[i]]);
 #pragma unroll
-                        for (int g = 0; g < NGT; ++g) {
-                            acc[g][u] += qs[(gp + g)*k1 + i] * x;
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] += qs[g*k1 + i] * x;
                         }
                     }
                 } else {
                     for (int64_t i = 0; i < d; ++i) {
                         const float x = to_f32(krow[i]);
 #pragma unroll
-                        for (int g = 0; g < NGT; ++g) {
-                            acc[g][u] += qs[(gp + g)*d + i] * x;
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] += qs[g*d + i] * x;
                         }
                     }
 #pragma unroll
-                    for (int g = 0; g < NGT; ++g) {
+                    for (int g = 0; g < NG; ++g) {
                         acc[g][u] = logit_exact(a, acc[g][u]);
                     }
                 }
@@ -1145,17 +1136,17 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
         }
         // hidden cells: -inf; write the logits; every head's block max through one barrier
 #pragma unroll
-        for (int g = 0; g < NGT; ++g) {
+        for (int g = 0; g < NG; ++g) {
             float mx = -INFINITY;
 #pragma unroll
             for (int u = 0; u < A_CELLS; ++u) {
                 acc[g][u] = (vis >> u) & 1 ? acc[g][u] : -INFINITY;
                 mx = fmaxf(mx, acc[g][u]);
             }
-            if (g0 + gp + g >= G) {
+            if (g0 + g >= G) {
                 continue;
             }
-            float * lrow = s.logits + (w*G + g0 + gp + g)*n_kv;
+            float * lrow = s.logits + (w*G + g0 + g)*n_kv;
             if (a.vec_logits && j0 + A_CELLS <= n_kv) {
                 ((float4 *) (lrow + j0))[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
                 ((float4 *) (lrow + j0))[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
@@ -1169,17 +1160,17 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
             }
             mx = warp_reduce(mx, op_max());
             if (lane == 0) {
-                red_max[gp + g][warp] = mx;
+                red_max[g][warp] = mx;
             }
         }
         __syncthreads();
         // the chunk's sum of exponentials per head, through the second barrier
 #pragma unroll
-        for (int g = 0; g < NGT; ++g) {
-            if (g0 + gp + g >= G) {
+        for (int g = 0; g < NG; ++g) {
+            if (g0 + g >= G) {
                 continue;
             }
-            const float mx = warp_reduce(lane < A_WARPS ? red_max[gp + g][lane] : -INFINITY, op_max());
+            const float mx = warp_reduce(lane < A_WARPS ? red_max[g][lane] : -INFINITY, op_max());
             float sum = 0.0f;
             if (mx != -INFINITY) {
 #pragma unroll
@@ -1189,11 +1180,11 @@ __global__ void __launch_bounds__(A_THREADS*HS, a_min_blocks<POL, NG>()) sparq_s
             }
             sum = warp_reduce(sum, op_add());
             if (lane == 0) {
-                red_sum[gp + g][warp] = sum;
+                red_sum[g][warp] = sum;
             }
         }
         __syncthreads();
-        if (part == 0 && warp == 0) {
+        if (warp == 0) {
             // red_* are next written after the next pass's first barrier (load_query_pass), which warp 0 reaches
             // only after these reads
 #pragma unroll
@@ -2303,38 +2294,19 @@ void ensure_smem(size_t bytes) {
     configured[device] = bytes;
 }
 
-template <typename T, int POL, int NG, int HS = 1>
+template <typename T, int POL, int NG>
 void launch_scores(dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s, int64_t r0) {
-    ensure_smem<sparq_scores<T, POL, NG, HS>>(smem);
-    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG, HS>, ggml_cuda_kernel_launch_params(grid, A_THREADS*HS, smem, stream),
-                            a, s, r0);
-}
-
-// Kernel A's head split (HS): 2 splits 4 heads per pass over two halves of a 512-thread block where the grid of
-// 256-thread blocks is less than a wave at 2 blocks per SM (few rows: one decode step of a GQA model, e.g. 8 rows of
-// Llama-3's 4 heads). There A was latency-bound with ~8 warps per SM (ncu, session 18: 12% occupancy, 0.38 eligible
-// warps per scheduler); the split doubles the warps, each scoring half the heads. The K^T rows are loaded by both
-// halves (the second load is an L2 hit). SPARQ_CUDA_A_SPLIT=1|2 (a.a_split) forces it, for A/B runs and tests.
-int a_head_split(const sparq_args & a, int pol, int ng, const dim3 & grid) {
-    if (pol != SC_KT || ng != 4) {
-        return 1;
-    }
-    if (a.a_split == 1 || a.a_split == 2) {
-        return a.a_split;
-    }
-    const int64_t nsm = ggml_cuda_info().devices[ggml_cuda_get_device()].nsm;
-    return (int64_t) grid.x*grid.y <= 2*nsm ? 2 : 1;
+    ensure_smem<sparq_scores<T, POL, NG>>(smem);
+    ggml_cuda_kernel_launch(sparq_scores<T, POL, NG>, ggml_cuda_kernel_launch_params(grid, A_THREADS, smem, stream), a, s, r0);
 }
 
 template <typename T, int POL>
 void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a,
                       const sparq_scratch & s, int64_t r0) {
-    const bool split = a_head_split(a, POL, ng, grid) == 2;
     switch (ng) {
         case 1:  launch_scores<T, POL, 1>(grid, smem, stream, a, s, r0); break;
         case 2:  launch_scores<T, POL, 2>(grid, smem, stream, a, s, r0); break;
-        case 4:  split ? launch_scores<T, POL, 4, POL == SC_KT ? 2 : 1>(grid, smem, stream, a, s, r0)
-                       : launch_scores<T, POL, 4>(grid, smem, stream, a, s, r0); break;
+        case 4:  launch_scores<T, POL, 4>(grid, smem, stream, a, s, r0); break;
         default: launch_scores<T, POL, 8>(grid, smem, stream, a, s, r0); break;
     }
 }
@@ -2645,13 +2617,6 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         return v == V_SLICE_NARROW || v == V_SLICE_WIDE ? v : 0;
     }();
     a.lv_slice = lv_slice_env;
-    // SPARQ_CUDA_A_SPLIT=1|2: kernel A's head split instead of a_head_split()'s choice (other values: the choice)
-    static const int a_split_env = [] {
-        const char * e = getenv("SPARQ_CUDA_A_SPLIT");
-        const int v = e ? atoi(e) : 0;
-        return v == 1 || v == 2 ? v : 0;
-    }();
-    a.a_split = a_split_env;
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     a.has_logits = scores;
