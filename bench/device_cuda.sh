@@ -761,12 +761,24 @@ stage_s18ncua() {
 }
 
 stage_s19anatomy() {
-    # Session 19: kernel A with Llama-3's decode rows (8 KV heads, G = 4) in the harness: an empty kernel, 2 / 4 / 8
-    # iterations of K^T rows (k1 8 / 16 / 32), adjacent or random K^T rows, L2 flushed or warm. (Session 19's head
-    # split, timed by stage s19split at fda687b, was slower and is gone; its output: results/session19/split_fda687b.txt)
+    # Session 19: kernel A in the harness. The tree's kernel against a (the pre-port copy: bit for bit, port_matrix's
+    # instantiations) and timed at Llama-2's 32k / 64k; then with Llama-3's decode rows (8 KV heads, G = 4): an empty
+    # kernel, 2 / 4 / 8 iterations of K^T rows (k1 8 / 16 / 32), adjacent or random K^T rows, L2 flushed or warm, and
+    # per-block phases (%globaltimer marks in a copy). A_U8=1: the phases again with 8 K^T rows in flight for 3-4 heads
+    # per pass (a copy with a_unroll edited). (Session 19's head split, stage s19split at fda687b, was slower and is
+    # gone; its output: results/session19/split_fda687b.txt)
     (cd bench/harness_a && python3 extract_port.py > /dev/null && nvcc -std=c++17 -arch=sm_90 -O3 -use_fast_math -DKA_PORT \
         -Xptxas -v -o /tmp/ka ka.cu > "$OUT/ptxas_anatomy.txt" 2>&1) || { tail -20 "$OUT/ptxas_anatomy.txt"; return 1; }
+    timeout 150 /tmp/ka --only a,port --reps 50 --nkvs 32768,65536 > "$OUT/port_check.txt" 2>&1; echo "port check rc $?"
+    grep -E "correctness|port matrix|DIFF|^  (a|port) " "$OUT/port_check.txt" | head -30
     timeout 200 /tmp/ka --anatomy --reps 100 2>&1 | tee "$OUT/anatomy.txt" | grep -v "^device"
+    if [ "${A_U8:-0}" = 1 ]; then
+        (cd bench/harness_a && sed -i 's/return (NG <= 2 ? 16 : 4)/return (NG <= 2 ? 16 : 8)/' port_gen.cuh port_marks.cuh &&
+            grep -q "NG <= 2 ? 16 : 8" port_marks.cuh && nvcc -std=c++17 -arch=sm_90 -O3 -use_fast_math -DKA_PORT -Xptxas -v \
+            -o /tmp/ka8 ka.cu > "$OUT/ptxas_anatomy_u8.txt" 2>&1) || { echo "u8 copy failed"; return 1; }
+        echo "8 K^T rows in flight for 3-4 heads per pass:"
+        timeout 200 /tmp/ka8 --anatomy --reps 100 2>&1 | tee "$OUT/anatomy_u8.txt" | grep -v "^device"
+    fi
 }
 
 stage_centroidtest() {

@@ -948,6 +948,10 @@ __global__ void __launch_bounds__(256) ka_flat(const uint4 * src, int64_t n16, f
 namespace port {
 #include "port_gen.cuh"
 }
+namespace portm {  // the same kernel with %globaltimer marks in kernel A (extract_port.py)
+#include "port_marks.cuh"
+}
+__global__ void stamp_ns(unsigned long long * out) { *out = portm::global_ns(); }
 static port::sparq_args to_port(const var::var_args & src) {
     port::sparq_args p;
     memset(&p, 0, sizeof(p));
@@ -1463,6 +1467,48 @@ static void anatomy_mode(int reps) {
                        sorted ? "sorted" : "random", time_it(f, true), time_it(f, false));
             }
         }
+    }
+    // per-block phases (the marked copy; thread 0 of each block): a stamp kernel just before the launch, then per block
+    // past its wait, past the prologue's barrier, after the K^T loop, at the end. Medians over 20 flushed launches.
+    printf("\nphases of kernel A's blocks (marked copy, flushed, us; medians over blocks, then over 20 launches):\n");
+    for (int64_t n_kv : { (int64_t) 16640, (int64_t) 33024, (int64_t) 65792 }) {
+        AnatomyCase C = anatomy_setup(B, G, rows, n_kv, 4242, 32, false);
+        const int64_t nb = (int64_t) C.grid.x*C.grid.y;
+        unsigned long long * d_m;
+        CK(cudaMalloc(&d_m, (nb*4 + 1)*8));
+        CK(cudaMemcpyToSymbol(portm::g_amarks, &d_m, sizeof(d_m)));
+        portm::sparq_args pa; port::sparq_args pp = to_port(C.a);
+        static_assert(sizeof(pa) == sizeof(pp), "same layout");
+        memcpy(&pa, &pp, sizeof(pa));
+        portm::sparq_scratch ps; port::sparq_scratch pps = to_port(C.sc);
+        memcpy(&ps, &pps, sizeof(ps));
+        std::vector<double> gap, span, pro, loop, epi, life, spread;
+        std::vector<unsigned long long> h(nb*4 + 1);
+        for (int r = 0; r < 21; ++r) {
+            flush_l2_read<<<g_sms*4, 256, 0, st>>>(flush_buf, flush_bytes/16, sink);
+            stamp_ns<<<1, 1, 0, st>>>(d_m + nb*4);
+            portm::sparq_scores<half, SC_KT, 4><<<C.grid, A_THREADS, C.smem, st>>>(pa, ps, 0);
+            CK(cudaGetLastError()); CK(cudaStreamSynchronize(st));
+            if (r == 0) continue;  // warm-up
+            CK(cudaMemcpy(h.data(), d_m, h.size()*8, cudaMemcpyDeviceToHost));
+            unsigned long long t_first = ~0ull, t_last_start = 0, t_end = 0;
+            std::vector<double> p_, l_, e_, f_;
+            for (int64_t b = 0; b < nb; ++b) {
+                const unsigned long long * m = &h[b*4];
+                t_first = std::min(t_first, m[0]); t_last_start = std::max(t_last_start, m[0]); t_end = std::max(t_end, m[3]);
+                p_.push_back((m[1] - m[0])*1e-3); l_.push_back((m[2] - m[1])*1e-3); e_.push_back((m[3] - m[2])*1e-3);
+                f_.push_back((m[3] - m[0])*1e-3);
+            }
+            auto med = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size()/2]; };
+            gap.push_back((t_first - h[nb*4])*1e-3); span.push_back((t_end - t_first)*1e-3);
+            spread.push_back((t_last_start - t_first)*1e-3);
+            pro.push_back(med(p_)); loop.push_back(med(l_)); epi.push_back(med(e_)); life.push_back(med(f_));
+        }
+        auto med = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size()/2]; };
+        printf("  n_kv %6lld (%lld blocks): stamp -> first block %.2f, first start -> last end %.2f, starts spread %.2f; "
+               "block: prologue %.2f, K^T loop %.2f, epilogue %.2f, life %.2f\n", (long long) n_kv, (long long) nb,
+               med(gap), med(span), med(spread), med(pro), med(loop), med(epi), med(life));
+        CK(cudaFree(d_m));
     }
 }
 #endif
