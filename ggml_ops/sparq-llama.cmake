@@ -26,7 +26,8 @@ target_sources(llama PRIVATE
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-kv.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-graph.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-state.cpp"
-    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-prepare.cpp")
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-prepare.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-state-file.cpp")
 
 # ---- llama-common: the tools' --squeeze setup (llama-completion, llama-server and llama-cli share it) ------------
 target_sources(llama-common PRIVATE "${SPARQ_OPS_DIR}/src/common/sparq-squeeze-common.cpp")

@@ -508,6 +508,40 @@ def test_mismatched_sidecar_fails_clearly(llm, doc, tmp_path):
     assert squeeze_api.load(llm.ctx, str(path), doc).prepared
 
 
+def test_damaged_kv_state_fails_clearly(llm, smollm2_path, doc, questions, tmp_path):
+    """The saved prefix's KV state is read through llama_squeeze_load_state_file, which checks its layout first:
+    llama.cpp's own loader aborts the process on a file cut short. A damaged file is a ValueError; the good one then
+    loads and answers as saved."""
+    llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
+    path = tmp_path / "doc.state"
+    llm.save_fixed_context(str(path))
+    want = _greedy_after(llm, questions[0], 4)
+    good = path.read_bytes()
+    sidecar = (tmp_path / "doc.state.squeeze").read_bytes()
+    bad = tmp_path / "bad.state"
+    (tmp_path / "bad.state.squeeze").write_bytes(sidecar)
+    cases = {
+        "does not read as a KV state": good[:-1],                                   # cut short by a byte
+        "does not read as a KV state ": good[:len(good) // 2],                      # by half
+        "does not read as a KV state  ": good + b"\0" * 8,                          # longer
+        "ends inside its token list": good[:14],
+        "magic or version": b"XXXX" + good[4:],
+        "more than the context": good[:8] + struct.pack("<I", 10**6) + good[12:],   # a token count past n_ctx
+    }
+    for expect, data in cases.items():
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match=expect.strip()):
+            llm.load_fixed_context(str(bad))
+    other = Llama(str(smollm2_path), n_ctx=N_CTX, flash_attn=True, n_threads=1, n_threads_batch=1, verbose=False)
+    try:
+        assert other.load_fixed_context(str(path)).prepared
+        got = _greedy_after(other, questions[0], 4)
+    finally:
+        other.close()
+    assert got[0] == want[0]
+    assert_logits_agree(got[1], want[1], "loaded after refusals vs prepared", tol=TOL)
+
+
 def test_bad_settings_fail_clearly(llm, smollm2_path, doc):
     for kwargs, expect in ((dict(keep=0.0), "keep"), (dict(keep=1.5), "keep"), (dict(levels=3), "levels"),
                            (dict(centroids=0.0), "centroids"), (dict(n_calib=0), "n_calib"),

@@ -6,10 +6,11 @@
   paths, flash attention on and off, differ by 0.03-0.06 of the logit scale here: measured);
 * a small keep changes the logits (the op selects) and keeps dense's greedy tokens near the top;
 * a saved prefix loads into a fresh context and answers bit for bit as the preparing one;
-* llama-server with a cache stream per slot refuses a saved prefix of this model with a clear error (its sequence
-  state holds two caches' states, which the one-stream rewrite does not handle); with -kvu it loads it, and with
-  either layout every slot evaluates only the question (llama-server resumes such a model's cached tokens only from a
-  context checkpoint of the windowed cache: the prefix gets one where it is placed) and answers as the Python API.
+* llama-server loads a saved prefix of this model with one cache stream (-kvu) and with one per slot (its sequence
+  state holds two caches' one-stream states, both rewritten for the slots' streams; a truncated file is refused
+  clearly), and in either layout every slot evaluates only the question (llama-server resumes such a model's cached
+  tokens only from a context checkpoint of the windowed cache: the prefix gets one where it is placed) and slot 0
+  answers as the Python API.
 
 The prefix (420 tokens) is shorter than the window, so a sequence state holds every cell of both caches and a state
 round trip is exact (past the window llama.cpp saves only the windowed cache's visible cells, and the loaded cache's
@@ -129,12 +130,49 @@ def test_save_then_load_gives_the_same_outputs(llm, gemma3_path, doc_and_questio
     np.testing.assert_array_equal(got[1], want[1])
 
 
-def test_server_with_a_stream_per_slot_refuses_the_saved_prefix_clearly(gemma3_path, saved, tmp_path):
-    res = run(["llama-server", "-m", str(gemma3_path), "-c", "2048", "-t", "2", "--no-warmup", "-np", "2",
-               "--squeeze", "--squeeze-load", saved, "--port", str(free_port())], timeout=120)
-    assert res.returncode != 0
-    err = res.stderr + res.stdout
-    assert "a sliding-window model's saved prefix loads into a cache of one stream: add --kv-unified" in err, err[-3000:]
+def test_server_with_a_stream_per_slot_loads_the_saved_prefix(gemma3_path, doc_and_question, saved, tmp_path):
+    # the saved state holds two caches' one-stream states (full-attention layers, windowed layers): both are rewritten
+    # for the slots' streams; slot 1 then takes a copy of slot 0's stream and answers bit for bit as slot 0
+    doc, question = doc_and_question
+    srv = SqueezeServer(gemma3_path, tmp_path, "-np", "2", "--squeeze", "--squeeze-load", saved)
+    try:
+        log = srv.log()
+        # (a one-stream state cannot load into two streams without the rewrite: llama.cpp refuses the count)
+        assert f"loaded a prepared prefix of {N_PREFIX} tokens" in log
+        out = srv.complete(doc + question, n_probs=2)
+        other = srv.complete(doc + question, id_slot=1, n_probs=2)
+    finally:
+        srv.close()
+    log = srv.log()
+    for r, slot in ((out, 0), (other, 1)):
+        assert r["id_slot"] == slot and r["timings"]["prompt_n"] == len(question), r
+    assert out["content"] == _python_answer(gemma3_path, saved, doc + question)
+    assert other["completion_probabilities"] == out["completion_probabilities"]
+    assert "copies the prepared fixed prefix's cache stream from slot 0" in log
+    assert "no longer prepared" not in log and "densely" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("cut", [1, 4096])
+def test_server_refuses_a_truncated_saved_prefix_clearly(gemma3_path, saved, tmp_path, cut):
+    # the two caches' states are found by reading the first one's layout: a file that does not read to its end
+    # exactly is refused at start, with a stream per slot and with one stream
+    data = open(saved, "rb").read()
+    bad = tmp_path / "bad.state"
+    bad.write_bytes(data[:-cut])
+    (tmp_path / "bad.state.squeeze").write_bytes(open(saved + ".squeeze", "rb").read())
+    for kv_args in ([], ["-kvu"]):
+        res = run(["llama-server", "-m", str(gemma3_path), "-c", "2048", "-t", "2", "--no-warmup", "-np", "2", *kv_args,
+                   "--squeeze", "--squeeze-load", str(bad), "--port", str(free_port())], timeout=120)
+        assert res.returncode != 0, kv_args
+        out = res.stderr + res.stdout
+        assert "failed to load the prefix's KV state" in out and "does not read as a KV state" in out, out[-3000:]
+    # the Python API reads it the same way (llama.cpp's loader would abort the process here)
+    llm = _gemma(gemma3_path)
+    try:
+        with pytest.raises(ValueError, match="does not read as a KV state"):
+            llm.load_fixed_context(str(bad))
+    finally:
+        llm.close()
 
 
 def _python_answer(path, saved: str, prompt: list[int]) -> str:

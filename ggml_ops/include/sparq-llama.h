@@ -273,6 +273,15 @@ SPARQ_API int32_t llama_squeeze_save(struct llama_context * ctx, const char * pa
 SPARQ_API int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path,
                                      const int32_t * tokens, int32_t n_tokens);
 
+// Loads a sequence state file written by llama_state_seq_save_file (the prefix's KV state, next to its sidecar) into
+// seq_id, as llama_state_seq_load_file does, but reads the file's layout first: a file that does not read as a state
+// of this context's KV cache to its end fails here (llama.cpp's loader aborts on one cut short), and a state saved from
+// a cache of one stream loads into a context of one stream per sequence (-np N without a unified cache). Memories
+// other than KV caches are passed to llama_state_seq_load_file unchecked. Returns 0 with the tokens in tokens_out
+// (*n_token_out of them), or -1 with the reason in llama_squeeze_last_error(); seq_id is emptied first.
+SPARQ_API int32_t llama_squeeze_load_state_file(struct llama_context * ctx, int32_t seq_id, const char * path,
+                                                int32_t * tokens_out, size_t n_token_capacity, size_t * n_token_out);
+
 // A new keep (and keep_coarse, two levels; 0: min(1, 2*keep)) for the prepared prefix: the thresholds are calibrated
 // again on the calibration queries kept since preparing (or loaded from a version-2 sidecar), with the same clusters,
 // so the result equals preparing at that keep. No decode, no clustering. Returns 0, or -1 with the reason (no prepared

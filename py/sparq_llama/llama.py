@@ -1,7 +1,6 @@
 """`sparq_llama.Llama`: llama-cpp-python's `Llama` on sparq-llama's libllama, with SparQ and strict kwargs."""
 from __future__ import annotations
 
-import ctypes
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -218,17 +217,15 @@ class Llama(_UpstreamLlama):
                 raise ValueError(f"fixed context {path}: {p} does not exist")
         self.reset()
         self._ctx.kv_cache_clear()
-        capacity = self.n_ctx()
-        tokens = (_lc.llama_token * capacity)()
-        n_out = ctypes.c_size_t(0)
-        if _lc.llama_state_seq_load_file(self.ctx, str(path).encode(), 0, tokens, capacity, ctypes.byref(n_out)) == 0:
-            raise ValueError(f"loading the KV state {path} failed (a different model, or a larger context than "
-                             f"n_ctx = {capacity}; see the log)")
-        n = int(n_out.value)
-        self.input_ids[:n] = tokens[:n]
+        try:
+            tokens = _squeeze.load_state_file(self.ctx, path, self.n_ctx())
+        except ValueError as e:
+            raise ValueError(f"loading the KV state {path} failed: {e}") from None
+        n = len(tokens)
+        self.input_ids[:n] = tokens
         self.n_tokens = n
         self._requires_eval = True  # logits of restored state are not live: replay the last token
-        return _squeeze.load(self.ctx, sidecar, list(tokens[:n]))
+        return _squeeze.load(self.ctx, sidecar, tokens)
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling re-creates the Llama from its constructor arguments: carry the SparQ settings too

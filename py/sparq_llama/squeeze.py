@@ -147,7 +147,7 @@ def _api() -> ctypes.CDLL:
     lib = libllama()
     names = ("llama_squeeze_default_params", "llama_squeeze_check", "llama_squeeze_prepare", "llama_squeeze_save",
              "llama_squeeze_load", "llama_squeeze_clear", "llama_squeeze_get_info", "llama_squeeze_seq_sparse",
-             "llama_squeeze_last_error")
+             "llama_squeeze_load_state_file", "llama_squeeze_last_error")
     missing = [n for n in names if not hasattr(lib, n)]
     if missing:
         raise RuntimeError(f"this build of sparq-llama's libllama has no centroid-sparse API ({', '.join(missing)} "
@@ -174,6 +174,9 @@ def _api() -> ctypes.CDLL:
     lib.llama_squeeze_get_info.restype = LlamaSqueezeInfo
     lib.llama_squeeze_seq_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32]
     lib.llama_squeeze_seq_sparse.restype = ctypes.c_bool
+    lib.llama_squeeze_load_state_file.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p,
+                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    lib.llama_squeeze_load_state_file.restype = ctypes.c_int32
     lib.llama_squeeze_last_error.argtypes = []
     lib.llama_squeeze_last_error.restype = ctypes.c_char_p
     return lib
@@ -234,6 +237,18 @@ def load(ctx: Any, path: str, tokens: Sequence[int] | None = None, *, seq_id: in
     if _api().llama_squeeze_load(_ctx_ptr(ctx), _int32("seq_id", seq_id), str(path).encode(), arr, n) != 0:
         raise _error("llama_squeeze_load")
     return info(ctx)
+
+
+def load_state_file(ctx: Any, path: str, capacity: int, *, seq_id: int = 0) -> list[int]:
+    """llama_squeeze_load_state_file: a saved KV state (llama_state_seq_save_file's) into seq_id, its layout checked
+    first (a damaged or cut-short file is a ValueError, not llama.cpp's abort); the state's tokens. ValueError on
+    failure."""
+    tokens = (ctypes.c_int32 * capacity)()
+    n_out = ctypes.c_size_t(0)
+    if _api().llama_squeeze_load_state_file(_ctx_ptr(ctx), _int32("seq_id", seq_id), str(path).encode(), tokens,
+                                            capacity, ctypes.byref(n_out)) != 0:
+        raise _error("llama_squeeze_load_state_file")
+    return list(tokens[:n_out.value])
 
 
 def recalibrate(ctx: Any, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:

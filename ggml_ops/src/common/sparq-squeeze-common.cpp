@@ -13,76 +13,14 @@
 #include <iterator>
 #include <string>
 
-// llama.cpp's sequence state file: magic, version, the token count and tokens, then the cache's state, which begins
-// with the cache's stream count and holds one block per stream (a cell count, then the cells), the sequence's cells
-// in one of them. llama-completion and the Python API save from a cache of one stream; -np N without a unified cache
-// makes N, and the loader refuses another count. Its blocks are read into the sequence's own stream whichever block
-// holds them, so a one-stream state of a plain KV cache loads into n streams once the count says n and n - 1 empty
-// blocks follow. The in-memory form llama_state_seq_set_data reads has a prologue of its own before the cache's state:
-// it is taken, with the stream count, from the state of the (empty) destination sequence. (A sliding-window model's
-// cache saves two such states, the second's count inside the first's data: not rewritten, it stays refused.)
-static bool squeeze_load_one_stream_state(llama_context * ctx, const std::string & path, llama_seq_id seq_id,
-                                          std::vector<llama_token> & prefix, size_t & n) {
-    // the empty sequence's state: a prologue of two words, the stream count, a cell count of 0 per stream
-    const size_t n_head = 3*sizeof(uint32_t);
-    std::vector<uint8_t> empty(llama_state_seq_get_size(ctx, seq_id));
-    if (empty.size() < n_head || llama_state_seq_get_data(ctx, empty.data(), empty.size(), seq_id) != empty.size()) {
-        return false;
-    }
-    uint32_t n_stream = 0;
-    std::memcpy(&n_stream, empty.data() + 2*sizeof(uint32_t), sizeof(uint32_t));
-    if (empty.size() != n_head + n_stream*sizeof(uint32_t) || n_stream < 2) {
-        return false;  // not the layout described above
-    }
-
-    std::ifstream in(path, std::ios::binary);
-    uint32_t head[3] = {};
-    if (!in.read(reinterpret_cast<char *>(head), sizeof(head)) || head[0] != LLAMA_STATE_SEQ_MAGIC ||
-        head[1] != LLAMA_STATE_SEQ_VERSION || head[2] > prefix.size()) {
-        return false;
-    }
-    n = head[2];
-    if (!in.read(reinterpret_cast<char *>(prefix.data()), (std::streamsize) (n*sizeof(llama_token)))) {
-        return false;
-    }
-    const std::streamoff data_at = in.tellg();
-    in.seekg(0, std::ios::end);
-    const size_t n_data = (size_t) (in.tellg() - data_at);
-    in.seekg(data_at);
-    uint32_t n_stream_file = 0;
-    if (data_at < 0 || n_data < 2*sizeof(uint32_t) || !in.read(reinterpret_cast<char *>(&n_stream_file), sizeof(uint32_t)) ||
-        n_stream_file != 1) {
-        return false;
-    }
-    // prologue and stream count from the empty state, the file's state after its own count, n_stream - 1 empty blocks
-    std::vector<uint8_t> state(n_head + n_data - sizeof(uint32_t) + (n_stream - 1)*sizeof(uint32_t), 0);
-    std::memcpy(state.data(), empty.data(), n_head);
-    if (!in.read(reinterpret_cast<char *>(state.data() + n_head), (std::streamsize) (n_data - sizeof(uint32_t)))) {
-        return false;
-    }
-    return llama_state_seq_set_data(ctx, state.data(), state.size(), seq_id) == state.size();
-}
-
 static bool squeeze_load_prefix(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
                                 std::vector<llama_token> & prefix) {
     prefix.resize(llama_n_ctx_seq(ctx));
     size_t n = 0;
-    if (llama_state_seq_load_file(ctx, params.squeeze_load.c_str(), seq_id, prefix.data(), prefix.size(), &n) == 0) {
-        const bool streams = params.n_parallel > 1 && !params.kv_unified;  // one stream per sequence
-        const bool swa = llama_model_n_swa(llama_get_model(ctx)) > 0;
-        if (streams && !swa &&
-            squeeze_load_one_stream_state(ctx, params.squeeze_load, seq_id, prefix, n)) {
-            LOG_INF("%s: the saved prefix's one cache stream loaded into slot %d's of %d\n", __func__, seq_id,
-                    params.n_parallel);
-        } else {
-            LOG_ERR("%s: failed to load the prefix's KV state from '%s' (missing, another model, or longer than the "
-                    "context, %zu tokens per sequence)\n", __func__, params.squeeze_load.c_str(), prefix.size());
-            if (streams && swa) {
-                LOG_ERR("%s: a sliding-window model's saved prefix loads into a cache of one stream: add --kv-unified "
-                        "(-kvu) to -np %d\n", __func__, params.n_parallel);
-            }
-            return false;
-        }
+    // llama_squeeze_load_state_file: the file's layout checked first, a one-stream state loaded into -np N's streams
+    if (llama_squeeze_load_state_file(ctx, seq_id, params.squeeze_load.c_str(), prefix.data(), prefix.size(), &n) != 0) {
+        LOG_ERR("%s: failed to load the prefix's KV state: %s\n", __func__, llama_squeeze_last_error());
+        return false;
     }
     prefix.resize(n);
     const std::string sidecar = params.squeeze_load + ".squeeze";

@@ -1255,7 +1255,7 @@ std::string sparq_squeeze_access::load(llama_context & ctx, int32_t seq_id, cons
 
 static thread_local std::string g_squeeze_error;
 
-static int32_t squeeze_result(const char * fn, const std::string & err) {
+int32_t sparq_squeeze_result(const char * fn, const std::string & err) {
     if (err.empty()) {
         g_squeeze_error.clear();
         return 0;
@@ -1323,60 +1323,60 @@ const char * llama_squeeze_check(const struct llama_squeeze_params * p) {
 int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
                               const struct llama_squeeze_params * params) {
     if (ctx == nullptr || params == nullptr) {
-        return squeeze_result(__func__, "ctx and params must not be NULL");
+        return sparq_squeeze_result(__func__, "ctx and params must not be NULL");
     }
     ctx->synchronize();
-    return squeeze_result(__func__, sparq_squeeze_access::prepare(*ctx, seq_id, tokens, n_prefix, *params));
+    return sparq_squeeze_result(__func__, sparq_squeeze_access::prepare(*ctx, seq_id, tokens, n_prefix, *params));
 }
 
 int32_t llama_squeeze_save(struct llama_context * ctx, const char * path) {
     if (ctx == nullptr || path == nullptr) {
-        return squeeze_result(__func__, "ctx and path must not be NULL");
+        return sparq_squeeze_result(__func__, "ctx and path must not be NULL");
     }
-    return squeeze_result(__func__, sparq_squeeze_access::save(*ctx, path));
+    return sparq_squeeze_result(__func__, sparq_squeeze_access::save(*ctx, path));
 }
 
 int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float keep, float keep_coarse) {
     if (ctx == nullptr) {
-        return squeeze_result(__func__, "ctx must not be NULL");
+        return sparq_squeeze_result(__func__, "ctx must not be NULL");
     }
     ctx->synchronize();
-    return squeeze_result(__func__, sparq_squeeze_access::recalibrate(*ctx, keep, keep_coarse));
+    return sparq_squeeze_result(__func__, sparq_squeeze_access::recalibrate(*ctx, keep, keep_coarse));
 }
 
 int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path, const int32_t * tokens,
                            int32_t n_tokens) {
     if (ctx == nullptr || path == nullptr) {
-        return squeeze_result(__func__, "ctx and path must not be NULL");
+        return sparq_squeeze_result(__func__, "ctx and path must not be NULL");
     }
     ctx->synchronize();
-    return squeeze_result(__func__, sparq_squeeze_access::load(*ctx, seq_id, path, tokens, n_tokens));
+    return sparq_squeeze_result(__func__, sparq_squeeze_access::load(*ctx, seq_id, path, tokens, n_tokens));
 }
 
 int32_t llama_squeeze_set_prefill(struct llama_context * ctx, enum llama_squeeze_prefill mode) {
     if (ctx == nullptr) {
-        return squeeze_result(__func__, "ctx must not be NULL");
+        return sparq_squeeze_result(__func__, "ctx must not be NULL");
     }
     if (mode != LLAMA_SQUEEZE_PREFILL_AUTO && mode != LLAMA_SQUEEZE_PREFILL_SPARSE && mode != LLAMA_SQUEEZE_PREFILL_DENSE) {
-        return squeeze_result(__func__, "mode must be LLAMA_SQUEEZE_PREFILL_AUTO, _SPARSE or _DENSE, got " +
+        return sparq_squeeze_result(__func__, "mode must be LLAMA_SQUEEZE_PREFILL_AUTO, _SPARSE or _DENSE, got " +
                               std::to_string((int) mode));
     }
     std::string err;
     llama_kv_cache * kv = sparq_squeeze_access::cache(*ctx, err);
     if (kv == nullptr) {
-        return squeeze_result(__func__, err);
+        return sparq_squeeze_result(__func__, err);
     }
     ctx->synchronize();
     sparq_squeeze_access::verify(*kv);
     squeeze_kv_state * st = kv->squeeze.get();
     if (st == nullptr || !st->ready) {
-        return squeeze_result(__func__, "no prepared prefix (llama_squeeze_prepare or llama_squeeze_load first)");
+        return sparq_squeeze_result(__func__, "no prepared prefix (llama_squeeze_prepare or llama_squeeze_load first)");
     }
     if (st->prefill != mode) {
         st->prefill = mode;
         st->generation = sparq_squeeze_access::next_generation();  // graphs built for the other mode are not reused
     }
-    return squeeze_result(__func__, "");
+    return sparq_squeeze_result(__func__, "");
 }
 
 void llama_squeeze_clear(struct llama_context * ctx) {

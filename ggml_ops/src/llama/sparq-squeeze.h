@@ -3,6 +3,7 @@
 // without more hook points:
 //   sparq-squeeze-state.cpp    the cache side: prefix cells, checks, device tables, the graph op
 //   sparq-squeeze-prepare.cpp  the context side: capture, clustering, calibration, sidecar, C API
+//   sparq-state-file.cpp       loading a saved prefix's KV state: checked, and into a context of other stream counts
 #pragma once
 
 #include "sparq-llama-internal.h"
@@ -66,3 +67,7 @@ struct sparq_squeeze_access {
     static void reset_graphs(llama_context & ctx);
     static ggml_backend_t backend_for(llama_context & ctx, const ggml_tensor * t);
 };
+
+// The result of a llama_squeeze_* C API call: 0 when err is empty, else -1 with err logged (as fn's) and kept for
+// llama_squeeze_last_error() (sparq-squeeze-prepare.cpp)
+int32_t sparq_squeeze_result(const char * fn, const std::string & err);
