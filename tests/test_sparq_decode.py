@@ -99,9 +99,10 @@ class Ctx:
     """
 
     def __init__(self, model, sparq: SparqConfig | None = None, *, n_seq_max: int = 1, kv_unified: bool = False,
-                 n_batch: int = 512, kv_f32: bool = False, n_ctx: int = N_CTX) -> None:
+                 n_batch: int = 512, kv_f32: bool = False, n_ctx: int = N_CTX, swa_full: bool = True) -> None:
         p = lc.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch = n_ctx, n_batch, n_batch
+        p.swa_full = swa_full  # sliding-window models: a full-size windowed cache (llama.cpp's default), or the window
         if kv_f32:
             p.type_k = p.type_v = lc.GGML_TYPE_F32
         p.n_seq_max, p.kv_unified = n_seq_max, kv_unified

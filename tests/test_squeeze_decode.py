@@ -508,6 +508,30 @@ def test_mismatched_sidecar_fails_clearly(llm, doc, tmp_path):
     assert squeeze_api.load(llm.ctx, str(path), doc).prepared
 
 
+def test_calibration_tokens_over_several_ubatches(llm, doc, questions):
+    """More calibration tokens than a ubatch: prepare decodes them in several ubatches of one size, and each one's
+    queries are captured (a reused graph captured none: "captured query rows have an unexpected size" before session
+    19). The oracle: the same preparation over one ubatch gives the same threshold and, at keep 1, dense's logits."""
+    cfg = squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1, n_calib=200)
+    thresholds = []
+    for n_batch in (64, 512):
+        with Ctx(llm.model, n_batch=n_batch) as ctx:
+            ctx.prefill(doc)
+            info = squeeze_api.prepare(ctx.ctx, doc, cfg)
+            assert info.prepared and info.n_clustered == N_PREFIX - 200 and abs(info.kept_calib - 0.2) < 0.02, info
+            thresholds.append(info.threshold)
+    # other ubatches, other rounding of the captured queries: the threshold moves by at most that
+    assert thresholds[0] == pytest.approx(thresholds[1], rel=1e-2)
+    with Ctx(llm.model, n_batch=64) as ctx:
+        ctx.prefill(doc)
+        squeeze_api.prepare(ctx.ctx, doc, dataclasses.replace(cfg, keep=1.0))
+        got = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+        squeeze_api.clear(ctx.ctx)
+        lc.llama_memory_seq_rm(ctx.mem, 0, N_PREFIX, -1)
+        want = ctx.prefill(questions[0], pos0=N_PREFIX, all_logits=True)
+    assert_logits_agree(got, want, "keep = 1 after a prepare over several ubatches vs dense", tol=TOL_DENSE)
+
+
 def test_damaged_kv_state_fails_clearly(llm, smollm2_path, doc, questions, tmp_path):
     """The saved prefix's KV state is read through llama_squeeze_load_state_file, which checks its layout first:
     llama.cpp's own loader aborts the process on a file cut short. A damaged file is a ValueError; the good one then

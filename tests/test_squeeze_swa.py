@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from conftest import free_port, run
 from sparq_llama import Llama
+from sparq_llama import squeeze as squeeze_api
 from test_sparq_decode import TEXT, TOL_DENSE, Ctx, assert_logits_agree, rel_err
 from test_squeeze_decode import _back_to_prefix, _greedy_after
 from test_squeeze_server import N_PREDICT, SqueezeServer
@@ -238,3 +239,78 @@ def test_server_with_a_stream_per_slot_prepares_and_shares_the_prefix(gemma3_pat
         assert r["id_slot"] == slot and r["timings"]["prompt_n"] == len(question), r
     assert other["completion_probabilities"] == out["completion_probabilities"]
     assert "no longer prepared" not in log and "densely" not in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def long_document(tmp_path_factory) -> str:
+    """A prefix longer than the 512-cell window (~1740 tokens): a play with a needle; the path of its file."""
+    from sparq_llama import texts
+
+    play = texts.read(texts.names()[0])
+    path = tmp_path_factory.mktemp("long") / "doc.txt"
+    path.write_text(play[:2500] + "\n\nThe secret number of Alice is 48213.\n\n" + play[2500:6000])
+    return str(path)
+
+
+def test_server_shares_a_prefix_longer_than_the_window(gemma3_path, long_document, tmp_path):
+    # Past the window llama-server keeps only the window's cells (no --swa-full). A slot sharing slot 0's cells (-kvu)
+    # gets windowed cells of its own: with cells held by both sequences the windowed cache filled and slot 1's decode
+    # failed ("Context size has been exceeded", HTTP 500) before session 19. Both slots evaluate only the question.
+    vocab = Llama(str(gemma3_path), n_ctx=512, vocab_only=True, verbose=False)
+    try:
+        prefix = vocab.tokenize(open(long_document, "rb").read(), add_bos=True, special=True)
+        question = vocab.tokenize(b"\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is",
+                                  add_bos=False, special=True)
+    finally:
+        vocab.close()
+    assert len(prefix) > 3 * 512
+    srv = SqueezeServer(gemma3_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-prefix-file", long_document,
+                        "--squeeze-keep", "0.1")
+    try:
+        out = [srv.post("/completion", {"prompt": prefix + question, "n_predict": 4, "temperature": 0, "id_slot": s})
+               for s in (0, 1)]
+        log = srv.log()
+    finally:
+        srv.close()
+    for slot, (status, r) in enumerate(out):
+        assert status == 200, (slot, r)
+        assert r["id_slot"] == slot and r["timings"]["prompt_n"] == len(question), r
+    assert "no longer prepared" not in log and "densely" not in log and "failed to find" not in log, log[-3000:]
+
+
+def test_preparing_where_the_window_dropped_what_the_calibration_tokens_need(gemma3_path, doc_and_question):
+    """llama_squeeze_prepare decodes the prefix's last n_calib tokens again; a windowed cache that keeps only its
+    window (swa_full off; here 768 cells: 512 + a 64-token ubatch, padded) has dropped positions they attend to (with
+    400 calibration tokens, the first attends back to 511 before it), and decoding them
+    again would silently change the prefix: that fails with the reason. Evaluating only the prefix's first
+    n_prefix - n_calib tokens instead lets prepare decode the rest itself (and keep = 1 then answers as dense does)."""
+    from sparq_llama import texts
+
+    model = lc.llama_model_load_from_file(str(gemma3_path).encode(), lc.llama_model_default_params())
+    try:
+        vocab = lc.llama_model_get_vocab(model)
+        text = texts.read(texts.names()[0])[:6000].encode()
+        buf = (lc.llama_token * 4096)()
+        n = lc.llama_tokenize(vocab, text, len(text), buf, 4096, True, True)
+        doc = list(buf[:n])
+        _, question = doc_and_question
+        n_tail = 400
+        cfg = squeeze_api.SqueezeConfig(keep=1.0, centroids=0.1, n_calib=n_tail)
+        with Ctx(model, n_batch=64, n_ctx=4096, swa_full=False) as ctx:
+            ctx.prefill(doc)
+            with pytest.raises(ValueError, match="keeps only its window and no longer holds position"):
+                squeeze_api.prepare(ctx.ctx, doc, cfg)
+            assert not squeeze_api.info(ctx.ctx).prepared
+            lc.llama_memory_seq_rm(ctx.mem, 0, -1, -1)
+            ctx.prefill(doc[:-n_tail])
+            info = squeeze_api.prepare(ctx.ctx, doc, cfg)
+            assert info.prepared and info.n_prefix == len(doc) and info.n_clustered == len(doc) - n_tail
+            assert lc.llama_memory_seq_pos_max(ctx.mem, 0) == len(doc) - 1
+            got = ctx.prefill(question, pos0=len(doc), all_logits=True)
+        with Ctx(model, n_batch=64, n_ctx=4096, swa_full=False) as ctx:   # the oracle: dense, the same ubatches
+            ctx.prefill(doc[:-n_tail])
+            ctx.prefill(doc[-n_tail:], pos0=len(doc) - n_tail)
+            want = ctx.prefill(question, pos0=len(doc), all_logits=True)
+        assert_logits_agree(got, want, "keep = 1 after a prepare that decoded the tail vs dense", tol=TOL_DENSE)
+    finally:
+        lc.llama_model_free(model)

@@ -257,11 +257,18 @@ SPARQ_API struct llama_squeeze_params llama_squeeze_default_params(void);
 SPARQ_API const char * llama_squeeze_check(const struct llama_squeeze_params * params);
 
 // Prepares the prefix tokens[0, n_prefix) of seq_id. The cache must hold exactly those positions of the sequence
-// (evaluate the prefix first, nothing after it). The last n_calib tokens are decoded again to capture their
-// queries (same cache contents and same last logits afterwards). Returns 0, or -1 with the reason logged and in
-// llama_squeeze_last_error() (the cache is left as it was, without a prepared prefix).
+// (evaluate the prefix first, nothing after it), or exactly its first n_prefix - llama_squeeze_n_calib(params,
+// n_prefix) ones: the last n_calib tokens are (decoded again, or) decoded while their queries are captured. The
+// second way is needed where the cache cannot decode them again as they were: a sliding-window layers' cache that
+// keeps only its window (swa_full off) and has already dropped positions those tokens attend to, which fails with that
+// reason. Afterwards the cache holds the prefix and the last token's logits. Returns 0, or -1 with the reason logged
+// and in llama_squeeze_last_error() (without a prepared prefix; after a failed decode the cache may lack the tail).
 SPARQ_API int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_id, const int32_t * tokens,
                                         int32_t n_prefix, const struct llama_squeeze_params * params);
+
+// The prefix's calibration tokens (its last ones, never clustered) that llama_squeeze_prepare takes for n_prefix
+// tokens: min(params->n_calib, n_prefix / 2).
+SPARQ_API int32_t llama_squeeze_n_calib(const struct llama_squeeze_params * params, int32_t n_prefix);
 
 // Writes the prepared prefix (clusters, assignments by position, thresholds, prefix tokens, calibration queries) to a sidecar file
 // with a format version and the model's fingerprint. Save the KV state itself with llama_state_seq_save_file.

@@ -795,14 +795,40 @@ int sparq_squeeze_access::select_layers(llama_context & ctx, const llama_kv_cach
     return n_active;
 }
 
-// Step 1: the calibration queries. The prefix's last n_prefix - n_clustered tokens are removed and decoded
-// again while the graph hook copies each layer's query rows out: q_rows[il] = [n_calib][n_head][d].
+// Whether the prefix's tail [n_clustered, ...) can be removed and decoded again as it was decoded: a sliding-window
+// layers' cache that keeps only its window (swa_full off) drops positions as decoding goes on, and the tail's first
+// token attends to positions from before n_clustered that may be gone (decoding it again would then silently see a
+// shorter window and change the prefix's K and V).
+std::string sparq_squeeze_access::redecode_check(llama_context & ctx, int32_t seq_id, int32_t n_clustered) {
+    auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(llama_get_memory(&ctx));
+    if (iswa == nullptr) {
+        return "";
+    }
+    const llama_hparams & hp = ctx.model.hparams;
+    llama_pos p_need = n_clustered;  // the lowest position the token at n_clustered attends to in a windowed layer
+    while (p_need > 0 && !llama_hparams::is_masked_swa(hp.n_swa, hp.swa_type, p_need - 1, n_clustered)) {
+        --p_need;
+    }
+    const llama_pos p_min = iswa->get_swa()->seq_pos_min(seq_id);
+    if (p_need < n_clustered && (p_min < 0 || p_min > p_need)) {
+        return "the sliding-window layers' cache keeps only its window and no longer holds position " +
+               std::to_string(p_need) + " (it starts at " + std::to_string(p_min) + "), which the calibration "
+               "tokens from " + std::to_string(n_clustered) + " attend to: evaluate only the prefix's first " +
+               std::to_string(n_clustered) + " tokens before preparing (the rest is decoded then), or make the "
+               "context with a full-size sliding-window cache (swa_full, --swa-full)";
+    }
+    return "";
+}
+
+// Step 1: the calibration queries. The prefix's last n_prefix - n_clustered tokens are decoded (again, after their
+// removal, unless only [0, n_clustered) is in the cache: tail_in_cache false) while the graph hook copies each
+// layer's query rows out: q_rows[il] = [n_calib][n_head][d].
 std::string sparq_squeeze_access::capture_queries(llama_context & ctx, squeeze_kv_state & st, const int32_t * tokens,
-                                                  std::map<int32_t, std::vector<float>> & q_rows) {
+                                                  bool tail_in_cache, std::map<int32_t, std::vector<float>> & q_rows) {
     const int32_t seq_id = st.seq_id, n_prefix = st.n_prefix, n_clustered = st.n_clustered;
     st.capturing = true;
     reset_graphs(ctx);
-    if (!llama_memory_seq_rm(llama_get_memory(&ctx), seq_id, n_clustered, -1)) {
+    if (tail_in_cache && !llama_memory_seq_rm(llama_get_memory(&ctx), seq_id, n_clustered, -1)) {
         return "this model's memory cannot remove the prefix's last tokens to decode them again (recurrent "
                "layers); centroid-sparse preparation needs that";
     }
@@ -819,6 +845,7 @@ std::string sparq_squeeze_access::capture_queries(llama_context & ctx, squeeze_k
         }
         batch.n_tokens = n;
         st.captured_q.clear();
+        reset_graphs(ctx);  // the graph hook captures while the graph is built: a reused graph would capture nothing
         const int32_t rc = llama_decode(&ctx, batch);
         llama_batch_free(batch);
         if (rc != 0) {
@@ -978,7 +1005,7 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     if (kv == nullptr) {
         return err;
     }
-    const int32_t n_calib     = std::min(params.n_calib, n_prefix/2);
+    const int32_t n_calib     = llama_squeeze_n_calib(&params, n_prefix);
     const int32_t n_clustered = n_prefix - n_calib;
     const int64_t n_cent      = std::max<int64_t>(1, std::lround((double) params.centroids*n_clustered));
     const int64_t n_coarse    = params.levels == 2 ? std::max<int64_t>(1, std::min<int64_t>(n_cent,
@@ -991,8 +1018,15 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     st->n_prefix    = n_prefix;
     st->n_clustered = n_clustered;
     st->tokens.assign(tokens, tokens + n_prefix);
+    // the cache holds the prefix (its tail is decoded again), or only [0, n_clustered) (the tail is decoded here)
     std::vector<uint32_t> cells;
-    err = prefix_cells(*kv, seq_id, n_prefix, n_prefix, /*only_prefix =*/ true, st->stream, cells);
+    const bool tail_in_cache = seq_id < 0 || (uint32_t) seq_id >= kv->n_seq_max ||
+                               kv->v_cells[kv->seq_to_stream[seq_id]].seq_pos_max(seq_id) + 1 != n_clustered;
+    err = prefix_cells(*kv, seq_id, tail_in_cache ? n_prefix : n_clustered, tail_in_cache ? n_prefix : n_clustered,
+                       /*only_prefix =*/ true, st->stream, cells);
+    if (err.empty() && tail_in_cache) {
+        err = redecode_check(ctx, seq_id, n_clustered);
+    }
     if (!err.empty()) {
         return err;
     }
@@ -1021,7 +1055,7 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     };
 
     kv->squeeze = st; // the graph hook captures the queries through it
-    err = capture_queries(ctx, *st, tokens, st->calib_q);
+    err = capture_queries(ctx, *st, tokens, tail_in_cache, st->calib_q);
     phase_done(0);
     if (!err.empty()) {
         return fail(err);
@@ -1421,6 +1455,10 @@ bool llama_squeeze_seq_sparse(const struct llama_context * ctx, int32_t seq_id) 
     }
     sparq_squeeze_access::verify(*kv);
     return sparq_squeeze_access::seq_sparse(*kv, seq_id);
+}
+
+int32_t llama_squeeze_n_calib(const struct llama_squeeze_params * params, int32_t n_prefix) {
+    return params == nullptr ? 0 : std::max(0, std::min(params->n_calib, n_prefix/2));
 }
 
 const char * llama_squeeze_last_error(void) {

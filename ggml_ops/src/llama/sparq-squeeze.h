@@ -54,7 +54,9 @@ struct sparq_squeeze_access {
     // prepare's steps
     static int select_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st);
     static std::string capture_queries(llama_context & ctx, squeeze_kv_state & st, const int32_t * tokens,
-                                       std::map<int32_t, std::vector<float>> & q_rows);
+                                       bool tail_in_cache, std::map<int32_t, std::vector<float>> & q_rows);
+    // why the cache cannot decode seq_id's positions from n_clustered again as they were ("" when it can)
+    static std::string redecode_check(llama_context & ctx, int32_t seq_id, int32_t n_clustered);
     static std::string cluster_layers(llama_context & ctx, llama_kv_cache & kv, squeeze_kv_state & st, int64_t n_cent,
                                       int64_t n_coarse, int n_active, const std::function<bool(float)> & progress);
     static std::string calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st);
