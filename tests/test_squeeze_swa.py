@@ -18,6 +18,8 @@ other layout moves the logits by rounding, dense or not).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import free_port, run
@@ -31,7 +33,7 @@ from llama_cpp import llama_cpp as lc  # isort: skip
 
 N_CTX = 1024
 N_PREFIX = 420          # 320 clustered tokens + 100 calibration tokens, inside the 512-cell window
-SETTINGS = dict(centroids=0.1, progress=False)
+SETTINGS = {"centroids": 0.1, "progress": False}
 
 
 def _gemma(path, **kw) -> Llama:
@@ -157,10 +159,10 @@ def test_server_with_a_stream_per_slot_loads_the_saved_prefix(gemma3_path, doc_a
 def test_server_refuses_a_truncated_saved_prefix_clearly(gemma3_path, saved, tmp_path, cut):
     # the two caches' states are found by reading the first one's layout: a file that does not read to its end
     # exactly is refused at start, with a stream per slot and with one stream
-    data = open(saved, "rb").read()
+    data = Path(saved).read_bytes()
     bad = tmp_path / "bad.state"
     bad.write_bytes(data[:-cut])
-    (tmp_path / "bad.state.squeeze").write_bytes(open(saved + ".squeeze", "rb").read())
+    (tmp_path / "bad.state.squeeze").write_bytes(Path(saved + ".squeeze").read_bytes())
     for kv_args in ([], ["-kvu"]):
         res = run(["llama-server", "-m", str(gemma3_path), "-c", "2048", "-t", "2", "--no-warmup", "-np", "2", *kv_args,
                    "--squeeze", "--squeeze-load", str(bad), "--port", str(free_port())], timeout=120)
@@ -258,7 +260,7 @@ def test_server_shares_a_prefix_longer_than_the_window(gemma3_path, long_documen
     # failed ("Context size has been exceeded", HTTP 500) before session 19. Both slots evaluate only the question.
     vocab = Llama(str(gemma3_path), n_ctx=512, vocab_only=True, verbose=False)
     try:
-        prefix = vocab.tokenize(open(long_document, "rb").read(), add_bos=True, special=True)
+        prefix = vocab.tokenize(Path(long_document).read_bytes(), add_bos=True, special=True)
         question = vocab.tokenize(b"\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is",
                                   add_bos=False, special=True)
     finally:
