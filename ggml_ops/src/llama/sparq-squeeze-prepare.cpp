@@ -1393,7 +1393,7 @@ int32_t llama_squeeze_set_prefill(struct llama_context * ctx, enum llama_squeeze
     }
     if (mode != LLAMA_SQUEEZE_PREFILL_AUTO && mode != LLAMA_SQUEEZE_PREFILL_SPARSE && mode != LLAMA_SQUEEZE_PREFILL_DENSE) {
         return sparq_squeeze_result(__func__, "mode must be LLAMA_SQUEEZE_PREFILL_AUTO, _SPARSE or _DENSE, got " +
-                              std::to_string((int) mode));
+                                    std::to_string((int) mode));
     }
     std::string err;
     llama_kv_cache * kv = sparq_squeeze_access::cache(*ctx, err);

@@ -18,6 +18,7 @@
 #include "llama-impl.h"
 #include "llama.h"
 
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -27,19 +28,25 @@
 namespace {
 
 // A reader of the state file from a byte offset up to its end that fails (rather than reads past the end) once
-// anything is missing; skipped bytes are not read.
+// anything is missing; skipped bytes are not read (the stream seeks only over them, so the cells' many small fields
+// are read through the stream's buffer).
 struct state_reader {
     std::ifstream * in;
     size_t          end;
     size_t          at;
-    bool            ok = true;
+    bool            ok     = true;
+    size_t          in_pos = SIZE_MAX;  // where the stream is (SIZE_MAX: unknown)
 
     template <typename T> T get() {
         T v{};
         if (skip(sizeof(T))) {
-            in->clear();
-            in->seekg((std::streamoff) (at - sizeof(T)));
+            const size_t from = at - sizeof(T);
+            if (in_pos != from) {
+                in->clear();
+                in->seekg((std::streamoff) from);
+            }
             ok = (bool) in->read(reinterpret_cast<char *>(&v), sizeof(T));
+            in_pos = ok ? at : SIZE_MAX;
         }
         return v;
     }
@@ -101,6 +108,7 @@ bool read_caches(std::ifstream & in, size_t at, size_t end, size_t n_caches, std
             ok = r.ok && c.n_stream >= 1 && c.n_stream <= 4096;
             for (uint32_t s = 0; ok && s < c.n_stream; ++s) {
                 const size_t len = stream_block_size(r, ext);
+                r.in_pos = SIZE_MAX;  // the copy that measured the block moved the stream
                 ok = len != 0 && r.skip(len);
                 c.blocks.emplace_back(r.at - len, len);
             }
