@@ -178,6 +178,16 @@ def test_server_refuses_a_truncated_saved_prefix_clearly(gemma3_path, saved, tmp
         llm.close()
 
 
+def _server_tokens(path, prefix_text: bytes, question_text: bytes) -> tuple[list[int], list[int]]:
+    """A prefix file's tokens as --squeeze-prefix-file tokenizes it, and a question's (no BOS)."""
+    vocab = Llama(str(path), n_ctx=512, vocab_only=True, verbose=False)
+    try:
+        return (vocab.tokenize(prefix_text, add_bos=True, special=True),
+                vocab.tokenize(question_text, add_bos=False, special=True))
+    finally:
+        vocab.close()
+
+
 def _python_answer(path, saved: str, prompt: list[int]) -> str:
     """The oracle: the Python API over the same saved prefix (2 threads, as the servers)."""
     llm = _gemma(path, fixed_context=saved)
@@ -221,12 +231,7 @@ def test_server_with_a_stream_per_slot_prepares_and_shares_the_prefix(gemma3_pat
     text = TEXT[:1900]
     prefix_file = tmp_path / "doc.txt"
     prefix_file.write_text(text)
-    vocab = Llama(str(gemma3_path), n_ctx=512, vocab_only=True, verbose=False)
-    try:
-        prefix = vocab.tokenize(text.encode(), add_bos=True, special=True)
-        question = vocab.tokenize(TEXT[2400:2460].encode(), add_bos=False, special=True)
-    finally:
-        vocab.close()
+    prefix, question = _server_tokens(gemma3_path, text.encode(), TEXT[2400:2460].encode())
     srv = SqueezeServer(gemma3_path, tmp_path, "-np", "2", "--squeeze", "--squeeze-prefix-file", str(prefix_file),
                         "--squeeze-keep", "0.2")
     try:
@@ -258,13 +263,8 @@ def test_server_shares_a_prefix_longer_than_the_window(gemma3_path, long_documen
     # Past the window llama-server keeps only the window's cells (no --swa-full). A slot sharing slot 0's cells (-kvu)
     # gets windowed cells of its own: with cells held by both sequences the windowed cache filled and slot 1's decode
     # failed ("Context size has been exceeded", HTTP 500) before session 19. Both slots evaluate only the question.
-    vocab = Llama(str(gemma3_path), n_ctx=512, vocab_only=True, verbose=False)
-    try:
-        prefix = vocab.tokenize(Path(long_document).read_bytes(), add_bos=True, special=True)
-        question = vocab.tokenize(b"\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is",
-                                  add_bos=False, special=True)
-    finally:
-        vocab.close()
+    prefix, question = _server_tokens(gemma3_path, Path(long_document).read_bytes(),
+                                      b"\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is")
     assert len(prefix) > 3 * 512
     srv = SqueezeServer(gemma3_path, tmp_path, "-np", "2", "-kvu", "--squeeze", "--squeeze-prefix-file", long_document,
                         "--squeeze-keep", "0.1")

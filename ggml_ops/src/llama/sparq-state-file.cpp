@@ -110,7 +110,9 @@ bool read_caches(std::ifstream & in, size_t at, size_t end, size_t n_caches, std
                 const size_t len = stream_block_size(r, ext);
                 r.in_pos = SIZE_MAX;  // the copy that measured the block moved the stream
                 ok = len != 0 && r.skip(len);
-                c.blocks.emplace_back(r.at - len, len);
+                if (ok) {
+                    c.blocks.emplace_back(r.at - len, len);
+                }
             }
             if (!ok) {
                 break;
@@ -157,11 +159,9 @@ std::string load_state_file(llama_context * ctx, int32_t seq_id, const char * pa
     if (!in.read(reinterpret_cast<char *>(tokens_out), (std::streamsize) (head[2]*sizeof(int32_t)))) {
         return std::string(path) + " ends inside its token list";
     }
-    *n_out = head[2];
     if (!kv_layout) {
         // another memory (recurrent, hybrid): its state's layout is not read here; llama.cpp loads it
-        size_t n = 0;
-        return llama_state_seq_load_file(ctx, path, seq_id, tokens_out, capacity, &n) != 0 ? ""
+        return llama_state_seq_load_file(ctx, path, seq_id, tokens_out, capacity, n_out) != 0 ? ""
                : std::string("llama_state_seq_load_file failed on ") + path + " (see the log)";
     }
     const size_t at = (size_t) in.tellg();
@@ -209,6 +209,7 @@ std::string load_state_file(llama_context * ctx, int32_t seq_id, const char * pa
         return std::string("llama_state_seq_set_data failed on ") + path + " (another model, or more cells than the "
                "context holds; see the log)";
     }
+    *n_out = head[2];
     if (!same) {
         LLAMA_LOG_INFO("%s: the saved state's one cache stream loaded into sequence %d's of %u\n", __func__, seq_id,
                        n_stream);
