@@ -437,9 +437,79 @@ class ClusterStats:
     cov: F64 | None = None
 
 
+def seeds_kpp(keys: F64, n_clusters: int, seed: int = 0) -> NDArray[np.int64]:
+    """k-means++ seeding on the unit sphere (D^2 = 2 - 2 cos to the nearest chosen seed), deterministic by `seed`;
+    the first seed is the first key (the op's even spacing starts there too)."""
+    xn = keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), 1e-30)
+    rng = np.random.default_rng(seed)
+    chosen = [0]
+    d2 = np.maximum(2.0 - 2.0 * xn @ xn[0], 0.0)
+    for _ in range(1, n_clusters):
+        tot = d2.sum()
+        i = int(rng.choice(len(xn), p=d2 / tot)) if tot > 0 else int(np.argmax(d2))
+        chosen.append(i)
+        d2 = np.minimum(d2, np.maximum(2.0 - 2.0 * xn @ xn[i], 0.0))
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def seeds_kpp_batched(keys: F64, n_clusters: int, batch: int, seed: int = 0) -> NDArray[np.int64]:
+    """k-means++ seeding in rounds of `batch` seeds drawn together (weighted sampling without replacement by D^2,
+    Efraimidis-Spirakis keys u^(1/w)), D^2 updated once per round: n_clusters / batch passes over the keys."""
+    xn = keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), 1e-30)
+    rng = np.random.default_rng(seed)
+    chosen = [0]
+    d2 = np.maximum(2.0 - 2.0 * xn @ xn[0], 0.0)
+    while len(chosen) < n_clusters:
+        b = min(batch, n_clusters - len(chosen))
+        u = rng.random(len(xn))
+        with np.errstate(divide="ignore"):
+            key = np.where(d2 > 0, np.log(u) / d2, -np.inf)
+        pick = np.argsort(-key, kind="stable")[:b]
+        chosen.extend(int(i) for i in pick)
+        d2 = np.minimum(d2, np.maximum(2.0 - 2.0 * (xn @ xn[pick].T).max(axis=1), 0.0))
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def kmeans_from(keys: F64, n_clusters: int, n_iter: int, init: str) -> Any:
+    """The op's spherical k-means (reference_squeeze.kmeans_cosine) from another set of initial keys: 'even' (the
+    op's: evenly spaced positions) or 'kpp' (k-means++ seeding)."""
+    if init == "even":
+        return kmeans_cosine(keys, n_clusters, n_iter)
+    from sparq_llama.reference_squeeze import Clusters
+
+    x = keys
+    xn = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
+    if init.startswith("kppb"):
+        rows = seeds_kpp_batched(x, n_clusters, int(init[4:]))
+    else:
+        rows = seeds_kpp(x, n_clusters, int(init[3:] or 0))
+    cn = xn[rows].copy()
+    assignment = np.full(len(x), -1, dtype=np.int64)
+    done = 0
+    for done in range(1, n_iter + 1):
+        sim = xn @ cn.T
+        new = (n_clusters - 1 - np.argmax(sim[:, ::-1], axis=1)).astype(np.int64)
+        changed = not np.array_equal(new, assignment)
+        assignment = new
+        sums = np.zeros_like(cn)
+        np.add.at(sums, assignment, xn)
+        nonempty = np.bincount(assignment, minlength=n_clusters) > 0
+        cn[nonempty] = sums[nonempty] / np.maximum(np.linalg.norm(sums[nonempty], axis=1, keepdims=True), 1e-30)
+        if not changed:
+            break
+    sizes = np.bincount(assignment, minlength=n_clusters).astype(np.int64)
+    centroids = np.zeros((n_clusters, x.shape[1]))
+    np.add.at(centroids, assignment, x)
+    centroids[sizes > 0] /= sizes[sizes > 0, None]
+    variances = np.zeros_like(centroids)
+    np.add.at(variances, assignment, (x - centroids[assignment]) ** 2)
+    variances[sizes > 0] /= sizes[sizes > 0, None]
+    return Clusters(centroids, sizes, assignment, done, variances)
+
+
 def cluster_stats(keys: F64, n_clusters: int, n_iter: int, percentiles: tuple[int, ...],
-                  need_cov: bool = False, keep_cov: bool = False) -> ClusterStats:
-    cl = kmeans_cosine(keys, n_clusters, n_iter)
+                  need_cov: bool = False, keep_cov: bool = False, init: str = "even") -> ClusterStats:
+    cl = kmeans_from(keys, n_clusters, n_iter, init)
     c, d = cl.centroids.shape
     live = cl.sizes > 0
     order = np.argsort(cl.assignment, kind="stable")
@@ -685,7 +755,7 @@ def oracle_decision(rule: Rule, p: F64, cs: ClusterStats) -> tuple[F64, NDArray[
     return s, forced
 
 
-def head_data(c: Capture, il: int, h: int, frac: float, rules: list[Rule], n_iter: int) -> HeadData:
+def head_data(c: Capture, il: int, h: int, frac: float, rules: list[Rule], n_iter: int, init: str = "even") -> HeadData:
     n_head, n_head_kv = c.q.shape[2], c.k.shape[2]
     group = n_head // n_head_kv
     n_cl = c.row0                                  # clustered cells: the prefix minus its last n_calib
@@ -694,7 +764,7 @@ def head_data(c: Capture, il: int, h: int, frac: float, rules: list[Rule], n_ite
     pcts = tuple(sorted({r.percentile for r in rules if r.bound == "radius" and r.percentile != 100}))
     cs = cluster_stats(keys, max(1, round(frac * n_cl)), n_iter, pcts,
                        need_cov=any(r.bound.startswith("var_") for r in rules),
-                       keep_cov=any(r.bound == "var_full" for r in rules))
+                       keep_cov=any(r.bound == "var_full" for r in rules), init=init)
     n_calib = c.n_prefix - c.row0
     qg = c.q[il, :, h * group:(h + 1) * group].astype(np.float64).transpose(1, 0, 2)  # [G, rows, d]
     p = exact_probs(qg, keys_all, c.row0 + np.arange(qg.shape[1]), c.scale)
@@ -988,7 +1058,8 @@ def examples_and_captures(args: argparse.Namespace) -> list[Capture]:
     caps: list[Capture] = []
     engine, examples = None, None
     for idx in args.examples:
-        path = args.cache_dir / f"kept_rule_capture_{args.length}_{idx}.npz"
+        tag = f"_s{args.seed}n{args.n_set}" if args.seed else ""
+        path = args.cache_dir / f"kept_rule_capture_{args.length}_{idx}{tag}.npz"
         if path.is_file() and not args.recapture:
             log.info("example %d: capture from %s", idx, path)
             caps.append(load_capture(path))
@@ -996,7 +1067,7 @@ def examples_and_captures(args: argparse.Namespace) -> list[Capture]:
         if engine is None:
             from squeeze_quality import retrieval_setup
 
-            engine, examples = retrieval_setup(args.length, args.n_set, args.threads)
+            engine, examples = retrieval_setup(args.length, args.n_set, args.threads, args.seed)
         c = capture_example(engine, examples[idx], args.n_calib, args.n_answer, args.threads)
         args.cache_dir.mkdir(parents=True, exist_ok=True)
         save_capture(path, c)
@@ -1007,7 +1078,7 @@ def examples_and_captures(args: argparse.Namespace) -> list[Capture]:
 
 
 def run_config(caps: list[Capture], frac: float, rules: list[Rule], keeps: list[float], n_iter: int,
-               model: NumpyLlama | None) -> dict[str, dict[str, Any]]:
+               model: NumpyLlama | None, init: str = "even") -> dict[str, dict[str, Any]]:
     """Per example: cluster, score every rule, calibrate per keep, measure coverage; with a model, also generate
     the answer through the rule (end to end). Summaries per rule and keep, pooled and per example."""
     per_example: dict[str, dict[str, list]] = {r.name: {str(k): [] for k in keeps} for r in rules}
@@ -1015,7 +1086,7 @@ def run_config(caps: list[Capture], frac: float, rules: list[Rule], keeps: list[
     for c in caps:
         t0 = time.time()
         n_layer, n_head_kv = c.k.shape[0], c.k.shape[2]
-        heads = [[head_data(c, il, h, frac, rules, n_iter) for h in range(n_head_kv)] for il in range(n_layer)]
+        heads = [[head_data(c, il, h, frac, rules, n_iter, init) for h in range(n_head_kv)] for il in range(n_layer)]
         n_answer_rows = c.q.shape[1] - (c.n_prefix - c.row0) - c.n_tail
         log.info("%s: centroids %g, clustered and scored in %.1f s", c.example_id, frac, time.time() - t0)
         for r in rules:
@@ -1080,6 +1151,10 @@ def main() -> int:
     ap.add_argument("--n-answer", type=int, default=8, help="dense answer tokens fed back as extra query rows")
     ap.add_argument("--n-iter", type=int, default=8)
     ap.add_argument("--centroids", type=float, default=0.05)
+    ap.add_argument("--init", default="even",
+                    help="k-means initial keys for --centroids: 'even' (the op's evenly spaced ones), 'kpp[S]' (k-means++ "
+                         "seeding, generator seed S, default 0) or 'kppb<B>' (k-means++ in rounds of B seeds)")
+    ap.add_argument("--seed", type=int, default=0, help="squeeze_quality's set (another seed: a held-out set)")
     ap.add_argument("--rules", default=DEFAULT_RULES, help="comma-separated rule names (module doc)")
     ap.add_argument("--keeps", default="0.3,0.2,0.1")
     ap.add_argument("--reference-centroids", default="0.1,0.15,0.3,0.5",
@@ -1112,7 +1187,8 @@ def main() -> int:
         for c in caps:
             model_check[c.example_id] = check_numpy_model(model, c)
             log.info("%s: numpy model check %s", c.example_id, model_check[c.example_id])
-    results: dict[str, Any] = {str(args.centroids): run_config(caps, args.centroids, rules, keeps, args.n_iter, model)}
+    results: dict[str, Any] = {str(args.centroids): run_config(caps, args.centroids, rules, keeps, args.n_iter, model,
+                                                               args.init)}
     for frac in filter(None, args.reference_centroids.split(",")):
         results[frac] = run_config(caps, float(frac), [parse_rule("mean")], keeps, args.n_iter, model)
     print_table(results)
@@ -1121,7 +1197,7 @@ def main() -> int:
     uname = subprocess.run(["uname", "-a"], capture_output=True, text=True, check=False).stdout.strip()
     write_record(args.out, {**provenance(), "commit": commit, "uname": uname or " ".join(platform.uname()),
                             "model": "smollm2", "length": args.length, "examples": [c.example_id for c in caps],
-                            "n_calib": args.n_calib, "n_iter": args.n_iter, "group": "max", "keeps": keeps,
+                            "n_calib": args.n_calib, "n_iter": args.n_iter, "init": args.init, "seed": args.seed, "group": "max", "keeps": keeps,
                             "capture_check": checks, "numpy_model_check": model_check, "results": results,
                             "wall_s": round(time.time() - t0, 1)})
     return 0
