@@ -61,9 +61,9 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--n", type=int, default=10, help="examples (spread over depths 0.1 .. 0.9)")
     ap.add_argument("--settings", default="0.3:max,0.2:max,0.1:max,0.1:mean",
-                    help="comma-separated keep:group[:centroids[:levels[:var[:kc[:it]]]]] (centroids default "
+                    help="comma-separated keep:group[:centroids[:levels[:var[:kc[:it[:init]]]]]] (centroids default "
                          "--centroids, levels 1, var: the kept rule's var_weight, kc: keep_coarse (0: the default), "
-                         "it: k-means iterations at most; defaults SqueezeConfig's)")
+                         "it: k-means iterations at most, init: even or kpp; defaults SqueezeConfig's)")
     ap.add_argument("--centroids", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
@@ -80,6 +80,8 @@ def main() -> int:
             var["keep_coarse"] = float(rest[3])
         if len(rest) > 4:
             var["n_iter"] = int(rest[4])
+        if len(rest) > 5:
+            var["init"] = rest[5]
         settings.append((spec if rest else f"keep{float(keep):g}-{group}",
                          squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels, **var)))
     engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sparq_llama import ops
-from sparq_llama.reference_squeeze import kmeans_cosine
+from sparq_llama.reference_squeeze import kmeans_cosine, kpp_seed_rows
 from test_reference_squeeze import blobs
 
 
@@ -84,3 +84,41 @@ def test_variances_of_tight_clusters_far_from_the_origin() -> None:
         for c in np.flatnonzero(got[h].sizes):
             want = x[h][got[h].assignment == c].astype(np.float64).var(0)
             np.testing.assert_allclose(got[h].variances[c], want, rtol=2e-2, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("n_clusters", [1, 9, 64, 65, 150])
+def test_kpp_seeding_matches_reference(n_threads: int, n_clusters: int) -> None:
+    # the seeds drawn by the graphs (f32 similarities, pooled maxima, host draws) are the reference's (f64) draw for
+    # draw: each problem draws as its head index, rounds of 64 seeds; one iteration then assigns as the reference
+    rng = np.random.default_rng(16)
+    x = np.stack([blobs(rng, 12, 25, 24, spread=0.15)[0] for _ in range(3)]).astype(np.float32)
+    got = ops.kmeans_cosine(x, n_clusters, n_iter=1, init="kpp", n_threads=n_threads)
+    for h in range(3):
+        want = kmeans_cosine(x[h].astype(np.float64), n_clusters, n_iter=1, init="kpp", head=h)
+        assert got[h].assignment.tolist() == want.assignment.tolist()
+        assert got[h].sizes.tolist() == want.sizes.tolist()
+    full = ops.kmeans_cosine(x, 12, n_iter=20, init="kpp")
+    for h in range(3):
+        want = kmeans_cosine(x[h].astype(np.float64), 12, n_iter=20, init="kpp", head=h)
+        assert full[h].assignment.tolist() == want.assignment.tolist()
+        np.testing.assert_allclose(full[h].centroids, want.centroids, rtol=1e-5, atol=1e-5)
+
+
+def test_kpp_seeding_on_random_keys_and_duplicates() -> None:
+    # overlapping random keys: the seeds still come out as the reference's (a draw lands near a boundary of the
+    # running sums with probability ~1e-7 here); all keys alike: the rows that are not seeds yet, lowest first
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((2, 900, 32)).astype(np.float32)
+    got = ops.kmeans_cosine(x, 120, n_iter=1, init="kpp")
+    for h in range(2):
+        xn = x[h].astype(np.float64)
+        xn /= np.linalg.norm(xn, axis=1, keepdims=True)
+        rows = kpp_seed_rows(xn, 120, head=h)
+        want = np.argmax(xn @ xn[rows].T[:, ::-1], axis=1)  # one assignment from the seeds, ties to the higher
+        assert got[h].assignment.tolist() == (119 - want).tolist()
+    dup = ops.kmeans_cosine(np.ones((2, 5, 3), dtype=np.float32), 3, init="kpp")
+    ref = kmeans_cosine(np.ones((5, 3)), 3, init="kpp")
+    assert dup[0].sizes.tolist() == dup[1].sizes.tolist() == ref.sizes.tolist() == [0, 0, 5]
+    with pytest.raises(ValueError, match="init"):
+        ops.kmeans_cosine(x[0], 4, init="random")

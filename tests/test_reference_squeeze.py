@@ -14,6 +14,8 @@ from sparq_llama.reference_squeeze import (
     group_scores,
     kept_fraction,
     kmeans_cosine,
+    kpp_seed_rows,
+    kpp_uniform,
 )
 
 
@@ -179,6 +181,47 @@ def test_kmeans_edge_cases() -> None:
         kmeans_cosine(keys[0], 1)
     with pytest.raises(ValueError, match="n_iter"):
         kmeans_cosine(keys, 2, n_iter=0)
+
+
+def test_kpp_seeding_gives_a_rare_key_a_cluster_of_its_own() -> None:
+    # 600 keys near one direction and one key orthogonal to it (a needle among a haystack): k-means++ draws a seed in
+    # proportion to the squared distance from the seeds so far, so the far key is a seed almost surely and has a
+    # cluster of its own from the first assignment; the evenly spaced seeds miss it and it joins a haystack cluster
+    # (on data this plain, later iterations empty a cluster around it too: real needles are less far out)
+    rng = np.random.default_rng(21)
+    d = 16
+    base = np.zeros(d)
+    base[0] = 1.0
+    keys = base + 0.005 * rng.standard_normal((601, d))
+    needle = 350  # not one of the evenly spaced rows (i * 601) // 6
+    keys[needle] = 0.0
+    keys[needle, 1] = 2.0
+    kpp = kmeans_cosine(keys, 6, n_iter=1, init="kpp")
+    assert kpp.sizes[kpp.assignment[needle]] == 1
+    even = kmeans_cosine(keys, 6, n_iter=1)
+    assert even.sizes[even.assignment[needle]] > 1
+
+
+def test_kpp_seed_rows_rules() -> None:
+    rng = np.random.default_rng(22)
+    keys, _ = blobs(rng, 10, 30, 12, spread=0.2)
+    xn = keys / np.linalg.norm(keys, axis=1, keepdims=True)
+    for n in (1, 7, 64, 65, 200, 300):
+        rows = kpp_seed_rows(xn, n)
+        assert rows[0] == 0 and len(rows) == n and len(set(rows.tolist())) == n  # row 0 first, distinct rows
+        assert np.array_equal(rows, kpp_seed_rows(xn, n))                      # a pure function of its inputs
+    assert not np.array_equal(kpp_seed_rows(xn, 40, head=0), kpp_seed_rows(xn, 40, head=1))  # a stream per head
+    # draws are uniform in (0, 1) and differ per counter
+    u = [kpp_uniform(h, r, j) for h in range(3) for r in range(3) for j in range(50)]
+    assert 0.0 < min(u) and max(u) < 1.0 and len(set(u)) == len(u) and abs(np.mean(u) - 0.5) < 0.05
+    # fewer distinct keys than clusters: once every direction is a seed the distances vanish, and the rest are the
+    # lowest rows not yet seeds
+    dup = np.repeat(np.eye(3), 4, axis=0)  # 12 keys, 3 directions
+    rows = kpp_seed_rows(dup, 8)
+    assert len(set(rows.tolist())) == 8 and {r // 4 for r in rows.tolist()} == {0, 1, 2}
+    assert kpp_seed_rows(np.ones((5, 3)), 3).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="init"):
+        kmeans_cosine(keys, 4, init="random")
 
 
 @pytest.mark.parametrize("keep", [0.1, 0.2, 0.3, 0.5])

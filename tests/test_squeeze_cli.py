@@ -30,7 +30,7 @@ def test_help_lists_the_flags():
     res = run(["llama-completion", "--help"], timeout=60)
     assert res.returncode == 0, res.stderr
     for flag in ["--squeeze", "--squeeze-prefix-file", "--squeeze-centroids", "--squeeze-keep", "--squeeze-levels",
-                 "--squeeze-save", "--squeeze-load", "--squeeze-prefill", "--squeeze-var"]:
+                 "--squeeze-save", "--squeeze-load", "--squeeze-prefill", "--squeeze-var", "--squeeze-init"]:
         assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", res.stdout, re.MULTILINE), f"{flag} missing"
 
 
@@ -50,6 +50,9 @@ def test_help_lists_the_flags():
     (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-var", "0.5x"], "must be a number in [0, 100]"),
     (["--squeeze-var", "0"], "--squeeze-var has no effect without --squeeze"),
     (["--squeeze", "--squeeze-load", "b.state", "--squeeze-var", "0"], "--squeeze-var applies when preparing"),
+    (["--squeeze", "--squeeze-prefix-file", "a.txt", "--squeeze-init", "random"], "must be even or kpp"),
+    (["--squeeze-init", "kpp"], "--squeeze-init has no effect without --squeeze"),
+    (["--squeeze", "--squeeze-load", "b.state", "--squeeze-init", "kpp"], "--squeeze-init applies when preparing"),
 ])
 def test_bad_flags_fail_before_loading(args, message):
     res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)

@@ -569,7 +569,7 @@ def test_damaged_kv_state_fails_clearly(llm, smollm2_path, doc, questions, tmp_p
 def test_bad_settings_fail_clearly(llm, smollm2_path, doc):
     for kwargs, expect in ((dict(keep=0.0), "keep"), (dict(keep=1.5), "keep"), (dict(levels=3), "levels"),
                            (dict(centroids=0.0), "centroids"), (dict(n_calib=0), "n_calib"),
-                           (dict(levels=2, centroids_coarse=0.5), "centroids_coarse")):
+                           (dict(levels=2, centroids_coarse=0.5), "centroids_coarse"), (dict(init="random"), "init")):
         with pytest.raises(ValueError, match=expect):
             llm.prepare_fixed_context(doc, **{**SETTINGS, **kwargs})
     with pytest.raises(ValueError, match="more than this context holds"):
@@ -588,6 +588,26 @@ def test_bad_settings_fail_clearly(llm, smollm2_path, doc):
         squeeze_api.prepare(llm.ctx, doc[:300], squeeze_api.SqueezeConfig())
     with pytest.raises(ValueError, match="fewer than the prefix"):
         squeeze_api.prepare(llm.ctx, doc + doc[:10], squeeze_api.SqueezeConfig())
+
+
+def test_kpp_initialisation(llm, doc, questions, dense_answer, tmp_path):
+    # k-means++ seeding: keep 1 is still dense attention; a small keep selects and calibrates; preparing is
+    # deterministic, and the clusters are not the evenly seeded ones (the seeding is used). The seeds themselves are
+    # checked against the float64 reference in tests/test_op_kmeans.py.
+    info = llm.prepare_fixed_context(doc, keep=1.0, init="kpp", **SETTINGS)
+    assert info.prepared and info.threshold == 0.0
+    tokens, logits = _greedy_after(llm, questions[0], 16)
+    d_tokens, d_logits = dense_answer
+    same = next((i for i, (a, b) in enumerate(zip(tokens, d_tokens)) if a != b), len(tokens))
+    assert_logits_agree(logits[:same + 1], d_logits[:same + 1], "kpp, keep = 1 vs dense", tol=TOL_DENSE)
+    files = {}
+    for name, init in (("kpp0", "kpp"), ("kpp1", "kpp"), ("even", "even")):
+        info = llm.prepare_fixed_context(doc, keep=0.2, init=init, **SETTINGS)
+        assert abs(info.kept_calib - 0.2) < 0.02, (init, info)
+        files[name] = tmp_path / f"{name}.squeeze"
+        squeeze_api.save(llm.ctx, str(files[name]))
+    assert files["kpp0"].read_bytes() == files["kpp1"].read_bytes()
+    assert files["kpp0"].read_bytes() != files["even"].read_bytes()
 
 
 def test_two_levels(llm, doc, questions, dense_answer):

@@ -95,7 +95,7 @@ SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a
 // Spherical k-means of H problems of P rows as ggml graphs on a backend (sparq_llama.ops.kmeans_cosine; the
 // clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][2d + 1] f32 out
 // (member means of the unnormalised rows, the size, the members' per-component variances about the mean);
-// assignment [H][P] i32 out; *n_iter_run out.
+// assignment [H][P] i32 out; *n_iter_run out; init: enum llama_squeeze_init (the initial centroids).
 // 0 on success; otherwise 1 with a message in err.
 struct kmeans_eval_args {
     const char * device;   // NULL or "": the CPU
@@ -106,6 +106,7 @@ struct kmeans_eval_args {
     float       * table;
     int32_t     * assignment;
     int         * n_iter_run;
+    int          init;
 };
 SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
 
@@ -233,6 +234,14 @@ static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct 
 // whole cache or of a sequence that alone holds some of them) drops the prepared prefix with one log line; seq_rm
 // after the prefix (a new question) keeps it. Token ids are int32_t (llama_token), sequences int32_t.
 
+// k-means' initial centroids (sparq_llama.reference_squeeze.kmeans_cosine): the keys at evenly spaced positions, or
+// k-means++ seeding (each next seed drawn with probability proportional to its squared distance from the seeds so
+// far, in rounds of 64, by a counter-based generator: deterministic), which gives rare keys clusters of their own.
+enum llama_squeeze_init {
+    LLAMA_SQUEEZE_INIT_EVEN = 0,
+    LLAMA_SQUEEZE_INIT_KPP  = 1,
+};
+
 struct llama_squeeze_params {
     float   centroids;         // fine clusters as a fraction of the clustered prefix (default 0.05)
     float   keep;              // target fraction of the clustered prefix read per query row, in (0, 1] (0.1)
@@ -245,6 +254,7 @@ struct llama_squeeze_params {
     float   var_weight;        // the kept rule's variance term (ggml-centroid.h), >= 0; 0: the paper's mean rule
                                // (default 1, the Gaussian value, chosen on a held-out example set:
                                // bench/notes_squeeze_quality.md, session 12)
+    int32_t init;              // enum llama_squeeze_init: k-means' initial centroids
     bool  (*progress_callback)(float progress, void * user_data); // NULL: none; returning false cancels
     void *  progress_callback_user_data;
 };

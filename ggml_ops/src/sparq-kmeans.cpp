@@ -2,8 +2,10 @@
 // centroid-sparse attention. Semantics (and the float64 reference): sparq_llama.reference_squeeze.kmeans_cosine.
 //
 // H independent problems of P rows of d components (x [d, P, H]: per layer, the prefix keys of each KV head).
-//   init:      xn = l2_norm(x); centroids = xn at rows (i * P) / n (no random generator: every backend and run
-//              starts alike)
+//   init:      xn = l2_norm(x); centroids = xn at the seed rows: SPARQ_KMEANS_EVEN rows (i * P) / n, or
+//              SPARQ_KMEANS_KPP k-means++ seeding in rounds (kpp_seed_rows below). Either way every backend and run
+//              starts from the same rows (the generator is a pure function of counters), up to the rounding of
+//              the similarities the k-means++ draws weigh by
 //   iteration: sim = centroids^T xn (ggml_mul_mat), assignment = argmax over the clusters (ggml_cluster_assign:
 //              ties to the highest index), centroids = ggml_cluster_update(xn, assignment, centroids); stop after
 //              n_iter iterations or when no assignment changed (read back: P * H int32 per iteration)
@@ -14,6 +16,7 @@
 #include "ggml-alloc.h"
 #include "ggml-centroid.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -35,12 +38,142 @@ static bool run_graph(ggml_backend_t backend, ggml_gallocr * galloc, ggml_cgraph
     return ggml_gallocr_alloc_graph(galloc, gf) && ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS;
 }
 
+// k-means++ seeding (sparq_llama.reference_squeeze.kpp_seed_rows, which the tests hold this to)
+constexpr int      KPP_ROUND = 64;                     // seeds drawn per round: one pass over the rows per round
+constexpr uint64_t KPP_SEED  = 0x5EED5EED5EED5EEDull;  // the generator's fixed seed
+
+// splitmix64's step: a 64-bit bijection of the advanced state
+static uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// draw j of round rnd for problem h: a uniform double in (0, 1), a pure function of the counters
+static double kpp_uniform(uint64_t h, uint64_t rnd, uint64_t j) {
+    const uint64_t z = mix64(mix64(mix64(KPP_SEED ^ h) ^ rnd) ^ j);
+    return ((double) (z >> 11) + 0.5) * 0x1.0p-53;
+}
+
+// One problem's state while seeding: its seeds in order and which rows they are.
+struct kpp_problem {
+    std::vector<int32_t> seeds;
+    std::vector<uint8_t> is_seed;
+};
+
+// Round rnd's draws for one problem from best[P] (each row's largest similarity to a seed so far): each draw takes
+// the first row whose running sum of max(0, 2 - 2 best) exceeds u times the total, unless it is a seed already.
+// A round that adds none fills the rest with the lowest rows that are not seeds. Returns the rows added.
+static std::vector<int32_t> kpp_draw(kpp_problem & pr, const float * best, int64_t P, int64_t n_clusters, uint64_t h,
+                                     uint64_t rnd, std::vector<double> & cum) {
+    const int64_t b = std::min<int64_t>(KPP_ROUND, n_clusters - (int64_t) pr.seeds.size());
+    double run = 0.0;
+    for (int64_t p = 0; p < P; ++p) {
+        run += std::max(0.0, 2.0 - 2.0 * (double) best[p]);
+        cum[p] = run;
+    }
+    std::vector<int32_t> added;
+    if (run > 0.0) {
+        for (int64_t j = 0; j < b; ++j) {
+            const double t = kpp_uniform(h, rnd, (uint64_t) j) * run;
+            const int64_t p = std::min<int64_t>(std::upper_bound(cum.begin(), cum.begin() + P, t) - cum.begin(), P - 1);
+            if (!pr.is_seed[p]) {
+                pr.is_seed[p] = 1;
+                added.push_back((int32_t) p);
+            }
+        }
+    }
+    if (added.empty()) {
+        for (int64_t p = 0; p < P && (int64_t) pr.seeds.size() < n_clusters; ++p) {
+            if (!pr.is_seed[p]) {
+                pr.is_seed[p] = 1;
+                pr.seeds.push_back((int32_t) p);
+            }
+        }
+        return {};
+    }
+    pr.seeds.insert(pr.seeds.end(), added.begin(), added.end());
+    return added;
+}
+
+// k-means++ seed rows of every problem of xn [d, P, H] (unit rows on the backend) into rows [H][n_clusters]. Per
+// round one graph: each problem's new seeds' similarities to every row (ggml_mul_mat), their maximum and the
+// running one (ggml_pool_2d), read back for the next round's draws on the host.
+static std::string kpp_seed_rows(ggml_backend_t backend, ggml_gallocr * galloc, ggml_tensor * xn, int64_t n_clusters,
+                                 int64_t head0, std::vector<int32_t> & rows) {
+    const int64_t P = xn->ne[1], H = xn->ne[2];
+    ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, /*no_alloc =*/ true };
+    ctx_ptr state(ggml_init(ip));
+    ggml_tensor * best = ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, 1, P, H);  // largest similarity to a seed
+    ggml_tensor * idx  = ggml_new_tensor_1d(state.get(), GGML_TYPE_I32, KPP_ROUND * H);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(state.get(), backend));
+    if (!buf) {
+        return "k-means: could not allocate the seeding's state on the backend";
+    }
+    std::vector<kpp_problem> pr(H);
+    std::vector<std::vector<int32_t>> added(H);
+    for (int64_t h = 0; h < H; ++h) {
+        pr[h].is_seed.assign(P, 0);
+        pr[h].is_seed[0] = 1;
+        pr[h].seeds.push_back(0);
+        added[h] = { 0 };
+    }
+    std::vector<float>   host_best(P * H);
+    std::vector<double>  cum(P);
+    std::vector<int32_t> host_idx;
+    for (uint64_t rnd = 0;; ++rnd) {
+        if (rnd > 0) {  // this round's draws from the previous round's similarities
+            ggml_backend_tensor_get(best, host_best.data(), 0, ggml_nbytes(best));
+            for (int64_t h = 0; h < H; ++h) {
+                added[h].clear();
+                if ((int64_t) pr[h].seeds.size() < n_clusters) {
+                    added[h] = kpp_draw(pr[h], host_best.data() + h * P, P, n_clusters, (uint64_t) (head0 + h), rnd, cum);
+                }
+            }
+        }
+        size_t b = 0;
+        bool done = true;
+        for (int64_t h = 0; h < H; ++h) {
+            b = std::max(b, added[h].size());
+            done = done && (int64_t) pr[h].seeds.size() == n_clusters;
+        }
+        if (done || b == 0) {
+            break;
+        }
+        // b rows per problem, a problem with fewer padded with row 0 (a seed already: it leaves the maximum as is)
+        host_idx.assign(b * H, 0);
+        for (int64_t h = 0; h < H; ++h) {
+            std::copy(added[h].begin(), added[h].end(), host_idx.begin() + h * b);
+        }
+        ggml_backend_tensor_set(idx, host_idx.data(), 0, host_idx.size() * sizeof(int32_t));
+        ctx_ptr ctx = graph_context();
+        ggml_cgraph * gf = ggml_new_graph(ctx.get());
+        ggml_tensor * rows_b = ggml_view_2d(ctx.get(), idx, (int64_t) b, H, b * sizeof(int32_t), 0);
+        ggml_tensor * sim = ggml_mul_mat(ctx.get(), ggml_get_rows(ctx.get(), xn, rows_b), xn);        // [b, P, H]
+        ggml_tensor * top = ggml_pool_2d(ctx.get(), sim, GGML_OP_POOL_MAX, (int) b, 1, (int) b, 1, 0, 0);  // [1, P, H]
+        if (rnd > 0) {
+            top = ggml_pool_2d(ctx.get(), ggml_concat(ctx.get(), top, best, 0), GGML_OP_POOL_MAX, 2, 1, 2, 1, 0, 0);
+        }
+        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), top, best));
+        if (!run_graph(backend, galloc, gf)) {
+            return "k-means: a seeding graph failed";
+        }
+    }
+    rows.resize(n_clusters * H);
+    for (int64_t h = 0; h < H; ++h) {
+        GGML_ASSERT((int64_t) pr[h].seeds.size() == n_clusters);
+        std::copy(pr[h].seeds.begin(), pr[h].seeds.end(), rows.begin() + h * n_clusters);
+    }
+    return "";
+}
+
 }  // namespace sparq_kmeans_detail
 
 namespace km = sparq_kmeans_detail;
 
 std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_clusters, int n_iter,
-                             sparq_kmeans_result & res) {
+                             sparq_kmeans_result & res, sparq_kmeans_init init, int64_t head0) {
     const int64_t d = x->ne[0], P = x->ne[1], H = x->ne[2];
     if (x->type != GGML_TYPE_F32 || x->ne[3] != 1 || !ggml_is_contiguous(x)) {
         return "k-means: x must be a contiguous f32 [d, P, H] tensor";
@@ -51,6 +184,9 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     if (n_iter < 1) {
         return "k-means: n_iter must be >= 1";
     }
+    if (init != SPARQ_KMEANS_EVEN && init != SPARQ_KMEANS_KPP) {
+        return "k-means: unknown initialisation " + std::to_string((int) init);
+    }
     const int64_t t_start = ggml_time_us();
     // persistent state on the backend: normalised rows, centroids, the assignment, the initial rows
     ggml_init_params ip = { ggml_tensor_overhead() * 8, nullptr, /*no_alloc =*/ true };
@@ -58,26 +194,38 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     ggml_tensor * xn     = ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, d, P, H);
     ggml_tensor * cent   = ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, d, n_clusters, H);
     ggml_tensor * assign = ggml_new_tensor_2d(state.get(), GGML_TYPE_I32, P, H);
-    ggml_tensor * init   = ggml_new_tensor_2d(state.get(), GGML_TYPE_I32, n_clusters, H);
+    ggml_tensor * seeds  = ggml_new_tensor_2d(state.get(), GGML_TYPE_I32, n_clusters, H);
     std::unique_ptr<ggml_backend_buffer, km::buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(state.get(), backend));
     if (!buf) {
         return "k-means: could not allocate its state on the backend";
     }
-    std::vector<int32_t> init_rows(n_clusters * H);
-    for (int64_t h = 0; h < H; ++h) {
-        for (int64_t i = 0; i < n_clusters; ++i) {
-            init_rows[h * n_clusters + i] = (int32_t) ((i * P) / n_clusters);
-        }
-    }
-    ggml_backend_tensor_set(init, init_rows.data(), 0, ggml_nbytes(init));
     std::unique_ptr<ggml_gallocr, km::gallocr_deleter> galloc(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)));
-
-    {  // init
+    {  // the unit rows
         km::ctx_ptr ctx = km::graph_context();
         ggml_cgraph * gf = ggml_new_graph(ctx.get());
-        ggml_tensor * norm = ggml_l2_norm(ctx.get(), x, 1e-30f);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), norm, xn));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_get_rows(ctx.get(), norm, init), cent));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_l2_norm(ctx.get(), x, 1e-30f), xn));
+        if (!km::run_graph(backend, galloc.get(), gf)) {
+            return "k-means: the normalising graph failed";
+        }
+    }
+    std::vector<int32_t> init_rows(n_clusters * H);
+    if (init == SPARQ_KMEANS_KPP) {
+        const std::string err = km::kpp_seed_rows(backend, galloc.get(), xn, n_clusters, head0, init_rows);
+        if (!err.empty()) {
+            return err;
+        }
+    } else {
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t i = 0; i < n_clusters; ++i) {
+                init_rows[h * n_clusters + i] = (int32_t) ((i * P) / n_clusters);
+            }
+        }
+    }
+    ggml_backend_tensor_set(seeds, init_rows.data(), 0, ggml_nbytes(seeds));
+    {  // the initial centroids
+        km::ctx_ptr ctx = km::graph_context();
+        ggml_cgraph * gf = ggml_new_graph(ctx.get());
+        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_get_rows(ctx.get(), xn, seeds), cent));
         if (!km::run_graph(backend, galloc.get(), gf)) {
             return "k-means: the initial graph failed";
         }

@@ -19,6 +19,14 @@ struct sparq_kmeans_result {
     double               phase_s[3] = {};  // wall seconds: setup (state, normalising), iterations, the table
 };
 
-// x: [d, P, H] f32, contiguous, allocated on `backend`. Returns "" on success, else what went wrong.
+// The initial centroids (sparq_llama.reference_squeeze.kmeans_cosine's init).
+enum sparq_kmeans_init {
+    SPARQ_KMEANS_EVEN = 0,  // the rows at evenly spaced positions
+    SPARQ_KMEANS_KPP  = 1,  // k-means++ seeding, in rounds of 64 seeds, by a counter-based generator
+};
+
+// x: [d, P, H] f32, contiguous, allocated on `backend`. Problem h draws its k-means++ seeds as problem head0 + h
+// (a layer clustered in chunks of heads seeds each head as in one piece). Returns "" on success, else what went
+// wrong.
 std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_clusters, int n_iter,
-                             sparq_kmeans_result & res);
+                             sparq_kmeans_result & res, sparq_kmeans_init init = SPARQ_KMEANS_EVEN, int64_t head0 = 0);

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._lib import devices, libllama
 from .reference import MEAN_MODES, POLICIES
-from .reference_squeeze import Clusters
+from .reference_squeeze import KMEANS_INITS, Clusters
 
 # ggml_type values (ggml.h)
 _GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
@@ -360,14 +360,15 @@ class KmeansEvalArgs(ctypes.Structure):
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
         [("n_iter", ctypes.c_int), ("x", ctypes.c_void_p), ("table", ctypes.c_void_p), ("assignment", ctypes.c_void_p),
-         ("n_iter_run", ctypes.POINTER(ctypes.c_int))]
+         ("n_iter_run", ctypes.POINTER(ctypes.c_int)), ("init", ctypes.c_int)]
 
 
-def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threads: int | None = None,
-                  backend: str = "cpu") -> Clusters | list[Clusters]:
-    """Spherical k-means as ggml graphs on a backend; semantics and result as `reference_squeeze.kmeans_cosine`.
-    keys [P, d] gives one Clusters, keys [H, P, d] a list of H (independent problems, clustered together: they
-    iterate until none changes, so n_iter is the largest any of them needed; an unchanged one keeps its result)."""
+def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: str = "even",
+                  n_threads: int | None = None, backend: str = "cpu") -> Clusters | list[Clusters]:
+    """Spherical k-means as ggml graphs on a backend; semantics and result as `reference_squeeze.kmeans_cosine`
+    (problem h of keys [H, P, d] is its `head` h). keys [P, d] gives one Clusters, keys [H, P, d] a list of H
+    (independent problems, clustered together: they iterate until none changes, so n_iter is the largest any of
+    them needed; an unchanged one keeps its result)."""
     x = np.asarray(keys, dtype=np.float32)
     single = x.ndim == 2
     x = x[None] if single else x
@@ -378,13 +379,16 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, n_threa
         raise ValueError(f"n_clusters must be an integer in [1, P = {P}], got {n_clusters!r}")
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
+    if init not in KMEANS_INITS:
+        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
     x = np.ascontiguousarray(x)
     table = np.zeros((H, n_clusters, 2 * d + 1), dtype=np.float32)
     assignment = np.zeros((H, P), dtype=np.int32)
     n_run = ctypes.c_int(0)
     args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
                           n_clusters=int(n_clusters), n_iter=int(n_iter), x=x.ctypes.data, table=table.ctypes.data,
-                          assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run))
+                          assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run),
+                          init=KMEANS_INITS.index(init))
     _call("sparq_llama_eval_kmeans", args)
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
                     assignment[h].astype(np.int64), n_run.value, table[h, :, d + 1:].astype(np.float64))

@@ -4,8 +4,10 @@ kernels and for the clustering and calibration that prepare a fixed prefix (DESI
 Offline, once per fixed prefix, per layer and KV head, over the *clustered* cells (the prefix without its
 last ``n_calib`` cells, which stay exact and whose queries calibrate the threshold):
 
-* :func:`kmeans_cosine`: spherical k-means on the L2-normalised keys. Initial centroids are the keys at
-  evenly spaced cells (``(i * P) // c``): no random generator, so every backend and every run starts alike.
+* :func:`kmeans_cosine`: spherical k-means on the L2-normalised keys. Initial centroids (``init``):
+  ``"even"``, the keys at evenly spaced cells (``(i * P) // c``); or ``"kpp"``, k-means++ seeding
+  (:func:`kpp_seed_rows`: each next seed drawn with probability proportional to its squared distance from the
+  seeds so far, in rounds of KPP_ROUND seeds, by a counter-based generator: every backend and run draws alike).
   An iteration assigns each key to the centroid of largest cosine similarity (ties: the higher cluster, as
   ggml_argmax, which the graph version uses) and moves
   each centroid to the normalised mean of its members (an empty cluster keeps its centroid); it stops after
@@ -49,11 +51,15 @@ from numpy.typing import ArrayLike, NDArray
 from .reference import _check_mask
 
 __all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "group_scores", "kept_fraction",
-           "kmeans_cosine", "variance_term"]
+           "kmeans_cosine", "kpp_seed_rows", "kpp_uniform", "variance_term"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 GROUP_RULES = ("max", "mean")
+KMEANS_INITS = ("even", "kpp")
+KPP_ROUND = 64                  # k-means++ seeds drawn per round (one pass over the keys per round)
+KPP_SEED = 0x5EED5EED5EED5EED   # the generator's fixed seed
+_M64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,61 @@ def _normalise(x: F64) -> F64:
     return x / np.where(norm > 0.0, norm, 1.0)
 
 
-def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8) -> Clusters:
-    """Spherical k-means of keys [P, d] into n_clusters (1..P) clusters; deterministic (see the module doc)."""
+def _mix64(z: int) -> int:
+    """splitmix64's step: the state advanced by the golden gamma, then finalised (a 64-bit bijection)."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def kpp_uniform(head: int, rnd: int, j: int) -> float:
+    """Draw j of round rnd for problem (KV head) `head`: a uniform double in (0, 1), a pure function of the three
+    counters (the C++ seeding computes the same bits)."""
+    z = _mix64(_mix64(_mix64(KPP_SEED ^ head) ^ rnd) ^ j)
+    return ((z >> 11) + 0.5) * 2.0 ** -53
+
+
+def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) -> I64:
+    """k-means++ seeding of unit rows [P, d]: the rows of the n_clusters initial centroids, in order.
+
+    Row 0 first. Then rounds r = 1, 2, ... of b = min(KPP_ROUND, n_clusters - chosen) draws: with m_p the largest
+    similarity of row p to a seed so far, D_p = max(0, 2 - 2 m_p) (the squared chord distance) and c its running
+    sum, draw j takes the first row p with c_p > u_j c_{P-1} (u_j = kpp_uniform(head, r, j)), skipped when already
+    a seed. A round that adds none (or a total of 0: fewer distinct rows than clusters) fills the rest with the
+    lowest rows not yet seeds."""
+    xn = np.asarray(keys_normalised, dtype=np.float64)
+    p = xn.shape[0]
+    chosen = [0]
+    is_seed = np.zeros(p, dtype=bool)
+    is_seed[0] = True
+    best = xn @ xn[0]
+    rnd = 0
+    while len(chosen) < n_clusters:
+        rnd += 1
+        b = min(KPP_ROUND, n_clusters - len(chosen))
+        cum = np.cumsum(np.maximum(0.0, 2.0 - 2.0 * best))
+        added: list[int] = []
+        if cum[-1] > 0.0:
+            for j in range(b):
+                i = int(np.searchsorted(cum, kpp_uniform(head, rnd, j) * cum[-1], side="right"))
+                i = min(i, p - 1)
+                if not is_seed[i]:
+                    is_seed[i] = True
+                    added.append(i)
+        if not added:
+            rest = np.flatnonzero(~is_seed)[:n_clusters - len(chosen)]
+            is_seed[rest] = True
+            chosen.extend(int(i) for i in rest)
+            break
+        chosen.extend(added)
+        best = np.maximum(best, (xn @ xn[added].T).max(axis=1))
+    return np.asarray(chosen, dtype=np.int64)
+
+
+def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str = "even", head: int = 0) -> Clusters:
+    """Spherical k-means of keys [P, d] into n_clusters (1..P) clusters; deterministic (see the module doc). `head`
+    numbers the problem for the k-means++ generator (the KV head: the graph version draws per head)."""
     x = np.asarray(keys, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
         raise ValueError(f"keys must be [P, d] with P, d >= 1, got shape {x.shape}")
@@ -83,8 +142,11 @@ def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8) -> Clusters
         raise ValueError(f"n_clusters must be an integer in [1, P = {p}], got {n_clusters!r}")
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
+    if init not in KMEANS_INITS:
+        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
     xn = _normalise(x)
-    cn = xn[(np.arange(n_clusters) * p) // n_clusters].copy()
+    rows = (np.arange(n_clusters) * p) // n_clusters if init == "even" else kpp_seed_rows(xn, n_clusters, head)
+    cn = xn[rows].copy()
     assignment = np.full(p, -1, dtype=np.int64)
     done = 0
     for done in range(1, n_iter + 1):

@@ -21,12 +21,14 @@ from typing import Any, Literal
 
 from .sparq import _as_int, _ctx_ptr, _finite_float, _int32
 
-__all__ = ["GROUPS", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save", "sidecar_path"]
+__all__ = ["GROUPS", "INITS", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save", "sidecar_path"]
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("max", "mean")  # index = enum ggml_centroid_group
 Group = Literal["max", "mean"]
+INITS = ("even", "kpp")  # index = enum llama_squeeze_init
+Init = Literal["even", "kpp"]
 
 ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
 
@@ -49,6 +51,8 @@ class SqueezeConfig:
     var_weight: the kept rule's variance term (ggml-centroid.h): a cluster's score adds var_weight * scale^2 / 2
         * sum_e q_e^2 D_e (D: its members' per-component variances), the second-order estimate of its members'
         mean weight; 0 is the paper's rule (the centroid alone). In [0, 100].
+    init: k-means' initial centroids: "even" (keys at evenly spaced positions) or "kpp" (k-means++ seeding, which
+        gives rare keys clusters of their own; deterministic).
     """
 
     centroids: float = 0.05
@@ -60,6 +64,7 @@ class SqueezeConfig:
     n_iter: int = 8
     group: Group = "max"
     var_weight: float = 1.0
+    init: Init = "even"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -79,12 +84,14 @@ class SqueezeConfig:
             raise ValueError(f"levels must be 1 or 2, got {self.levels!r}")
         if self.group not in GROUPS:
             raise ValueError(f"group must be one of {', '.join(map(repr, GROUPS))}, got {self.group!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {', '.join(map(repr, INITS))}, got {self.init!r}")
 
     def to_c(self) -> LlamaSqueezeParams:
         return LlamaSqueezeParams(
             centroids=self.centroids, keep=self.keep, levels=self.levels, centroids_coarse=self.centroids_coarse,
             keep_coarse=0.0 if self.keep_coarse is None else self.keep_coarse, n_calib=self.n_calib,
-            n_iter=self.n_iter, group=GROUPS.index(self.group), var_weight=self.var_weight)
+            n_iter=self.n_iter, group=GROUPS.index(self.group), var_weight=self.var_weight, init=INITS.index(self.init))
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class LlamaSqueezeParams(ctypes.Structure):
         ("n_iter", ctypes.c_int32),
         ("group", ctypes.c_int32),
         ("var_weight", ctypes.c_float),
+        ("init", ctypes.c_int32),
         ("progress_callback", ProgressFn),
         ("progress_callback_user_data", ctypes.c_void_p),
     ]

@@ -519,7 +519,7 @@ static int64_t similarity_budget(ggml_backend_t backend) {
 
 static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, uint32_t kv_size, uint32_t stream,
                           int64_t d, int64_t h0, int64_t n_h, const std::vector<uint32_t> & cells, int64_t n_cent,
-                          int n_iter, sparq_kmeans_result & res) {
+                          int n_iter, sparq_kmeans_init init, sparq_kmeans_result & res) {
     const int64_t P = (int64_t) cells.size();
     const int64_t n_embd = k_cache->ne[0];
     ggml_init_params ip = { 8*ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
@@ -550,14 +550,15 @@ static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, 
     if (!ggml_gallocr_alloc_graph(galloc.get(), gf) || ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
         return "gathering the prefix keys failed on " + std::string(ggml_backend_name(backend));
     }
-    return sparq_kmeans_run(backend, x, n_cent, n_iter, res);
+    return sparq_kmeans_run(backend, x, n_cent, n_iter, res, init, h0);  // head h0 + h draws as head h0 + h
 }
 
 // Coarse level: k-means of the fine centroids (their components) per head on `backend`; the coarse table is the
 // size-weighted mean of the member centroids (= the mean of the member keys), the summed size and (tables with
 // variances) the member keys' variances about the coarse centroid, sum_f N_f (D_f + (C_f - C)^2) / N: the law of
 // total variance, exact from the fine table.
-static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t n_coarse, int n_iter) {
+static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, int64_t n_coarse, int n_iter,
+                                  sparq_kmeans_init init) {
     const int64_t d = L.d, H = L.n_head_kv, n = L.n_cent, W = L.width;
     GGML_ASSERT(W == d + 1 || W == 2*d + 1);
     ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, /*no_alloc =*/ true };
@@ -573,7 +574,7 @@ static std::string cluster_coarse(ggml_backend_t backend, squeeze_kv_layer & L, 
     }
     ggml_backend_tensor_set(x, comp.data(), 0, ggml_nbytes(x));
     sparq_kmeans_result res;
-    std::string err = sparq_kmeans_run(backend, x, n_coarse, n_iter, res);
+    std::string err = sparq_kmeans_run(backend, x, n_coarse, n_iter, res, init);
     if (!err.empty()) {
         return err;
     }
@@ -898,14 +899,14 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
             sparq_kmeans_result res;
             res.table_dst = L.table.data() + h0*n_cent*L.width;  // read back in place: [n_h][n_cent][width]
             err = sqp::cluster_heads(backend, layer.k, kv_size, st.stream, L.d, h0, n_h, st.cells, n_cent,
-                                     st.params.n_iter, res);
+                                     st.params.n_iter, (sparq_kmeans_init) st.params.init, res);
             if (!err.empty()) {
                 return "layer " + std::to_string(layer.il) + ": " + err;
             }
             std::copy(res.assignment.begin(), res.assignment.end(), L.assign.begin() + h0*n_clustered);
         }
         if (n_coarse > 0) {
-            err = sqp::cluster_coarse(backend, L, n_coarse, st.params.n_iter);
+            err = sqp::cluster_coarse(backend, L, n_coarse, st.params.n_iter, (sparq_kmeans_init) st.params.init);
             if (!err.empty()) {
                 return "layer " + std::to_string(layer.il) + " (coarse level): " + err;
             }
@@ -1310,6 +1311,7 @@ struct llama_squeeze_params llama_squeeze_default_params(void) {
     p.n_iter           = 8;
     p.group            = GGML_CENTROID_GROUP_MAX;
     p.var_weight       = 1.0f;
+    p.init             = LLAMA_SQUEEZE_INIT_EVEN;
     p.progress_callback = nullptr;
     p.progress_callback_user_data = nullptr;
     return p;
@@ -1350,6 +1352,9 @@ const char * llama_squeeze_check(const struct llama_squeeze_params * p) {
     }
     if (!(p->var_weight >= 0.0f && p->var_weight <= 100.0f)) {
         return fail("var_weight must be in [0, 100] (0: the mean rule), got %g", (double) p->var_weight);
+    }
+    if (p->init != LLAMA_SQUEEZE_INIT_EVEN && p->init != LLAMA_SQUEEZE_INIT_KPP) {
+        return fail("init must be even (0) or kpp (1), got %d", p->init);
     }
     return nullptr;
 }
