@@ -29,6 +29,7 @@
 #   bench/device_cuda.sh build s18test; s18op; HEADS=llama2-7b SEQS=33024,65792 s18op; E2E_SHAPE=llama3-8b ... s16e2e
 #                                            session 18: kernel PBS with clusters of 16 for few long rows
 #   bench/device_cuda.sh s19anatomy           session 19: kernel A for few GQA rows in the harness (what its time is made of)
+#   bench/device_cuda.sh build s20kpp squeezegpu   session 20: k-means++ seeding on the GPU (tests, clustering time)
 #   bench/device_cuda.sh build s17memcheck; s17racecheck   session 17: compute-sanitizer over PBS rows of 4 to 36 cells per thread
 #   bench/device_cuda.sh build test testold s15e2e          session 15: the final chain's tests, with its parts off
 #                                            too, and end to end on vs off (s15ab: the op, on, off, each part off)
@@ -784,6 +785,17 @@ stage_s19anatomy() {
 stage_centroidtest() {
     python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py 2>&1 \
         | tee "$OUT/test_centroid_cuda.log" | tail -3
+}
+
+stage_s20kpp() {
+    # session 20: k-means++ seeding (init kpp) on the GPU: the k-means tests (CUDA against the CPU and the reference),
+    # then the clustering of a 32k 7B-shape prefix with its keys on the GPU, even seeds and k-means++ seeds
+    python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py -k "kmeans or kpp" 2>&1 \
+        | tee "$OUT/test_kmeans_cuda.log" | tail -3
+    for init in even kpp even kpp; do
+        python3 bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --resident --init $init \
+            --out "$OUT/squeeze_cluster_resident_$init.json" 2>&1 | grep -v "^wrote" | tail -2
+    done
 }
 
 setup_python

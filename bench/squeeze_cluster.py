@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--calib", type=int, default=100)
     ap.add_argument("--centroids", type=float, default=0.05, help="clusters as a fraction of the clustered cells")
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--init", choices=("even", "kpp"), default="even", help="initial centroids (SqueezeConfig.init)")
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--resident", action="store_true", help="keys already on the backend (see above)")
@@ -47,7 +48,8 @@ def main() -> int:
     per_layer, iters, phases = [], [], None
     if args.resident:
         per_layer, iters, phases = ops.bench_kmeans(d=d, P=P, H=n_head_kv, n_clusters=n, n_iter=args.iters,
-                                                    n_layers=n_layer, n_threads=args.threads, backend=args.backend)
+                                                    n_layers=n_layer, init=args.init, n_threads=args.threads,
+                                                    backend=args.backend)
     else:
         rng = np.random.default_rng(0)
         keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)
@@ -55,19 +57,20 @@ def main() -> int:
         for _ in tqdm(range(n_layer), desc=f"clustering {n_layer} layers"):
             keys = rng.standard_normal((n_head_kv, P, d)).astype(np.float32)  # each layer its own keys
             t0 = time.perf_counter()
-            res = ops.kmeans_cosine(keys, n, n_iter=args.iters, backend=args.backend, n_threads=args.threads)
+            res = ops.kmeans_cosine(keys, n, n_iter=args.iters, init=args.init, backend=args.backend,
+                                    n_threads=args.threads)
             per_layer.append(time.perf_counter() - t0)
             iters.append(res[0].n_iter)
     total = float(np.sum(per_layer))
     where = f"{args.backend} (keys resident)" if args.resident else args.backend
     print(f"{args.shape}, prefix {args.prefix} ({P} clustered cells, {n} clusters per KV head, {n_head_kv} KV heads x "
-          f"{n_layer} layers, d = {d}), {args.iters} iterations on {where}: {total:.2f} s "
+          f"{n_layer} layers, d = {d}), {args.iters} iterations, {args.init} seeds, on {where}: {total:.2f} s "
           f"({np.mean(per_layer) * 1e3:.0f} ms per layer, iterations run {min(iters)}-{max(iters)})")
     if phases is not None:
         setup, iterations, table = phases.mean(axis=0) * 1e3
         print(f"per layer: setup {setup:.1f} ms, iterations {iterations:.1f} ms, table {table:.1f} ms")
     record = {**provenance(), "shape": args.shape, "prefix": args.prefix, "clustered_cells": P, "clusters": n,
-              "layers": n_layer, "kv_heads": n_head_kv, "head_dim": d, "iterations": args.iters,
+              "layers": n_layer, "kv_heads": n_head_kv, "head_dim": d, "iterations": args.iters, "init": args.init,
               "iterations_run": iters, "backend": args.backend, "threads": args.threads,
               "keys": "random Gaussian pool, on the backend (--resident)" if args.resident else "random Gaussian",
               "resident": args.resident,

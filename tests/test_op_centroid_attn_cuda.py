@@ -264,3 +264,30 @@ def test_kmeans_variances_of_tight_clusters_far_from_the_origin() -> None:
         for c in np.flatnonzero(got[h].sizes):
             want = x[h][got[h].assignment == c].astype(np.float64).var(0)
             np.testing.assert_allclose(got[h].variances[c], want, rtol=2e-2, atol=1e-7)
+
+
+def test_kpp_seeding_on_cuda_matches_cpu_where_the_similarities_are_exact() -> None:
+    # distinct one-hot directions (scaled): every similarity between two keys is exactly 0 in TF32 too, so the draws
+    # weigh the same distances as the CPU's and the reference's, draw for draw, over two and three rounds
+    rng = np.random.default_rng(60)
+    d = 128
+    x = np.stack([np.eye(d)[rng.permutation(d)] * rng.uniform(0.5, 3.0, size=(d, 1)) for _ in range(3)])
+    x = x.astype(np.float32)
+    for n in (65, 120):
+        got = ops.kmeans_cosine(x, n, n_iter=1, init="kpp", backend="cuda")
+        cpu = ops.kmeans_cosine(x, n, n_iter=1, init="kpp", n_threads=2)
+        for h in range(3):
+            want = kmeans_cosine(x[h].astype(np.float64), n, n_iter=1, init="kpp", head=h)
+            assert got[h].assignment.tolist() == cpu[h].assignment.tolist() == want.assignment.tolist()
+
+
+def test_kpp_seeding_on_cuda_is_deterministic() -> None:
+    # on real-valued keys the GPU's TF32 similarities weigh the draws slightly otherwise than the CPU's, so its seeds
+    # may differ from the CPU's; they are the same from run to run, and the clustering converges as from any seeds
+    rng = np.random.default_rng(61)
+    x = np.stack([blobs(rng, 40, 25, 128, spread=0.05)[0] for _ in range(4)]).astype(np.float32)
+    a = ops.kmeans_cosine(x, 130, n_iter=30, init="kpp", backend="cuda")
+    b = ops.kmeans_cosine(x, 130, n_iter=30, init="kpp", backend="cuda")
+    for h in range(4):
+        assert np.array_equal(a[h].assignment, b[h].assignment) and np.array_equal(a[h].centroids, b[h].centroids)
+        assert a[h].n_iter < 30 and a[h].sizes.sum() == 1000

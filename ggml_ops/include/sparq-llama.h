@@ -122,7 +122,9 @@ struct kmeans_bench_args {
     int          n_iter, n_layers;
     double     * layer_s;
     int        * iters_out;
-    double     * phase_s;  // NULL, or [n_layers][3] out: setup (state, normalising), iterations, the table (seconds)
+    double     * phase_s;  // NULL, or [n_layers][3] out: setup (state, normalising, seeding), iterations, the table
+                           // (seconds)
+    int          init;     // enum llama_squeeze_init
 };
 SPARQ_API int sparq_llama_bench_kmeans(const struct kmeans_bench_args * args, char * err, size_t err_size);
 

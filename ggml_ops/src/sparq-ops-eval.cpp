@@ -524,7 +524,7 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
         const int64_t t0 = ggml_time_us();
         sparq_kmeans_result res;
         res.table_dst = table.data();
-        const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res);
+        const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init);
         const int64_t t1 = ggml_time_us();
         if (!msg.empty()) {
             return fail(err, err_size, "%s", msg.c_str());

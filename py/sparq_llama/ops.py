@@ -402,20 +402,23 @@ class KmeansBenchArgs(ctypes.Structure):
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
         [("n_iter", ctypes.c_int), ("n_layers", ctypes.c_int), ("layer_s", ctypes.POINTER(ctypes.c_double)),
-         ("iters_out", ctypes.POINTER(ctypes.c_int)), ("phase_s", ctypes.POINTER(ctypes.c_double))]
+         ("iters_out", ctypes.POINTER(ctypes.c_int)), ("phase_s", ctypes.POINTER(ctypes.c_double)), ("init", ctypes.c_int)]
 
 
-def bench_kmeans(*, d: int, P: int, H: int, n_clusters: int, n_iter: int, n_layers: int,
+def bench_kmeans(*, d: int, P: int, H: int, n_clusters: int, n_iter: int, n_layers: int, init: str = "even",
                  n_threads: int | None = None, backend: str = "cpu") -> tuple[list[float], list[int], np.ndarray]:
     """The clustering of a fixed prefix with its keys already on the backend (sparq_llama_bench_kmeans): per layer
     of n_layers, H problems of P random rows of d components clustered into n_clusters (n_iter iterations at
-    most). Returns (seconds per layer, iterations each layer ran, phase seconds [n_layers, 3]: setup (state,
-    normalising), iterations (with their read-backs), the table (with its read-back))."""
+    most; `init` as kmeans_cosine's). Returns (seconds per layer, iterations each layer ran, phase seconds
+    [n_layers, 3]: setup (state, normalising, seeding), iterations (with their read-backs), the table (with its
+    read-back))."""
+    if init not in KMEANS_INITS:
+        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
     layer_s, iters_out = (ctypes.c_double * n_layers)(), (ctypes.c_int * n_layers)()
     phase_s = (ctypes.c_double * (3 * n_layers))()
     args = KmeansBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P,
                            H=H, n_clusters=n_clusters, n_iter=n_iter, n_layers=n_layers, layer_s=layer_s,
-                           iters_out=iters_out, phase_s=phase_s)
+                           iters_out=iters_out, phase_s=phase_s, init=KMEANS_INITS.index(init))
     _call("sparq_llama_bench_kmeans", args)
     return list(layer_s), list(iters_out), np.array(phase_s[:]).reshape(n_layers, 3)
 
