@@ -238,7 +238,8 @@ static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct 
 
 // k-means' initial centroids (sparq_llama.reference_squeeze.kmeans_cosine): the keys at evenly spaced positions, or
 // k-means++ seeding (each next seed drawn with probability proportional to its squared distance from the seeds so
-// far, in rounds of 64, by a counter-based generator: deterministic), which gives rare keys clusters of their own.
+// far, in rounds of max(64, (n - 1) / 16) draws, by a counter-based generator: deterministic), which gives rare
+// keys clusters of their own.
 enum llama_squeeze_init {
     LLAMA_SQUEEZE_INIT_EVEN = 0,
     LLAMA_SQUEEZE_INIT_KPP  = 1,

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 // a named namespace: llama's sources may be compiled as one unit (unity builds), where anonymous ones meet
 namespace sparq_kmeans_detail {
@@ -39,8 +40,13 @@ static bool run_graph(ggml_backend_t backend, ggml_gallocr * galloc, ggml_cgraph
 }
 
 // k-means++ seeding (sparq_llama.reference_squeeze.kpp_seed_rows, which the tests hold this to)
-constexpr int      KPP_ROUND = 64;                     // seeds drawn per round: one pass over the rows per round
-constexpr uint64_t KPP_SEED  = 0x5EED5EED5EED5EEDull;  // the generator's fixed seed
+constexpr uint64_t KPP_SEED = 0x5EED5EED5EED5EEDull;  // the generator's fixed seed
+
+// Seeds drawn per round (one pass over the rows each): 64, or more for many clusters so that there are at most ~16
+// rounds (each round costs a read-back and the host's draws: 26 rounds made a 32k 7B layer's seeding 130 ms)
+static int64_t kpp_round_size(int64_t n_clusters) {
+    return std::max<int64_t>(64, (n_clusters - 1 + 15) / 16);
+}
 
 // splitmix64's step: a 64-bit bijection of the advanced state
 static uint64_t mix64(uint64_t z) {
@@ -65,9 +71,9 @@ struct kpp_problem {
 // Round rnd's draws for one problem from best[P] (each row's largest similarity to a seed so far): each draw takes
 // the first row whose running sum of max(0, 2 - 2 best) exceeds u times the total, unless it is a seed already.
 // A round that adds none fills the rest with the lowest rows that are not seeds. Returns the rows added.
-static std::vector<int32_t> kpp_draw(kpp_problem & pr, const float * best, int64_t P, int64_t n_clusters, uint64_t h,
-                                     uint64_t rnd, std::vector<double> & cum) {
-    const int64_t b = std::min<int64_t>(KPP_ROUND, n_clusters - (int64_t) pr.seeds.size());
+static std::vector<int32_t> kpp_draw(kpp_problem & pr, const float * best, int64_t P, int64_t n_clusters,
+                                     int64_t round_size, uint64_t h, uint64_t rnd, std::vector<double> & cum) {
+    const int64_t b = std::min<int64_t>(round_size, n_clusters - (int64_t) pr.seeds.size());
     double run = 0.0;
     for (int64_t p = 0; p < P; ++p) {
         run += std::max(0.0, 2.0 - 2.0 * (double) best[p]);
@@ -97,65 +103,88 @@ static std::vector<int32_t> kpp_draw(kpp_problem & pr, const float * best, int64
     return added;
 }
 
-// k-means++ seed rows of every problem of xn [d, P, H] (unit rows on the backend) into rows [H][n_clusters]. Per
-// round one graph: each problem's new seeds' similarities to every row (ggml_mul_mat), their maximum and the
-// running one (ggml_pool_2d), read back for the next round's draws on the host.
+// One seeding graph: the similarities of b seeds per problem (rows idx [b, H]) to every row, their maximum into best
+// [1, P, H], with the running maximum unless first.
+static ggml_cgraph * kpp_graph(ggml_context * ctx, ggml_tensor * xn, ggml_tensor * idx, ggml_tensor * best, int64_t b,
+                               bool first) {
+    const int64_t H = xn->ne[2];
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_tensor * rows_b = ggml_view_2d(ctx, idx, b, H, b * sizeof(int32_t), 0);
+    ggml_tensor * sim = ggml_mul_mat(ctx, ggml_get_rows(ctx, xn, rows_b), xn);                      // [b, P, H]
+    ggml_tensor * top = ggml_pool_2d(ctx, sim, GGML_OP_POOL_MAX, (int) b, 1, (int) b, 1, 0, 0);     // [1, P, H]
+    if (!first) {
+        top = ggml_pool_2d(ctx, ggml_concat(ctx, top, best, 0), GGML_OP_POOL_MAX, 2, 1, 2, 1, 0, 0);
+    }
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, top, best));
+    return gf;
+}
+
+// k-means++ seed rows of every problem of xn [d, P, H] (unit rows on the backend) into rows [H][n_clusters]. Round 0
+// takes row 0; each later round draws on the host from the similarities read back, then one graph (the same one every
+// round: rows padded with row 0, a seed already, which leaves the maximum as it is) adds the new seeds' similarities.
 static std::string kpp_seed_rows(ggml_backend_t backend, ggml_gallocr * galloc, ggml_tensor * xn, int64_t n_clusters,
                                  int64_t head0, std::vector<int32_t> & rows) {
-    const int64_t P = xn->ne[1], H = xn->ne[2];
+    const int64_t P = xn->ne[1], H = xn->ne[2], B = kpp_round_size(n_clusters);
     ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, /*no_alloc =*/ true };
     ctx_ptr state(ggml_init(ip));
     ggml_tensor * best = ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, 1, P, H);  // largest similarity to a seed
-    ggml_tensor * idx  = ggml_new_tensor_1d(state.get(), GGML_TYPE_I32, KPP_ROUND * H);
+    ggml_tensor * idx  = ggml_new_tensor_1d(state.get(), GGML_TYPE_I32, B * H);
     std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(state.get(), backend));
     if (!buf) {
         return "k-means: could not allocate the seeding's state on the backend";
     }
     std::vector<kpp_problem> pr(H);
-    std::vector<std::vector<int32_t>> added(H);
-    for (int64_t h = 0; h < H; ++h) {
-        pr[h].is_seed.assign(P, 0);
-        pr[h].is_seed[0] = 1;
-        pr[h].seeds.push_back(0);
-        added[h] = { 0 };
+    for (auto & p : pr) {
+        p.is_seed.assign(P, 0);
+        p.is_seed[0] = 1;
+        p.seeds.push_back(0);
     }
-    std::vector<float>   host_best(P * H);
-    std::vector<double>  cum(P);
-    std::vector<int32_t> host_idx;
-    for (uint64_t rnd = 0;; ++rnd) {
-        if (rnd > 0) {  // this round's draws from the previous round's similarities
-            ggml_backend_tensor_get(best, host_best.data(), 0, ggml_nbytes(best));
-            for (int64_t h = 0; h < H; ++h) {
-                added[h].clear();
+    std::vector<int32_t> host_idx(B * H, 0);  // round 0: row 0 of each problem
+    ggml_backend_tensor_set(idx, host_idx.data(), 0, H * sizeof(int32_t));
+    {
+        ctx_ptr ctx = graph_context();
+        if (!run_graph(backend, galloc, kpp_graph(ctx.get(), xn, idx, best, 1, true))) {
+            return "k-means: a seeding graph failed";
+        }
+    }
+    ctx_ptr ctx = graph_context();
+    ggml_cgraph * gf = kpp_graph(ctx.get(), xn, idx, best, B, false);
+    // the draws of each problem are independent: spread over host threads (each with its own running sums)
+    const int n_threads = (int) std::max<int64_t>(1, std::min<int64_t>({ H, 16, (int64_t) std::thread::hardware_concurrency() }));
+    std::vector<std::vector<double>> cum(n_threads, std::vector<double>(P));
+    std::vector<float> host_best(P * H);
+    for (uint64_t rnd = 1;; ++rnd) {
+        ggml_backend_tensor_get(best, host_best.data(), 0, ggml_nbytes(best));
+        std::vector<std::vector<int32_t>> added(H);
+        auto draw = [&](int t) {
+            for (int64_t h = t; h < H; h += n_threads) {
                 if ((int64_t) pr[h].seeds.size() < n_clusters) {
-                    added[h] = kpp_draw(pr[h], host_best.data() + h * P, P, n_clusters, (uint64_t) (head0 + h), rnd, cum);
+                    added[h] = kpp_draw(pr[h], host_best.data() + h * P, P, n_clusters, B, (uint64_t) (head0 + h), rnd,
+                                        cum[t]);
                 }
             }
+        };
+        std::vector<std::thread> workers;
+        for (int t = 1; t < n_threads; ++t) {
+            workers.emplace_back(draw, t);
         }
-        size_t b = 0;
-        bool done = true;
+        draw(0);
+        for (auto & w : workers) {
+            w.join();
+        }
+        bool any = false, done = true;
         for (int64_t h = 0; h < H; ++h) {
-            b = std::max(b, added[h].size());
+            any = any || !added[h].empty();
             done = done && (int64_t) pr[h].seeds.size() == n_clusters;
         }
-        if (done || b == 0) {
+        if (done || !any) {
             break;
         }
-        // b rows per problem, a problem with fewer padded with row 0 (a seed already: it leaves the maximum as is)
-        host_idx.assign(b * H, 0);
+        std::fill(host_idx.begin(), host_idx.end(), 0);
         for (int64_t h = 0; h < H; ++h) {
-            std::copy(added[h].begin(), added[h].end(), host_idx.begin() + h * b);
+            std::copy(added[h].begin(), added[h].end(), host_idx.begin() + h * B);
         }
         ggml_backend_tensor_set(idx, host_idx.data(), 0, host_idx.size() * sizeof(int32_t));
-        ctx_ptr ctx = graph_context();
-        ggml_cgraph * gf = ggml_new_graph(ctx.get());
-        ggml_tensor * rows_b = ggml_view_2d(ctx.get(), idx, (int64_t) b, H, b * sizeof(int32_t), 0);
-        ggml_tensor * sim = ggml_mul_mat(ctx.get(), ggml_get_rows(ctx.get(), xn, rows_b), xn);        // [b, P, H]
-        ggml_tensor * top = ggml_pool_2d(ctx.get(), sim, GGML_OP_POOL_MAX, (int) b, 1, (int) b, 1, 0, 0);  // [1, P, H]
-        if (rnd > 0) {
-            top = ggml_pool_2d(ctx.get(), ggml_concat(ctx.get(), top, best, 0), GGML_OP_POOL_MAX, 2, 1, 2, 1, 0, 0);
-        }
-        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), top, best));
         if (!run_graph(backend, galloc, gf)) {
             return "k-means: a seeding graph failed";
         }

@@ -22,7 +22,7 @@ struct sparq_kmeans_result {
 // The initial centroids (sparq_llama.reference_squeeze.kmeans_cosine's init).
 enum sparq_kmeans_init {
     SPARQ_KMEANS_EVEN = 0,  // the rows at evenly spaced positions
-    SPARQ_KMEANS_KPP  = 1,  // k-means++ seeding, in rounds of 64 seeds, by a counter-based generator
+    SPARQ_KMEANS_KPP  = 1,  // k-means++ seeding in rounds (64 seeds, more for many clusters), by a counter-based generator
 };
 
 // x: [d, P, H] f32, contiguous, allocated on `backend`. Problem h draws its k-means++ seeds as problem head0 + h

@@ -7,7 +7,8 @@ last ``n_calib`` cells, which stay exact and whose queries calibrate the thresho
 * :func:`kmeans_cosine`: spherical k-means on the L2-normalised keys. Initial centroids (``init``):
   ``"even"``, the keys at evenly spaced cells (``(i * P) // c``); or ``"kpp"``, k-means++ seeding
   (:func:`kpp_seed_rows`: each next seed drawn with probability proportional to its squared distance from the
-  seeds so far, in rounds of KPP_ROUND seeds, by a counter-based generator: every backend and run draws alike).
+  seeds so far, in rounds of :func:`kpp_round_size` seeds, by a counter-based generator: every backend and run
+  draws alike).
   An iteration assigns each key to the centroid of largest cosine similarity (ties: the higher cluster, as
   ggml_argmax, which the graph version uses) and moves
   each centroid to the normalised mean of its members (an empty cluster keeps its centroid); it stops after
@@ -51,13 +52,12 @@ from numpy.typing import ArrayLike, NDArray
 from .reference import _check_mask
 
 __all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "group_scores", "kept_fraction",
-           "kmeans_cosine", "kpp_seed_rows", "kpp_uniform", "variance_term"]
+           "kmeans_cosine", "kpp_round_size", "kpp_seed_rows", "kpp_uniform", "variance_term"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 GROUP_RULES = ("max", "mean")
 KMEANS_INITS = ("even", "kpp")
-KPP_ROUND = 64                  # k-means++ seeds drawn per round (one pass over the keys per round)
 KPP_SEED = 0x5EED5EED5EED5EED   # the generator's fixed seed
 _M64 = (1 << 64) - 1
 
@@ -94,10 +94,16 @@ def kpp_uniform(head: int, rnd: int, j: int) -> float:
     return ((z >> 11) + 0.5) * 2.0 ** -53
 
 
+def kpp_round_size(n_clusters: int) -> int:
+    """Seeds drawn per round of :func:`kpp_seed_rows`: 64, or ceil((n_clusters - 1) / 16) for more clusters (at most
+    ~16 rounds: each is a pass over the keys and, on a GPU, a read-back)."""
+    return max(64, (n_clusters - 1 + 15) // 16)
+
+
 def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) -> I64:
     """k-means++ seeding of unit rows [P, d]: the rows of the n_clusters initial centroids, in order.
 
-    Row 0 first. Then rounds r = 1, 2, ... of b = min(KPP_ROUND, n_clusters - chosen) draws: with m_p the largest
+    Row 0 first. Then rounds r = 1, 2, ... of b = min(kpp_round_size(n_clusters), n_clusters - chosen) draws: with m_p the largest
     similarity of row p to a seed so far, D_p = max(0, 2 - 2 m_p) (the squared chord distance) and c its running
     sum, draw j takes the first row p with c_p > u_j c_{P-1} (u_j = kpp_uniform(head, r, j)), skipped when already
     a seed. A round that adds none (or a total of 0: fewer distinct rows than clusters) fills the rest with the
@@ -111,7 +117,7 @@ def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) ->
     rnd = 0
     while len(chosen) < n_clusters:
         rnd += 1
-        b = min(KPP_ROUND, n_clusters - len(chosen))
+        b = min(kpp_round_size(n_clusters), n_clusters - len(chosen))
         cum = np.cumsum(np.maximum(0.0, 2.0 - 2.0 * best))
         added: list[int] = []
         if cum[-1] > 0.0:
