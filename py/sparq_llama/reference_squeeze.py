@@ -103,11 +103,11 @@ def kpp_round_size(n_clusters: int) -> int:
 def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) -> I64:
     """k-means++ seeding of unit rows [P, d]: the rows of the n_clusters initial centroids, in order.
 
-    Row 0 first. Then rounds r = 1, 2, ... of b = min(kpp_round_size(n_clusters), n_clusters - chosen) draws: with m_p the largest
-    similarity of row p to a seed so far, D_p = max(0, 2 - 2 m_p) (the squared chord distance) and c its running
-    sum, draw j takes the first row p with c_p > u_j c_{P-1} (u_j = kpp_uniform(head, r, j)), skipped when already
-    a seed. A round that adds none (or a total of 0: fewer distinct rows than clusters) fills the rest with the
-    lowest rows not yet seeds."""
+    Row 0 first. Then rounds r = 1, 2, ... of b = min(kpp_round_size(n_clusters), n_clusters - chosen) draws:
+    with m_p the largest similarity of row p to a seed so far, D_p = max(0, 2 - 2 m_p) (the squared chord distance)
+    and c its running sum, draw j takes the first row p with c_p > u_j c_{P-1} (u_j = kpp_uniform(head, r, j)),
+    skipped when already a seed. A round that adds none (or a total of 0: fewer distinct rows than clusters) fills
+    the rest with the lowest rows not yet seeds."""
     xn = np.asarray(keys_normalised, dtype=np.float64)
     p = xn.shape[0]
     chosen = [0]

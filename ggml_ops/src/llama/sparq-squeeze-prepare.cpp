@@ -550,7 +550,7 @@ static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, 
     if (!ggml_gallocr_alloc_graph(galloc.get(), gf) || ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
         return "gathering the prefix keys failed on " + std::string(ggml_backend_name(backend));
     }
-    return sparq_kmeans_run(backend, x, n_cent, n_iter, res, init, h0);  // head h0 + h draws as head h0 + h
+    return sparq_kmeans_run(backend, x, n_cent, n_iter, res, init, h0);  // problem h is the layer's head h0 + h
 }
 
 // Coarse level: k-means of the fine centroids (their components) per head on `backend`; the coarse table is the
