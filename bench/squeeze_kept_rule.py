@@ -475,36 +475,9 @@ def kmeans_from(keys: F64, n_clusters: int, n_iter: int, init: str) -> Any:
     op's: evenly spaced positions) or 'kpp' (k-means++ seeding)."""
     if init == "even":
         return kmeans_cosine(keys, n_clusters, n_iter)
-    from sparq_llama.reference_squeeze import Clusters
-
-    x = keys
-    xn = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-30)
-    if init.startswith("kppb"):
-        rows = seeds_kpp_batched(x, n_clusters, int(init[4:]))
-    else:
-        rows = seeds_kpp(x, n_clusters, int(init[3:] or 0))
-    cn = xn[rows].copy()
-    assignment = np.full(len(x), -1, dtype=np.int64)
-    done = 0
-    for done in range(1, n_iter + 1):
-        sim = xn @ cn.T
-        new = (n_clusters - 1 - np.argmax(sim[:, ::-1], axis=1)).astype(np.int64)
-        changed = not np.array_equal(new, assignment)
-        assignment = new
-        sums = np.zeros_like(cn)
-        np.add.at(sums, assignment, xn)
-        nonempty = np.bincount(assignment, minlength=n_clusters) > 0
-        cn[nonempty] = sums[nonempty] / np.maximum(np.linalg.norm(sums[nonempty], axis=1, keepdims=True), 1e-30)
-        if not changed:
-            break
-    sizes = np.bincount(assignment, minlength=n_clusters).astype(np.int64)
-    centroids = np.zeros((n_clusters, x.shape[1]))
-    np.add.at(centroids, assignment, x)
-    centroids[sizes > 0] /= sizes[sizes > 0, None]
-    variances = np.zeros_like(centroids)
-    np.add.at(variances, assignment, (x - centroids[assignment]) ** 2)
-    variances[sizes > 0] /= sizes[sizes > 0, None]
-    return Clusters(centroids, sizes, assignment, done, variances)
+    rows = seeds_kpp_batched(keys, n_clusters, int(init[4:])) if init.startswith("kppb") else \
+        seeds_kpp(keys, n_clusters, int(init[3:] or 0))
+    return kmeans_cosine(keys, n_clusters, n_iter, init=rows)
 
 
 def cluster_stats(keys: F64, n_clusters: int, n_iter: int, percentiles: tuple[int, ...],

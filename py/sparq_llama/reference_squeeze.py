@@ -137,9 +137,11 @@ def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) ->
     return np.asarray(chosen, dtype=np.int64)
 
 
-def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str = "even", head: int = 0) -> Clusters:
+def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str | ArrayLike = "even",
+                  head: int = 0) -> Clusters:
     """Spherical k-means of keys [P, d] into n_clusters (1..P) clusters; deterministic (see the module doc). `head`
-    numbers the problem for the k-means++ generator (the KV head: the graph version draws per head)."""
+    numbers the problem for the k-means++ generator (the KV head: the graph version draws per head). `init` may also
+    be the n_clusters initial rows themselves (studies of other seedings)."""
     x = np.asarray(keys, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
         raise ValueError(f"keys must be [P, d] with P, d >= 1, got shape {x.shape}")
@@ -148,10 +150,15 @@ def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str =
         raise ValueError(f"n_clusters must be an integer in [1, P = {p}], got {n_clusters!r}")
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
-    if init not in KMEANS_INITS:
-        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
     xn = _normalise(x)
-    rows = (np.arange(n_clusters) * p) // n_clusters if init == "even" else kpp_seed_rows(xn, n_clusters, head)
+    if not isinstance(init, str):
+        rows = np.asarray(init, dtype=np.int64)
+        if rows.shape != (n_clusters,) or rows.min() < 0 or rows.max() >= p:
+            raise ValueError(f"init rows must be {n_clusters} row indices in [0, {p})")
+    elif init not in KMEANS_INITS:
+        raise ValueError(f"init must be one of {KMEANS_INITS} or row indices, got {init!r}")
+    else:
+        rows = (np.arange(n_clusters) * p) // n_clusters if init == "even" else kpp_seed_rows(xn, n_clusters, head)
     cn = xn[rows].copy()
     assignment = np.full(p, -1, dtype=np.int64)
     done = 0
