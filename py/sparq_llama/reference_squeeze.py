@@ -57,7 +57,7 @@ __all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
 GROUP_RULES = ("max", "mean")
-KMEANS_INITS = ("even", "kpp")
+KMEANS_INITS = ("even", "kpp")  # k-means' initial centroids; index = enum llama_squeeze_init
 KPP_SEED = 0x5EED5EED5EED5EED   # the generator's fixed seed
 _M64 = (1 << 64) - 1
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
+from .reference_squeeze import KMEANS_INITS
 from .sparq import _as_int, _ctx_ptr, _finite_float, _int32
 
 __all__ = ["GROUPS", "INITS", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save", "sidecar_path"]
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 GROUPS = ("max", "mean")  # index = enum ggml_centroid_group
 Group = Literal["max", "mean"]
-INITS = ("even", "kpp")  # index = enum llama_squeeze_init
+INITS = KMEANS_INITS  # ("even", "kpp"): index = enum llama_squeeze_init (ops.kmeans_cosine takes the same names)
 Init = Literal["even", "kpp"]
 
 ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
