@@ -1,4 +1,4 @@
-"""llama-bench's centroid-sparse sweep (-squeeze-keep, -squeeze-centroids, -squeeze-var): the -d prefix is prepared once per
+"""llama-bench's centroid-sparse sweep (-squeeze-keep, -squeeze-centroids, -squeeze-var, -squeeze-init): the -d prefix is prepared once per
 test and stays prepared over the repetitions; bad values fail clearly before any test runs."""
 from __future__ import annotations
 
@@ -47,6 +47,20 @@ def test_var_sweep_reaches_the_kept_rule(tiny_model):
     assert len(thresholds) == 2 and thresholds[0] != thresholds[1], res.stderr[-3000:]
 
 
+def test_init_sweep_reaches_the_clustering(tiny_model):
+    # -squeeze-init even,kpp: one test per seeding with a prefix, dense once; the clusters differ between the two
+    # seedings, and with them the calibrated threshold, so each setting reached the preparation
+    res = run(["llama-bench", "-m", str(tiny_model), "-p", "0", "-n", "2", "-d", "400", "-r", "1", "-t", "2",
+               "-squeeze-keep", "0,0.2", "-squeeze-centroids", "0.1", "-squeeze-init", "even,kpp", "-o", "json", "-v",
+               "--progress"], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout)
+    assert sorted((r["squeeze_keep"], r["squeeze_init"]) for r in rows) == [(0.0, "even"), (0.2, "even"), (0.2, "kpp")]
+    assert "init even)" in res.stderr and "init kpp)" in res.stderr, res.stderr[-3000:]
+    thresholds = re.findall(r"centroid-sparse prefix of sequence 0: 400 tokens .*? T = ([0-9.e+-]+)", res.stderr)
+    assert len(thresholds) == 2 and thresholds[0] != thresholds[1], res.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, message", [
     (["-squeeze-keep", "0.1", "-p", "0", "-n", "4"], "-squeeze-keep needs a prefix to cluster"),
     (["-squeeze-keep", "1.5", "-d", "64"], "invalid parameter for argument: -squeeze-keep"),
@@ -54,6 +68,8 @@ def test_var_sweep_reaches_the_kept_rule(tiny_model):
     (["-squeeze-keep", "0.1", "-squeeze-centroids", "0", "-d", "64"], "invalid parameter for argument: -squeeze-centroids"),
     (["-squeeze-keep", "0.1", "-squeeze-var", "101", "-d", "64"], "invalid parameter for argument: -squeeze-var"),
     (["-squeeze-keep", "0.1", "-squeeze-var", "-1", "-d", "64"], "invalid parameter for argument: -squeeze-var"),
+    (["-squeeze-keep", "0.1", "-squeeze-init", "kmeans++", "-d", "64"], "invalid parameter for argument: -squeeze-init"),
+    (["-squeeze-keep", "0.1", "-squeeze-init", "even,", "-d", "64"], "invalid parameter for argument: -squeeze-init"),
 ])
 def test_bad_squeeze_values_fail_before_any_test(tiny_model, args, message):
     res = run(["llama-bench", "-m", str(tiny_model), "-r", "1", "-t", "1", *args], timeout=120)
