@@ -16,7 +16,7 @@ struct sparq_kmeans_result {
     // in: where to read the table back to (H * n * (2d + 1) floats, e.g. the caller's own copy); null: into table.
     // A prepared 7B layer's table is 53 MB: a fresh vector's page faults and a second copy cost ~10 ms each.
     float *              table_dst = nullptr;
-    double               phase_s[3] = {};  // wall seconds: setup (state, normalising), iterations, the table
+    double               phase_s[3] = {};  // wall seconds: setup (state, normalising, seeding), iterations, the table
 };
 
 // The initial centroids (sparq_llama.reference_squeeze.kmeans_cosine's init).
