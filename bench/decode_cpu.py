@@ -16,11 +16,15 @@ per depth: decode tokens/s, each k1's speedup over dense, and two model predicti
   part, c the per-cell attention cost); SparQ divides the attention part by the transfer ratio, so its
   step takes t0 + c * depth / ratio.
 
-Writes bench/results/sparq_decode.json (machine, commit, commands, llama-bench's raw JSON, derived table)
-and bench/results/sparq_decode.png (speedup vs depth: measured points per k1, the model curves).
+Writes bench/results/decode_cpu.json (machine, commit, commands, llama-bench's raw JSON, derived table)
+and bench/results/decode_cpu.png (speedup vs depth: measured points per k1, the model curves).
 
-    .venv/bin/python bench/sparq_decode.py [--depths 0,2048,4096,8192] [--k1 8,16] [--k2 128] [--threads 2]
-    .venv/bin/python bench/sparq_decode.py --from-json bench/results/sparq_decode.json   # plot again
+    .venv/bin/python bench/decode_cpu.py [--depths 0,2048,4096,8192] [--k1 8,16] [--k2 128] [--threads 2]
+    .venv/bin/python bench/decode_cpu.py --min-kv-crossover   # short depths, SparQ forced on: where it starts to pay
+    .venv/bin/python bench/decode_cpu.py --from-json bench/results/decode_cpu.json   # plot again
+
+--min-kv-crossover measures where SparQ starts to pay on this machine (the --sparq-min-kv default): depths
+256..2048, k1 = 16, -sparq-min-kv 0, 32 generated tokens, into bench/results/decode_cpu_min_kv.json (+ .png).
 
 The plot needs matplotlib: pip install 'sparq-llama[bench]' (or matplotlib).
 """
@@ -29,8 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,12 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from record import RESULTS, provenance
 from sparq_llama import models
 from sparq_llama.reference import transfer_ratio
 
-log = logging.getLogger("sparq_decode")
-
-RESULTS = Path(__file__).resolve().parent / "results"
+log = logging.getLogger("decode_cpu")
 HEAD_DIM = {"smollm2": 64, "gemma3": 256}  # attention head size of the models in sparq_llama.models
 
 Row = dict[str, Any]
@@ -217,42 +218,6 @@ def format_table(table: list[Row]) -> str:
 # Recording and plotting
 
 
-def machine() -> dict[str, Any]:
-    cpu, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not cpu:
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "usable_cores": usable,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "avx2": " avx2 " in flags, "avx512": " avx512f " in flags}
-
-
-def git_commit() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, check=False,
-                              cwd=Path(__file__).parent).stdout.strip()
-    try:
-        return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain"))}
-    except OSError:
-        return {"commit": "unknown", "dirty": None}
-
-
-def build_info() -> dict[str, Any] | None:
-    try:
-        import sparq_llama
-        return sparq_llama.build_info()
-    except Exception as e:  # noqa: BLE001 - a record without it is still useful
-        log.warning("no build info: %s", e)
-        return None
-
-
 def _theory_grid(max_depth: int, k2: int) -> list[int]:
     step = max(1, max_depth // 200)
     return sorted({0, k2, k2 + 1, *range(0, max_depth + 1, step), max_depth})
@@ -266,7 +231,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log.error("matplotlib is missing, no plot written: pip install 'sparq-llama[bench]' (or matplotlib), "
-                  "then: python bench/sparq_decode.py --from-json <json>")
+                  "then: python bench/decode_cpu.py --from-json <json>")
         return False
     p, table, fit = result["params"], result["table"], result["fit"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -329,12 +294,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (-t)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (-r)")
     ap.add_argument("--llama-bench", help="llama-bench binary (default: next to this Python, else on PATH)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "sparq_decode.json", help="JSON written")
-    ap.add_argument("--png", type=Path, default=RESULTS / "sparq_decode.png", help="plot written")
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json", help="JSON written")
+    ap.add_argument("--png", type=Path, default=RESULTS / "decode_cpu.png", help="plot written")
+    ap.add_argument("--min-kv-crossover", action="store_true",
+                    help="the crossover run: --depths 256,512,1024,2048 --k1 16 --min-kv 0 --n-gen 32, written to "
+                         "decode_cpu_min_kv.json / .png")
     ap.add_argument("--from-json", type=Path, metavar="JSON",
                     help="do not run anything: derive and plot again from this earlier result")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
+    if args.min_kv_crossover:
+        args.depths, args.k1, args.min_kv, args.n_gen = [256, 512, 1024, 2048], [16], 0, 32
+        args.out, args.png = RESULTS / "decode_cpu_min_kv.json", RESULTS / "decode_cpu_min_kv.png"
     if any(d < 0 for d in args.depths) or any(k < 1 for k in args.k1) or min(args.k2, args.n_gen, args.threads,
                                                                               args.reps) < 1:
         ap.error("depths must be >= 0; k1, k2, n-gen, threads and reps >= 1")
@@ -353,9 +324,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     params = {"model": name, "model_file": model_path.name, "head_dim": head_dim, "mean": args.mean,
               "depths": args.depths, "k1": args.k1, "k2": args.k2, "n_gen": args.n_gen, "threads": args.threads,
               "reps": args.reps}
-    return {"bench": "sparq_decode", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **git_commit(),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(),
-            "build": build_info(), "params": params, "llama_bench": runs}
+    return {**provenance("decode_cpu_min_kv" if args.min_kv_crossover else "decode_cpu"), "params": params,
+            "llama_bench": runs}
 
 
 def main(argv: list[str] | None = None) -> int:

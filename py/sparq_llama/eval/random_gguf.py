@@ -1,11 +1,13 @@
-#!/usr/bin/env python3
-"""Random-weight GGUF models of real shapes, for timings only (never quality).
+"""Random-weight GGUF models of real shapes, for timings and tests only (never quality).
 
-    python bench/random_gguf.py --shape llama2-7b --out /tmp/models/llama2-7b-q8_0.gguf
+    python -m sparq_llama.eval.random_gguf --shape llama2-7b --out /tmp/models/llama2-7b-q8_0.gguf \
+        --vocab-dir vendor/llama.cpp/models
 
 Q8_0 weights (random int8 quants, one small scale, so activations stay finite), f32 norms, and the real
-tokenizer copied from llama.cpp's vocab files (models/ggml-vocab-llama-{spm,bpe}.gguf of the pinned tree),
-so llama.cpp loads, tokenizes and runs the file like the real model. Weights of one shape share one buffer.
+tokenizer copied from llama.cpp's vocab files (models/ggml-vocab-llama-{spm,bpe}.gguf of the pinned tree,
+vendor/llama.cpp after a build), so llama.cpp loads, tokenizes and runs the file like the real model. Weights of
+one shape share one buffer. Used by the CUDA benchmarks of bench/ and by tests that need a model of a
+given layout without a download.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
 log = logging.getLogger("random_gguf")
 
 
@@ -73,10 +74,11 @@ def copy_tokenizer(writer, vocab_path: Path) -> int:
     return n_vocab
 
 
-def write_model(shape: Shape, out: Path, seed: int = 0) -> Path:
+def write_model(shape: Shape, out: Path, vocab_dir: Path, seed: int = 0) -> Path:
+    """Writes the model of `shape` to `out`, its tokenizer from `vocab_dir` (the pinned llama.cpp tree's models/)."""
     import gguf
 
-    vocab_path = REPO / "vendor" / "llama.cpp" / "models" / shape.vocab_file
+    vocab_path = Path(vocab_dir) / shape.vocab_file
     if not vocab_path.exists():
         raise FileNotFoundError(f"{vocab_path}: build or fetch the pinned tree first (vendor/fetch.py)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--vocab-dir", type=Path, required=True, help="the pinned llama.cpp tree's models/ folder")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write_model(SHAPES[args.shape], args.out, args.seed)
+    write_model(SHAPES[args.shape], args.out, args.vocab_dir, args.seed)
     return 0
 
 
