@@ -14,14 +14,17 @@
 #
 # A/B against another commit: BASE_COMMIT=<sha> makes `build` also build that commit's tree (a `git worktree` in
 # build/base-src, or, where the device copy has no .git, the archive .device/base.tar made beforehand with
-# `git archive -o .device/base.tar <sha>`) into build/cuda-base; `test` and `op` then run on both builds, each with its
-# own Python package and library (SPARQ_LLAMA_LIB_DIR), the base's own test files and bench/cuda_op.py:
+# `git archive -o .device/base.tar <sha>`) into build/cuda-base, from its own source pack .device/base-src.tgz where
+# present (its vendor/patches may differ; made as below from a checkout of <sha>), else from the same pack. `test` and
+# `op` then run on both builds, each with its own Python package and library (SPARQ_LLAMA_LIB_DIR), the base's own
+# test files and bench/cuda_op.py:
 #   SPARQ_COMMIT=$(git rev-parse --short HEAD) BASE_COMMIT=<sha> SEQS=4096,32768,65536 BATCHES=1 ROUNDS=2 \
 #       bash bench/device.sh build test op       # -> cuda_op.json / cuda_op_base.json (per round), a table of both
 #
 # Knobs (environment): SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
 # switch SPARQ_CUDA_SELECT), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
-# CUDA_ARCH (default 90), OUT (default /tmp/out). ccache is used where the machine has it (cache in build/ccache).
+# CUDA_ARCH (default 90), OUT (default /tmp/out). ccache is used where the machine has it, or where .device/debs
+# carries its Debian packages (unpacked into /tmp/cc; `apt-get download ccache libhiredis0.14`); cache in build/ccache.
 #
 # Preparing `.device` where a package registry is reachable (carry it with the tree; 64 MiB at most):
 #   python vendor/fetch.py --pack .device/llama.cpp-src.tgz          # the patched, trimmed llama.cpp source pack
@@ -46,6 +49,13 @@ setup_python() {
     for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
 }
 
+setup_ccache() {
+    command -v ccache > /dev/null && return
+    ls .device/debs/*.deb > /dev/null 2>&1 || return 0
+    [ -x /tmp/cc/usr/bin/ccache ] || for d in .device/debs/*.deb; do dpkg -x "$d" /tmp/cc; done
+    export PATH=/tmp/cc/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/cc/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
 # The builds to run on: "name tree build commit" per line (head, then the base where one was built).
 builds() {
     echo "head $REPO $BUILD $SPARQ_COMMIT"
@@ -58,14 +68,14 @@ with_build() {  # tree build commit cmd...
     (cd "$tree" && PYTHONPATH=$tree/py:/tmp/site SPARQ_LLAMA_LIB_DIR=$build/bin SPARQ_COMMIT=$commit "$@")
 }
 
-cmake_build() {  # source-tree build-dir log-prefix
-    local src=$1 dir=$2 log=$3 launcher=()
+cmake_build() {  # source-tree build-dir log-prefix source-pack
+    local src=$1 dir=$2 log=$3 pack=$4 launcher=()
     if command -v ccache > /dev/null; then
         export CCACHE_DIR=$REPO/build/ccache CCACHE_BASEDIR=$REPO
         launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
     fi
     cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
-        -DSPARQ_LLAMA_SOURCE="$REPO/.device/llama.cpp-src.tgz" -DPython3_EXECUTABLE="$(command -v python3)" "${launcher[@]}" \
+        -DSPARQ_LLAMA_SOURCE="$pack" -DPython3_EXECUTABLE="$(command -v python3)" "${launcher[@]}" \
         > "$OUT/$log-configure.log" 2>&1 || { tail -30 "$OUT/$log-configure.log"; return 1; }
     cmake --build "$dir" --target llama llama-bench llama-batched-bench llama-completion llama-server -j "$(nproc)" \
         > "$OUT/$log-build.log" 2>&1 || { grep -B2 -A12 "error" "$OUT/$log-build.log" | head -80; return 1; }
@@ -86,11 +96,12 @@ base_tree() {  # the base commit's source in build/base-src
 
 stage_build() {
     local t0=$(date +%s)
-    cmake_build "$REPO" "$BUILD" head || return 1
+    cmake_build "$REPO" "$BUILD" head "$REPO/.device/llama.cpp-src.tgz" || return 1
     echo "build ($SPARQ_COMMIT): $(( $(date +%s) - t0 )) s"
     if [ -n "${BASE_COMMIT:-}" ]; then
         t0=$(date +%s)
-        base_tree && cmake_build "$BASE_SRC" "$BASE_BUILD" base || return 1
+        local pack=$REPO/.device/base-src.tgz; [ -f "$pack" ] || pack=$REPO/.device/llama.cpp-src.tgz
+        base_tree && cmake_build "$BASE_SRC" "$BASE_BUILD" base "$pack" || return 1
         echo "build base ($BASE_COMMIT): $(( $(date +%s) - t0 )) s"
     fi
 }
@@ -211,6 +222,7 @@ stage_squeeze() {
 }
 
 setup_python
+setup_ccache
 export PYTHONPATH=$REPO/py:/tmp/site SPARQ_LLAMA_LIB_DIR=$BUILD/bin
 for stage in "$@"; do
     echo "=== $stage ($(date +%T))"
