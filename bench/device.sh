@@ -39,14 +39,14 @@ BASE_SRC=$REPO/build/base-src
 BASE_BUILD=$REPO/build/cuda-base
 SELECT=${SELECT:-auto cluster sweep}
 BASE_SELECT=${BASE_SELECT:-auto}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 DEVICE_SH_STAGES="$*"
 export SPARQ_COMMIT=${SPARQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT"
 status=0
 
 setup_python() {
     [ -d /tmp/site/llama_cpp ] && return
-    for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+    for w in .device/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
 }
 
 setup_ccache() {
@@ -109,7 +109,7 @@ stage_build() {
 # Adds one check (a test or sanitizer run) to $OUT/cuda_checks.json: its command, exit status, summary lines, log tail.
 record_check() {  # name commit rc log command
     python3 - "$OUT/cuda_checks.json" "$@" <<'PY'
-import json, re, sys
+import json, os, re, sys
 from pathlib import Path
 sys.path.insert(0, "bench")
 from record import provenance
@@ -117,6 +117,7 @@ out, name, commit, rc, log, command = Path(sys.argv[1]), *sys.argv[2:]
 text = Path(log).read_text(errors="replace")
 summary = [l for l in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)|ERROR SUMMARY|RACECHECK SUMMARY", l)]
 rec = json.loads(out.read_text()) if out.exists() else {**provenance("cuda_checks"), "checks": []}
+rec["command"] = "bash bench/device.sh " + os.environ.get("DEVICE_SH_STAGES", "")
 rec["checks"].append({"name": name, "commit": commit, "command": command, "rc": int(rc), "summary": summary[-3:],
                       "log_tail": text[-3000:]})
 out.write_text(json.dumps(rec, indent=1) + "\n")
