@@ -60,10 +60,12 @@ def measure(bin_dir: Path, models: Path, batches: list[int]) -> dict[str, Any]:
             sparq = next(r["s_tg"] for r in tables["sparq"] if r["B"] == b)
             rows.append(dict(model_shape=shape, prompt=pp, B=b, dense_tg_tps=dense, sparq_tg_tps=sparq,
                              speedup=sparq / dense))
-            print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x", flush=True)
+            print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x",
+                  flush=True)
         row = next((r for r in rows if r["model_shape"] == shape and r["B"] == 8), None)
-        targets.append(dict(model_shape=shape, B=8, target=TARGETS[shape],
-                            measured=row["speedup"] if row else None, met=bool(row and row["speedup"] >= TARGETS[shape])))
+        met = bool(row and row["speedup"] >= TARGETS[shape])
+        targets.append(dict(model_shape=shape, B=8, target=TARGETS[shape], measured=row["speedup"] if row else None,
+                            met=met))
     return dict(rows=rows, targets=targets, raw=raw)
 
 
@@ -73,7 +75,8 @@ def main() -> int:
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--out", type=Path, default=RESULTS / "cuda_batched.json")
-    ap.add_argument("--from-log", type=Path, metavar="LOG", help="print the table of a saved output as JSON, run nothing")
+    ap.add_argument("--from-log", type=Path, metavar="LOG",
+                    help="print the table of a saved output as JSON, run nothing")
     args = ap.parse_args()
     if args.from_log:
         print(json.dumps(parse_table(args.from_log.read_text(errors="replace"))))

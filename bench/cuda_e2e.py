@@ -59,7 +59,8 @@ def measure(bin_dir: Path, models: Path, depths: list[int], reps: int) -> dict[s
         for depth in depths:
             dense, sparq = tps[(depth, False)], tps[(depth, True)]
             rows.append(dict(model_shape=shape, depth=depth, dense_tps=dense, sparq_tps=sparq, speedup=sparq / dense))
-            print(f"{shape} depth {depth}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x", flush=True)
+            print(f"{shape} depth {depth}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x",
+                  flush=True)
     targets = []
     for (shape, depth), want in TARGETS.items():
         row = next((r for r in rows if r["model_shape"] == shape and r["depth"] == depth), None)

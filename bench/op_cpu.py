@@ -51,7 +51,8 @@ def main() -> int:
                      "flash_median_us": float(np.median(flash_us)), "speedup": speedup, "transfer_ratio": theory})
         tqdm.write(f"{shape:10s} {n_kv:6d} {threads:3d} {np.median(sparq_us) / 1e3:9.3f} "
                    f"{np.median(flash_us) / 1e3:9.3f} {speedup:7.2f}x {theory:6.2f}x")
-    (append_run if args.append else write_record)(args.out, {**provenance("op_cpu"), "runs": args.runs, "results": rows})
+    record = {**provenance("op_cpu"), "runs": args.runs, "results": rows}
+    (append_run if args.append else write_record)(args.out, record)
     return 0
 
 
