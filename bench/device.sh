@@ -2,7 +2,8 @@
 # The GPU driver: builds sparq-llama with CUDA on a machine without a package registry, tests it and runs the CUDA
 # benchmarks, in stages (run from the repository root; each stage fits one call of a lent machine):
 #
-#   bench/device.sh build test sanitize     build (incremental in build/cuda), CUDA tests, compute-sanitizer
+#   bench/device.sh build test              build (incremental in build/cuda; ~5.5 min cold), the CUDA tests
+#   bench/device.sh sanitize                compute-sanitizer memcheck and racecheck on the tests' small cases
 #   bench/device.sh op                      benchmark (a): the op vs flash attention      -> $OUT/cuda_op.json
 #   bench/device.sh e2e                     benchmark (b): llama-bench end to end         -> $OUT/cuda_e2e.json
 #   bench/device.sh batched                 benchmark (c): llama-batched-bench            -> $OUT/cuda_batched.json
