@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark (a) of issue 6: ggml_sparq_attn vs ggml_flash_attn_ext on CUDA, one decode step.
+"""Benchmark (a): ggml_sparq_attn vs ggml_flash_attn_ext on CUDA, one decode step.
 
 Llama-2-7B heads (32 q / 32 kv, d = 128; `--heads llama3-8b`: 32 q / 8 kv), f16 KV, k1 = 32, k2 = 128, S in {4k, 16k, 32k, 64k, 128k},
 B in {1, 16} sequences (streams of S cells each). Median of N interleaved runs per op. Reports time, the
@@ -16,14 +16,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from head_shapes import HEAD_SHAPES
+from record import RESULTS, provenance, write_record
 from sparq_llama import ops
 from sparq_llama.sparq import transfer_elements, transfer_ratio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_common import provenance, write_record  # noqa: E402
-
-HEAD_SHAPES = {"llama2-7b": dict(d=128, n_head=32, n_head_kv=32), "llama3-8b": dict(d=128, n_head=32, n_head_kv=8)}
-HEADS = dict(HEAD_SHAPES["llama2-7b"])  # --heads sets it
+HEADS = HEAD_SHAPES["llama2-7b"].op_args()  # --heads sets it
 
 
 def bytes_moved(s: int, b: int, k1: int, k2: int, sparq: bool) -> float:
@@ -49,11 +47,12 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--k1", type=int, default=32)
     ap.add_argument("--k2", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cuda_op.json")
-    ap.add_argument("--heads", choices=sorted(HEAD_SHAPES), default="llama2-7b", help="the attention shape")
-    ap.add_argument("--one", type=int, nargs=2, metavar=("S", "B"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "cuda_op.json")
+    ap.add_argument("--heads", choices=("llama2-7b", "llama3-8b"), default="llama2-7b", help="the attention shape")
+    ap.add_argument("--one", type=int, nargs=2, metavar=("S", "B"),
+                    help="measure one (S, B) in this process and print it as JSON (for profilers)")
     args = ap.parse_args()
-    HEADS.update(HEAD_SHAPES[args.heads])
+    HEADS.update(HEAD_SHAPES[args.heads].op_args())
     if args.one:
         print(json.dumps(measure(*args.one, args.k1, args.k2, args.runs)))
         return 0
@@ -76,7 +75,7 @@ def main() -> int:
             print(f"{s:>7} {b:>3} {row['sparq_us']:>9.1f} {row['flash_us']:>9.1f} {row['sparq_gbps']:>10.0f} "
                   f"{row['flash_gbps']:>10.0f} {row['speedup']:>7.2f}x {row['theory']:>6.2f}x", flush=True)
     target = next((r for r in rows if r["S"] == 32768 and r["B"] == 1 and "error" not in r), None)
-    result = dict(provenance(), params=dict(HEADS, k1=args.k1, k2=args.k2, kv="f16", runs=args.runs,
+    result = dict(provenance("cuda_op"), params=dict(HEADS, k1=args.k1, k2=args.k2, kv="f16", runs=args.runs,
                                              mean="auto (on: MHA)", statistic="median"),
                   target={"what": "speedup >= 6x at S = 32k, B = 1",
                           "measured": target["speedup"] if target else None,

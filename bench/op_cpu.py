@@ -5,22 +5,17 @@ Shapes: Llama-2-7B heads (32 q / 32 kv, d=128) and SmolLM2 heads (9 q / 3 kv, d=
 k1 = d/4, k2 = 128; threads 1 and 2; median of N interleaved runs. Prints the measured speedup next to the
 paper's data-transfer ratio and writes bench/results/op_cpu.json (machine, commit, command, raw times).
 
-    .venv/bin/python bench/op_cpu.py [--runs 20] [--out bench/results/op_cpu.json]
+    .venv/bin/python bench/op_cpu.py [--runs 30] [--out bench/results/op_cpu.json]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-import sparq_llama
-from cuda_common import write_record
 from head_shapes import HEAD_SHAPES
+from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import ops
 from sparq_llama.reference import transfer_ratio
 from tqdm import tqdm
@@ -28,37 +23,15 @@ from tqdm import tqdm
 SHAPES = ("llama2-7b", "smollm2")
 
 
-def machine() -> dict:
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    flags = ""
-    try:
-        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "avx512": " avx512f " in flags, "avx2": " avx2 " in flags}
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seqs", default="2048,8192,32768")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--layout", default="kt", choices=["kt", "default"])
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "op_cpu.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "op_cpu.json")
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
 
     configs = [(shape, int(s), int(t)) for shape in args.shapes.split(",") for s in args.seqs.split(",")
@@ -78,10 +51,8 @@ def main() -> int:
                      "flash_median_us": float(np.median(flash_us)), "speedup": speedup, "transfer_ratio": theory})
         tqdm.write(f"{shape:10s} {n_kv:6d} {threads:3d} {np.median(sparq_us) / 1e3:9.3f} "
                    f"{np.median(flash_us) / 1e3:9.3f} {speedup:7.2f}x {theory:6.2f}x")
-    result = {"bench": "op_cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(),
-              "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "machine": machine(),
-              "build": sparq_llama.build_info(), "runs": args.runs, "results": rows}
-    write_record(args.out, result)
+    record = {**provenance("op_cpu"), "runs": args.runs, "results": rows}
+    (append_run if args.append else write_record)(args.out, record)
     return 0
 
 

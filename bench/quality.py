@@ -19,16 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
 import sparq_llama  # noqa: F401  (before llama_cpp)
-from sparq_decode import build_info, git_commit, machine
-from sparq_llama.eval import (
-    EvalConfig,
-    report,
-    run,
-)
+from record import RESULTS, provenance
+from sparq_llama.eval import EvalConfig, report, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", help="smollm2 / gemma3 (repeatable; default: both)")
     ap.add_argument("--mode", default="full", choices=("quick", "full", "budget", "long"))
     ap.add_argument("--quick", dest="mode", action="store_const", const="quick", help="same as --mode quick")
-    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--fresh", action="store_true", help="discard earlier partial results")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--render", action="store_true",
@@ -48,16 +41,15 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out_dir) / (f"quality_{model}" + ("" if args.mode == "full" else f"_{args.mode}") + ".json")
             render(model, args.mode, json.loads(out.read_text()), out)
         return 0
-    provenance = git_commit()       # the code that produces the numbers, read before it runs
+    prov = provenance("quality")    # the code that produces the numbers, read before it runs
     for model in args.model or ["smollm2", "gemma3"]:
         stem = f"quality_{model}" + ("" if args.mode == "full" else f"_{args.mode}")
         out = Path(args.out_dir) / f"{stem}.json"
         cfg = EvalConfig.preset(model, args.mode, n_threads=args.threads)
         t0 = time.time()
         data = run(cfg, out, fresh=args.fresh)
-        data.update(bench="quality", mode=args.mode, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    machine=machine(), build=build_info(), command=" ".join([sys.executable, *sys.argv]),
-                    wall_s_this_run=round(time.time() - t0, 1), targets=report.targets(data), **provenance)
+        data.update(prov, mode=args.mode, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    wall_s_this_run=round(time.time() - t0, 1), targets=report.targets(data))
         out.write_text(json.dumps(data, indent=1))
         render(model, args.mode, data, out)
     return 0
@@ -66,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 def render(model: str, mode: str, data: dict, out: Path) -> None:
     """The markdown table (.md) and the plot (.png) next to the JSON; the table is printed too."""
     table = report.markdown(data)
+    commit = (data.get("git") or {}).get("commit") or data.get("commit", "unknown")
     out.with_suffix(".md").write_text(f"# Quality: {model} ({mode})\n\nFrom `{out.name}` (commit "
-                                      f"{data.get('commit', 'unknown')[:10]}, {data.get('date', '')}).\n\n{table}\n")
+                                      f"{commit[:10]}, {data.get('date', '')}).\n\n{table}\n")
     report.plot(data, out.with_suffix(".png"))
     print(f"\n## {model}\n\n{table}\n")
 

@@ -2,7 +2,7 @@
 """Clustering time of a fixed prefix for centroid-sparse attention: spherical k-means as ggml graphs
 (sparq_llama.ops.kmeans_cosine), one call per layer over its KV heads, for a model shape and prefix length.
 
-    python bench/squeeze_cluster.py --shape smollm2 --prefix 8192            # the issue's 2-core CPU target: <= 30 s
+    python bench/squeeze_cluster.py --shape smollm2 --prefix 8192            # the 2-core CPU target: <= 30 s
     python bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda   # the H100 target: <= 5 s
     python bench/squeeze_cluster.py --shape llama2-7b --prefix 32768 --backend cuda --resident
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from cuda_common import provenance, write_record
+from record import RESULTS, append_run, provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
@@ -38,8 +38,12 @@ def main() -> int:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--resident", action="store_true", help="keys already on the backend (see above)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_cluster.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: bench/results/squeeze_cluster.json, squeeze_cluster_<backend>.json off the CPU")
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = RESULTS / ("squeeze_cluster.json" if args.backend == "cpu" else f"squeeze_cluster_{args.backend}.json")
 
     hs = HEAD_SHAPES[args.shape]
     n_layer, n_head_kv, d = hs.n_layer, hs.n_head_kv, hs.d
@@ -69,7 +73,7 @@ def main() -> int:
     if phases is not None:
         setup, iterations, table = phases.mean(axis=0) * 1e3
         print(f"per layer: setup {setup:.1f} ms, iterations {iterations:.1f} ms, table {table:.1f} ms")
-    record = {**provenance(), "shape": args.shape, "prefix": args.prefix, "clustered_cells": P, "clusters": n,
+    record = {**provenance("squeeze_cluster"), "shape": args.shape, "prefix": args.prefix, "clustered_cells": P, "clusters": n,
               "layers": n_layer, "kv_heads": n_head_kv, "head_dim": d, "iterations": args.iters, "init": args.init,
               "iterations_run": iters, "backend": args.backend, "threads": args.threads,
               "keys": "random Gaussian pool, on the backend (--resident)" if args.resident else "random Gaussian",
@@ -77,7 +81,7 @@ def main() -> int:
               "total_s": total, "per_layer_s": per_layer,
               "phase_s": None if phases is None else {"setup": phases[:, 0].tolist(), "iterations": phases[:, 1].tolist(),
                                                       "table": phases[:, 2].tolist()}}
-    write_record(args.out, record)
+    (append_run if args.append else write_record)(args.out, record)
     return 0
 
 

@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cuda_common import provenance, write_record
+from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import Llama, squeeze, texts
 from sparq_llama.models import fetch
 from tqdm import tqdm
@@ -60,7 +60,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_decode_cpu.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_decode_cpu.json")
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
 
     llm = Llama(str(fetch("smollm2")), n_ctx=8192, n_batch=512, n_ubatch=512, flash_attn=True,
@@ -106,10 +107,10 @@ def main() -> int:
               f"{row['decode_ms']:.1f} vs dense {row['dense_decode_ms']:.1f} ms ({row['decode_speedup']:.2f}x); question "
               f"prefill ({len(question)} tokens) {row['prefill_ms']:.0f} vs {row['dense_prefill_ms']:.0f} ms "
               f"({row['prefill_speedup']:.2f}x)")
-    record = {**provenance(), "model": "smollm2", "prefix": len(prefix), "question_tokens": len(question),
+    record = {**provenance("squeeze_decode_cpu"), "model": "smollm2", "prefix": len(prefix), "question_tokens": len(question),
               "threads": args.threads, "centroids": args.centroids, "prefix_eval_s": prefill_s, "steps": args.steps,
               "reps": args.reps, "rows": rows}
-    write_record(args.out, record)
+    (append_run if args.append else write_record)(args.out, record)
     llm.close()
     return 0
 

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from cuda_common import provenance, write_record
+from record import RESULTS, provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from tqdm import tqdm
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--keeps", default="0.3,0.2,0.1")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_op_cpu.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_op_cpu.json")
     args = ap.parse_args()
 
     shape = HEAD_SHAPES[args.shape].op_args()
@@ -51,7 +51,7 @@ def main() -> int:
         rows.append(row)
         print(f"keep {keep:.2f} (read {kept:.3f} of the prefix): centroid {row['centroid_us']:.0f} us, flash "
               f"{row['flash_us']:.0f} us, {row['speedup']:.2f}x (transfer ratio {row['transfer_ratio']:.2f}x)")
-    record = {**provenance(), "shape": args.shape, **shape, "n_kv": n_kv, "prefix": args.prefix,
+    record = {**provenance("squeeze_op_cpu"), "shape": args.shape, **shape, "n_kv": n_kv, "prefix": args.prefix,
               "clusters": n_clusters, "threads": args.threads, "rows": rows}
     write_record(args.out, record)
     return 0

@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from cuda_common import provenance, write_record
+from record import RESULTS, provenance, write_record
 from head_shapes import HEAD_SHAPES
 from sparq_llama import ops
 from squeeze_op_cpu import transfer_ratio
@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--keeps", default="0.3,0.2,0.1")
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_op_cuda.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_op_cuda.json")
     args = ap.parse_args()
 
     shape = HEAD_SHAPES[args.shape].op_args()
@@ -49,7 +49,7 @@ def main() -> int:
             rows.append(row)
             print(f"prefix {prefix}, keep {keep:.2f} (read {kept:.3f} of the prefix): centroid {row['centroid_us']:.1f} us, "
                   f"flash {row['flash_us']:.1f} us, {row['speedup']:.2f}x (transfer ratio {ratio:.2f}x)", flush=True)
-    record = {**provenance(), "shape": args.shape, **shape, "kv_type": "f16", "question": args.question,
+    record = {**provenance("squeeze_op_cuda"), "shape": args.shape, **shape, "kv_type": "f16", "question": args.question,
               "centroids": args.centroids, "backend": args.backend, "runs": args.runs, "rows": rows}
     write_record(args.out, record)
     return 0

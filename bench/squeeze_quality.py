@@ -3,22 +3,33 @@
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
     python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc[:it]]]]]
-    python bench/squeeze_quality.py --seed 1 --n 20 ...      # a held-out example set
+    python bench/squeeze_quality.py --seed 22 --n 20 --settings 0.1:max,0.1:max:0.1   # a new held-out set
+    python bench/squeeze_quality.py --merge set.json [--purpose selection]   # add a saved set's record, run nothing
+    python bench/squeeze_quality.py --summary                # recompute and print the pooled summary only
 
 The quality harness's retrieval task (`sparq_llama.eval.tasks`: needles with distractors in a haystack): each
 example's context is the fixed prefix, prefilled densely once; per setting it is prepared (clustered and
 calibrated on its own last tokens), the question runs as a user-input prefill and the answer is generated
-greedily through the op; dense is the same with no prepared prefix. Writes bench/results/squeeze_quality.json
-(every example's record, accuracy per setting, machine, commit, command).
+greedily through the op; dense is the same with no prepared prefix.
+
+bench/results/squeeze_quality.json holds every example set ever run, each as its own record (machine, commit,
+command, settings, every example's answers) under "sets", and a summary computed from them (`summarise`). A run
+appends its set there. Each set has a purpose: "held-out" (a seed nothing was chosen on: the evidence), "selection"
+(a set a setting was chosen or tuned on, e.g. picked for the defaults' misses), "development" (seed 0, where the
+defaults were developed) or "rejected-variant" (code that was not kept). The summary pools, per setting, the held-out
+sets, leaving out seeds on which that same setting was also run for selection; it counts the examples dense answers,
+how many of those the setting answers too ("of dense"), and all it answers.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from cuda_common import provenance, write_record
+from record import RESULTS, provenance, write_record
 from sparq_llama import squeeze
 from sparq_llama.eval import tasks
 from sparq_llama.eval.engine import Engine, EngineConfig
@@ -56,6 +67,88 @@ def accuracy(records: list[dict], names: list[str]) -> dict[str, float]:
     return acc
 
 
+PURPOSES = ("held-out", "selection", "development", "rejected-variant")
+
+
+def setting_label(cfg: dict[str, Any]) -> str:
+    """A setting by what it is (the SqueezeConfig fields), whatever a run named it. Fields a set's record lacks take
+    the value the code had when it ran: var_weight 0 (before the variance rule), 8 iterations, even seeds."""
+    label = f"keep {cfg['keep']:g}, {cfg['group']}, {cfg['centroids']:g} clusters, w {cfg.get('var_weight', 0.0):g}"
+    if cfg.get("levels", 1) == 2:
+        kc = cfg.get("keep_coarse")
+        label += f", 2 levels ({cfg.get('centroids_coarse', 0.01):g} coarse, keep_coarse {'default' if kc is None else f'{kc:g}'})"
+    if cfg.get("n_iter", 8) != 8:
+        label += f", {cfg['n_iter']} iterations"
+    if cfg.get("init", "even") != "even":
+        label += f", {cfg['init']} seeds"
+    return label
+
+
+def set_settings(rec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """name -> SqueezeConfig fields of one set. The earliest records carry no "settings": their names were
+    keep<k>-<group>, at the record's "centroids" and the centroid-only rule."""
+    if "settings" in rec:
+        return rec["settings"]
+    names = [n for n in rec["examples"][0] if n.startswith("keep")]
+    return {n: {"keep": float(n[4:].split("-")[0]), "group": n.split("-")[1], "centroids": rec["centroids"],
+                "levels": 1, "var_weight": 0.0} for n in names}
+
+
+def summarise(sets: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per setting (and prefix length): the held-out sets pooled, seeds run for selection of that setting left out."""
+    selected: set[tuple[str, int, int]] = set()
+    for rec in sets:
+        if rec["purpose"] == "selection":
+            for cfg in set_settings(rec).values():
+                selected.add((setting_label(cfg), rec["length"], rec["seed"]))
+    pooled: dict[str, dict[str, Any]] = {}
+    for rec in sets:
+        if rec["purpose"] != "held-out":
+            continue
+        dense_ok = [ex["dense"]["correct"] for ex in rec["examples"]]
+        for name, cfg in set_settings(rec).items():
+            label = setting_label(cfg)
+            if (label, rec["length"], rec["seed"]) in selected:
+                continue
+            key = f"{label}; {rec['length']} tokens"
+            p = pooled.setdefault(key, {"seeds": [], "examples": 0, "dense": 0, "of_dense": 0, "correct": 0})
+            if rec["seed"] in p["seeds"]:
+                p.setdefault("repeated_seeds", []).append(rec["seed"])  # counted once: the first set recorded
+                continue
+            ok = [ex[name]["correct"] for ex in rec["examples"]]
+            p["seeds"].append(rec["seed"])
+            p["examples"] += len(ok)
+            p["dense"] += sum(dense_ok)
+            p["of_dense"] += sum(1 for d, o in zip(dense_ok, ok) if d and o)
+            p["correct"] += sum(ok)
+    for p in pooled.values():
+        p["sets"] = len(p["seeds"])
+        p["share_of_dense"] = p["of_dense"] / p["dense"] if p["dense"] else None
+    from sparq_llama.squeeze import SqueezeConfig  # the defaults as the code has them now
+
+    return {"defaults": setting_label(SqueezeConfig().__dict__), "target": "share_of_dense >= 0.95 at keep 0.1",
+            "by_setting": dict(sorted(pooled.items()))}
+
+
+def load_sets(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())["sets"] if path.exists() else []
+
+
+def save_sets(path: Path, sets: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = summarise(sets)
+    write_record(path, {"bench": "squeeze_quality", "model": "smollm2", "task": "needle retrieval with 2 distractors",
+                        "summary": summary, "sets": sets})
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    for key, p in summary["by_setting"].items():
+        mark = "  (defaults)" if key.startswith(summary["defaults"] + ";") else ""
+        share = f"{p['share_of_dense']:.1%}" if p["share_of_dense"] is not None else "-"
+        print(f"{key}: {p['sets']} sets, {p['of_dense']} of dense's {p['dense']} ({share}), {p['correct']} correct "
+              f"of {p['examples']}{mark}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=4096)
@@ -67,8 +160,22 @@ def main() -> int:
     ap.add_argument("--centroids", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "squeeze_quality.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_quality.json", help="the file of all sets")
+    ap.add_argument("--purpose", choices=PURPOSES, default=None,
+                    help="of the set run or merged (default: held-out for seeds >= 1, development for seed 0)")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="SET_JSON",
+                    help="append these single-set records (a run's record) to --out instead of running")
+    ap.add_argument("--summary", action="store_true", help="recompute and print the summary of --out, run nothing")
     args = ap.parse_args()
+
+    sets = load_sets(args.out)
+    if args.summary or args.merge:
+        for path in args.merge or []:
+            rec = json.loads(path.read_text())
+            rec.setdefault("seed", 0)  # runs before --seed existed used seed 0's examples
+            sets.append({"purpose": args.purpose or ("held-out" if rec["seed"] else "development"), **rec})
+        print_summary(save_sets(args.out, sets) if args.merge else summarise(sets))
+        return 0
 
     settings = []
     for spec in args.settings.split(","):
@@ -101,10 +208,12 @@ def main() -> int:
     names = ["dense"] + [name for name, _ in settings]
     acc = accuracy(records, names)
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
-    write_record(args.out, {**provenance(), "model": "smollm2", "length": args.length, "n": len(records),
-                            "settings": {name: config.__dict__ for name, config in settings},
-                            "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,
-                            "wall_s": round(time.time() - t0, 1), "examples": records})
+    sets.append({"purpose": args.purpose or ("held-out" if args.seed else "development"),
+                 **provenance("squeeze_quality"), "model": "smollm2", "length": args.length, "n": len(records),
+                 "settings": {name: config.__dict__ for name, config in settings},
+                 "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,
+                 "wall_s": round(time.time() - t0, 1), "examples": records})
+    print_summary(save_sets(args.out, sets))
     engine.close()
     return 0
 

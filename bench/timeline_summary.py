@@ -7,6 +7,10 @@ the medians of those, `gap` (past its wait minus the predecessor's end: the depe
 `body` (its end minus the later of its wait and the predecessor's end).
 
     python bench/timeline_summary.py timeline.log [--json out.json]
+
+The log comes from the instrumented build (the timeline compiles only under -DSPARQ_CUDA_INSTRUMENT), e.g.
+    SPARQ_CUDA_TIMELINE=1 python bench/cuda_op.py --one 32768 1 --runs 21 > timeline.log 2>&1
+(docs/performance.md, "Per-kernel times").
 """
 from __future__ import annotations
 

@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import REPO, run
 from sparq_llama import ops
+from sparq_llama.eval import random_gguf
 
-sys.path.insert(0, str(REPO / "bench"))
-import cuda_e2e  # noqa: E402
-import random_gguf  # noqa: E402
+VOCAB = REPO / "vendor" / "llama.cpp" / "models"  # the pinned tree's tokenizers
 
 
 def test_random_model_loads_and_decodes_dense_and_sparq(tmp_path):
-    model = random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path / "tiny.gguf")
+    model = random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path / "tiny.gguf", VOCAB)
     res = run(["llama-bench", "-m", str(model), "-p", "0", "-n", "4", "-d", "300", "-r", "1", "-t", "2",
                "-fa", "1", "-sparq", "0,1", "-k1", "16", "-k2", "32", "-sparq-min-kv", "0", "-o", "json"], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -32,7 +30,7 @@ def test_random_model_has_the_shape_and_a_real_tokenizer(tmp_path):
     import gguf
 
     shape = random_gguf.SHAPES["tiny"]
-    reader = gguf.GGUFReader(random_gguf.write_model(shape, tmp_path / "tiny.gguf"))
+    reader = gguf.GGUFReader(random_gguf.write_model(shape, tmp_path / "tiny.gguf", VOCAB))
     fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
     assert fields["llama.block_count"] == shape.n_layer and fields["llama.attention.head_count_kv"] == shape.n_head_kv
     assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 32000  # the Llama-2 vocabulary
@@ -41,17 +39,22 @@ def test_random_model_has_the_shape_and_a_real_tokenizer(tmp_path):
     assert list(q.shape) == [shape.n_embd, shape.n_head_kv * shape.n_embd // shape.n_head]
 
 
-def test_batched_bench_table_is_parsed():
+def test_batched_bench_table_is_parsed(tmp_path):
     text = """
 |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
 |-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
 |  8192 |     32 |    1 |   8224 |    1.234 |  6638.57 |    0.181 |   177.20 |    1.415 |  5812.01 |
 |  8192 |     32 |    8 |  65792 |   12.001 |  5460.88 |    0.605 |   423.50 |   12.606 |  5219.10 |
 """
-    rows = cuda_e2e.parse_batched(text)
+    log = tmp_path / "batched.log"
+    log.write_text(text)
+    res = run([sys.executable, str(REPO / "bench" / "cuda_batched.py"), "--from-log", str(log)], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout)
     assert [(r["B"], r["s_tg"]) for r in rows] == [(1, 177.2), (8, 423.5)]
-    with pytest.raises(RuntimeError, match="no table"):
-        cuda_e2e.parse_batched("nothing here")
+    log.write_text("nothing here")
+    res = run([sys.executable, str(REPO / "bench" / "cuda_batched.py"), "--from-log", str(log)], timeout=120)
+    assert res.returncode != 0 and "no table" in res.stderr
 
 
 def test_op_bench_takes_several_sequences():

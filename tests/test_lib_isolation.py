@@ -1,7 +1,7 @@
 """Our shared libraries keep a statically linked C++ runtime private, so a process that already holds the system
 libstdc++ still loads and runs a model.
 
-Found on the lent H100 (session 13): its compiler (/opt/gcc) links libstdc++ statically into every library, each
+Found on a GPU machine whose compiler (/opt/gcc) links libstdc++ statically into every library, each
 copy exported its symbols, and after `import gguf` (which imports sentencepiece, which loads the system libstdc++)
 the Python `Llama` crashed inside llama_model_load_from_file, in an ostream insert of llama_model::print_info.
 CMakeLists.txt now links with --exclude-libs for the C++ runtime's archives. With a shared libstdc++ (the usual
@@ -48,8 +48,9 @@ def test_no_library_exports_a_cxx_runtime_copy():
 def test_model_loads_and_decodes_with_the_system_libstdcxx_loaded_first(tmp_path):
     # The model is written in a separate process: the writer (gguf) is not what is under test here.
     model = tmp_path / "tiny.gguf"
-    write = python(f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import random_gguf; "
-                   f"from pathlib import Path; random_gguf.write_model(random_gguf.SHAPES['tiny'], Path({str(model)!r}))")
+    vocab = REPO / "vendor" / "llama.cpp" / "models"
+    write = python(f"from sparq_llama.eval import random_gguf; from pathlib import Path; "
+                   f"random_gguf.write_model(random_gguf.SHAPES['tiny'], Path({str(model)!r}), Path({str(vocab)!r}))")
     assert write.returncode == 0, write.stderr[-2000:]
     code = textwrap.dedent(f"""
         import ctypes, ctypes.util, math

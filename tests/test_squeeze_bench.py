@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 from conftest import REPO, run
 
-sys.path.insert(0, str(REPO / "bench"))
-import random_gguf
+from sparq_llama.eval import random_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path_factory.mktemp("m") / "tiny.gguf")
+    return random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path_factory.mktemp("m") / "tiny.gguf",
+                                   REPO / "vendor" / "llama.cpp" / "models")
 
 
 def test_keep_sweep_prepares_the_depth_once_and_keeps_it(tiny_model):

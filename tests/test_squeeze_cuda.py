@@ -2,24 +2,23 @@
 
 The prefill mode "auto" (the default) reads a prepared prefix densely for a question's multi-token ubatches where
 the layer's KV is not in host memory, since per-row selection is slower than flash attention there
-(bench/notes_squeeze_cuda.md, session 10). The CPU tests (test_squeeze_decode.py) see only the sparse branch of
+(docs/performance.md). The CPU tests (test_squeeze_decode.py) see only the sparse branch of
 "auto"; this file checks the GPU branch against its oracle, the plain cache's prefill of the same cells (bit for
 bit: the same flash-attention graph over the same KV), and that "sparse" takes the op there. A random-weight model
-of the Llama-2 layout (bench/random_gguf.py) stands in for SmolLM2, which the GPU machine has no registry to fetch.
+of the Llama-2 layout (sparq_llama.eval.random_gguf) stands in for SmolLM2, which the GPU machine has no registry to fetch.
 
 The last test serves a prefix the Python API saved through llama-server on the GPU (--squeeze-load, -ngl 99) and checks
 its greedy tokens against the Python API's over the same prepared prefix; a second slot (-kvu) shares the prefix's
 cells and evaluates only the question.
 
-Passed on an H100 (session 13, `bench/device_cuda.sh build isolation pycrash squeezegpu`). Its first run (session 12)
-had crashed in llama_model_load_from_file: writing the model imports gguf, which imports sentencepiece, which loads the
-system libstdc++, and the CUDA build exported its statically linked copy of the C++ runtime (tests/test_lib_isolation.py).
+Run on a GPU machine by `bench/device.sh test`. Writing the model imports gguf, which imports sentencepiece, which loads
+the system libstdc++: a CUDA build that exported its statically linked copy of the C++ runtime crashed here in
+llama_model_load_from_file (tests/test_lib_isolation.py guards against that).
 """
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,21 +30,21 @@ from sparq_llama import squeeze as squeeze_api
 from test_sparq_decode import Ctx
 from test_squeeze_decode import prefill_in_each_mode, prefill_question
 
-from llama_cpp import llama_cpp as lc  # isort: skip
+from sparq_llama.eval import random_gguf
 
-sys.path.insert(0, str(REPO / "bench"))
-import random_gguf
+from llama_cpp import llama_cpp as lc  # isort: skip
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
                                 reason="no CUDA device")
 
+VOCAB = REPO / "vendor" / "llama.cpp" / "models"  # the pinned tree's tokenizers
 N_PREFIX = 600   # 500 clustered tokens + 100 calibration tokens
 N_QUESTION = 24
 
 
 @pytest.fixture(scope="module")
 def gpu_llm(tmp_path_factory):
-    path = random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path_factory.mktemp("m") / "tiny.gguf")
+    path = random_gguf.write_model(random_gguf.SHAPES["tiny"], tmp_path_factory.mktemp("m") / "tiny.gguf", VOCAB)
     llm = Llama(str(path), n_ctx=1024, n_gpu_layers=99, flash_attn=True, verbose=False)
     yield llm
     llm.close()

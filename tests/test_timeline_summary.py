@@ -6,10 +6,9 @@ import json
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run
 
-sys.path.insert(0, str(REPO / "bench"))
-import timeline_summary
+TOOL = REPO / "bench" / "timeline_summary.py"
 
 HEADER = "sparq timeline n_kv {n} rows {r} (us: start / past wait / end):"
 LOG = "\n".join([
@@ -25,41 +24,43 @@ LOG = "\n".join([
 ])
 
 
+def summarise(tmp_path, log: str) -> tuple[dict, str]:
+    """The tool's JSON (per "n_kv/rows": runs and per-kernel medians) and its printed table, for this log."""
+    path, out = tmp_path / "timeline.log", tmp_path / "t.json"
+    path.write_text(log)
+    res = run([sys.executable, str(TOOL), str(path), "--json", str(out)], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(out.read_text()), res.stdout
+
+
 def test_medians_gaps_and_bodies(tmp_path):
-    path = tmp_path / "timeline.log"
-    path.write_text(LOG)
-    runs = timeline_summary.parse(path)
-    assert sorted(runs) == [(4096, 8), (32768, 32)]
-    assert len(runs[(32768, 32)]) == 3
-    k = timeline_summary.summarise(runs[(32768, 32)])
+    data, _ = summarise(tmp_path, LOG)
+    assert sorted(data) == ["32768/32", "4096/8"]
+    assert data["32768/32"]["runs"] == 3
+    k = data["32768/32"]["kernels"]
     assert k["Q"] == {"start": 0.0, "waited": 2.0, "end": 6.0}  # the first kernel: no gap, no body
     assert k["A"] == {"end": 42.0, "body": pytest.approx(36.0)}  # no start marks: end minus Q's end (35, 37, 36)
     # P: past its wait minus A's end (1, 1, 1); end minus the later of the two (9, 7, 11)
     assert k["P"]["gap"] == pytest.approx(1.0) and k["P"]["body"] == pytest.approx(9.0)
     assert k["B"]["gap"] == pytest.approx(1.0) and k["B"]["body"] == pytest.approx(9.0)  # 9, 11, 7
+    assert k["S"]["end"] == 74.0
     assert k["LV"]["end"] == 86.0 and k["LV"]["body"] == pytest.approx(12.0)  # 12, 12, 9
-    short = timeline_summary.summarise(runs[(4096, 8)])
+    short = data["4096/8"]["kernels"]
     assert set(short) == {"A", "P"} and short["P"]["body"] == pytest.approx(9.5)
 
 
-def test_json_output(tmp_path, capsys, monkeypatch):
-    path, out = tmp_path / "timeline.log", tmp_path / "t.json"
-    path.write_text(LOG)
-    monkeypatch.setattr(sys, "argv", ["timeline_summary.py", str(path), "--json", str(out)])
-    assert timeline_summary.main() == 0
-    data = json.loads(out.read_text())
-    assert data["32768/32"]["runs"] == 3 and data["32768/32"]["kernels"]["S"]["end"] == 74.0
-    assert "n_kv 4096, rows 8, 1 runs" in capsys.readouterr().out
+def test_table_output(tmp_path):
+    _, printed = summarise(tmp_path, LOG)
+    assert "n_kv 4096, rows 8, 1 runs" in printed and "n_kv 32768, rows 32, 3 runs" in printed
 
 
 def test_the_pbs_chain_hands_over_from_kernel_a(tmp_path):
-    # session 16: kernel PBS replaces P, B and S; its predecessor is kernel A, LV's is PBS
-    path = tmp_path / "timeline.log"
-    path.write_text("\n".join(HEADER.format(n=32768, r=32) + line for line in (
+    # kernel PBS replaces P, B and S; its predecessor is kernel A, LV's is PBS
+    data, _ = summarise(tmp_path, "\n".join(HEADER.format(n=32768, r=32) + line for line in (
         " Q 0.00 0.40 4.70; A - - 46.50; PBS 45.90 47.10 81.90; LV 48.20 82.30 91.00;",
         " Q 0.00 0.40 4.60; A - - 46.00; PBS 45.00 46.50 80.00; LV 47.00 80.50 90.00;",
         " Q 0.00 0.40 4.80; A - - 47.00; PBS 46.00 47.50 84.00; LV 49.00 84.60 92.00;")))
-    k = timeline_summary.summarise(timeline_summary.parse(path)[(32768, 32)])
+    k = data["32768/32"]["kernels"]
     assert set(k) == {"Q", "A", "PBS", "LV"}
     assert k["PBS"]["gap"] == pytest.approx(0.5)  # 0.6, 0.5, 0.5
     assert k["PBS"]["body"] == pytest.approx(34.8)  # 34.8, 33.5, 36.5

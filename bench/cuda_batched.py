@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Benchmark (c): batched decode on CUDA, dense flash attention vs SparQ, with llama-batched-bench.
+
+Random-weight GGUFs of the Llama-2-7B and Llama-3-8B shapes (as bench/cuda_e2e.py), llama-batched-bench -fa on
+-ngl 99 -ntg 32 -npl 1,4,8 with 8k prompts for Llama-2 and 16k for Llama-3, SparQ k1 = 32, k2 = 128 on every layer.
+Writes bench/results/cuda_batched.json: aggregate generation tokens/s per batch size, the targets at B = 8, and the
+tool's raw output.
+
+    python bench/cuda_batched.py --bin build/cuda/bin --models /tmp/models
+    python bench/cuda_batched.py --from-log batched.log     # the table of a saved llama-batched-bench output, as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from cuda_e2e import model_path, run_tool
+from record import RESULTS, provenance, write_record
+
+TARGETS = {"llama2-7b": 3.0, "llama3-8b": 2.4}  # speedup at B = 8
+PROMPT = {"llama2-7b": 8192, "llama3-8b": 16384}
+SPARQ_ARGS = ["--sparq", "--k1", "32", "--k2", "128", "--sparq-min-kv", "0"]
+
+_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 6)
+
+
+def parse_table(text: str) -> list[dict[str, float]]:
+    """The table llama-batched-bench prints: PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S."""
+    rows = []
+    for line in text.splitlines():
+        m = _ROW.match(line.strip())
+        if m:
+            pp, tg, b, n_kv = (int(m.group(i)) for i in range(1, 5))
+            t_pp, s_pp, t_tg, s_tg, t, s = (float(m.group(i)) for i in range(5, 11))
+            rows.append(dict(pp=pp, tg=tg, B=b, n_kv=n_kv, t_pp=t_pp, s_pp=s_pp, t_tg=t_tg, s_tg=s_tg, t=t, s=s))
+    if not rows:
+        raise RuntimeError(f"no table in llama-batched-bench output:\n{text[-2000:]}")
+    return rows
+
+
+def measure(bin_dir: Path, models: Path, batches: list[int]) -> dict[str, Any]:
+    rows, raw, targets = [], {}, []
+    for shape in ("llama2-7b", "llama3-8b"):
+        model = model_path(models, shape)
+        pp = PROMPT[shape]
+        n_ctx = max(batches) * (pp + 32)
+        base = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
+                "-ngl", "99", "-fa", "on", "-npp", str(pp), "-ntg", "32", "-npl", ",".join(map(str, batches))]
+        tables = {}
+        for mode, extra in (("dense", []), ("sparq", SPARQ_ARGS)):
+            out = run_tool(base + extra, timeout=3000)
+            tables[mode] = parse_table(out)
+            raw[f"{shape}/{mode}"] = {"command": " ".join(base + extra), "output": out}
+        for b in batches:
+            dense = next(r["s_tg"] for r in tables["dense"] if r["B"] == b)
+            sparq = next(r["s_tg"] for r in tables["sparq"] if r["B"] == b)
+            rows.append(dict(model_shape=shape, prompt=pp, B=b, dense_tg_tps=dense, sparq_tg_tps=sparq,
+                             speedup=sparq / dense))
+            print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x",
+                  flush=True)
+        row = next((r for r in rows if r["model_shape"] == shape and r["B"] == 8), None)
+        met = bool(row and row["speedup"] >= TARGETS[shape])
+        targets.append(dict(model_shape=shape, B=8, target=TARGETS[shape], measured=row["speedup"] if row else None,
+                            met=met))
+    return dict(rows=rows, targets=targets, raw=raw)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", type=Path, help="directory with llama-batched-bench")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cuda_batched.json")
+    ap.add_argument("--from-log", type=Path, metavar="LOG",
+                    help="print the table of a saved output as JSON, run nothing")
+    args = ap.parse_args()
+    if args.from_log:
+        print(json.dumps(parse_table(args.from_log.read_text(errors="replace"))))
+        return 0
+    if args.bin is None:
+        ap.error("--bin is required (or --from-log)")
+    record = provenance("cuda_batched")
+    record.update(measure(args.bin, args.models, [int(x) for x in args.batches.split(",")]))
+    write_record(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
