@@ -17,13 +17,14 @@ from typing import Literal
 import numpy as np
 
 from ._lib import devices, libllama
-from .reference import MEAN_MODES, POLICIES
-from .reference_squeeze import KMEANS_INITS, Clusters
+from .sparq import MEAN_MODES, POLICIES
+from .squeeze import GROUPS, INITS, Clusters
 
 # ggml_type values (ggml.h)
 _GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
-_MEAN = {"auto": 0, "on": 1, "off": 2}
-_POLICY = {"sparq": 0, "exact": 1, "window": 2}
+_MEAN = {name: i for i, name in enumerate(MEAN_MODES)}      # enum ggml_sparq_mean
+_POLICY = {name: i for i, name in enumerate(POLICIES)}      # enum ggml_sparq_policy
+_GROUP = {name: i for i, name in enumerate(GROUPS)}         # enum ggml_centroid_group
 
 
 class GgmlSparqParams(ctypes.Structure):
@@ -245,9 +246,6 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
 
 # ---- centroid-sparse attention ----------------------------------------------------------------------
 
-_GROUP = {"max": 0, "mean": 1}
-
-
 class GgmlCentroidParams(ctypes.Structure):
     """struct ggml_centroid_params (ggml-centroid.h)."""
 
@@ -379,8 +377,8 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: s
         raise ValueError(f"n_clusters must be an integer in [1, P = {P}], got {n_clusters!r}")
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
-    if init not in KMEANS_INITS:
-        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
     x = np.ascontiguousarray(x)
     table = np.zeros((H, n_clusters, 2 * d + 1), dtype=np.float32)
     assignment = np.zeros((H, P), dtype=np.int32)
@@ -388,7 +386,7 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: s
     args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
                           n_clusters=int(n_clusters), n_iter=int(n_iter), x=x.ctypes.data, table=table.ctypes.data,
                           assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run),
-                          init=KMEANS_INITS.index(init))
+                          init=INITS.index(init))
     _call("sparq_llama_eval_kmeans", args)
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
                     assignment[h].astype(np.int64), n_run.value, table[h, :, d + 1:].astype(np.float64))
@@ -412,13 +410,13 @@ def bench_kmeans(*, d: int, P: int, H: int, n_clusters: int, n_iter: int, n_laye
     most; `init` as kmeans_cosine's). Returns (seconds per layer, iterations each layer ran, phase seconds
     [n_layers, 3]: setup (state, normalising, seeding), iterations (with their read-backs), the table (with its
     read-back))."""
-    if init not in KMEANS_INITS:
-        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
     layer_s, iters_out = (ctypes.c_double * n_layers)(), (ctypes.c_int * n_layers)()
     phase_s = (ctypes.c_double * (3 * n_layers))()
     args = KmeansBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P,
                            H=H, n_clusters=n_clusters, n_iter=n_iter, n_layers=n_layers, layer_s=layer_s,
-                           iters_out=iters_out, phase_s=phase_s, init=KMEANS_INITS.index(init))
+                           iters_out=iters_out, phase_s=phase_s, init=INITS.index(init))
     _call("sparq_llama_bench_kmeans", args)
     return list(layer_s), list(iters_out), np.array(phase_s[:]).reshape(n_layers, 3)
 
@@ -489,7 +487,7 @@ def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: f
                             n_cent=table.shape[2], n_coarse=n_coarse, q=q.ctypes.data, table=table.ctypes.data,
                             coarse=None if coarse is None else coarse.ctypes.data,
                             parent=None if parent is None else parent.ctypes.data, scale=float(scale),
-                            group={"max": 0, "mean": 1}[group], keep=float(keep), keep_coarse=float(keep_coarse),
+                            group=_GROUP[group], keep=float(keep), keep_coarse=float(keep_coarse),
                             n_threads=int(n_threads or os.cpu_count() or 1), threshold=ctypes.pointer(t),
                             threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept),
                             table_width=table.shape[3], var_weight=float(var_weight))

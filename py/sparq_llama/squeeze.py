@@ -17,21 +17,38 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from .reference_squeeze import KMEANS_INITS
 from .sparq import _as_int, _ctx_ptr, _finite_float, _int32
 
-__all__ = ["GROUPS", "INITS", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save", "sidecar_path"]
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+__all__ = ["GROUPS", "INITS", "Clusters", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save",
+           "sidecar_path"]
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("max", "mean")  # index = enum ggml_centroid_group
 Group = Literal["max", "mean"]
-INITS = KMEANS_INITS  # ("even", "kpp"): index = enum llama_squeeze_init (ops.kmeans_cosine takes the same names)
+# k-means' initial centroids; index = enum llama_squeeze_init (ops.kmeans_cosine and the reference take these names)
+INITS = ("even", "kpp")
 Init = Literal["even", "kpp"]
 
 ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """One KV head's clustering of P keys (`ops.kmeans_cosine`, `reference_squeeze.kmeans_cosine`): centroids [c, d]
+    (means of unnormalised member keys), sizes [c], assignment [P] (cluster of each key), the number of iterations
+    run and variances [c, d] (the members' per-component variances about their centroid; 0 for an empty cluster)."""
+    centroids: NDArray[np.float64]
+    sizes: NDArray[np.int64]
+    assignment: NDArray[np.int64]
+    n_iter: int
+    variances: NDArray[np.float64]
 
 
 @dataclass(frozen=True)

@@ -153,11 +153,9 @@ def window_agreement(q: np.ndarray, k: np.ndarray, first_row: int, k1s: dict[str
             n_vis = first_row + t + 1
             kk = k[:n_vis, h].astype(np.float64)
             qg = q[t, h * group:(h + 1) * group].astype(np.float64)
-            cells = np.arange(n_vis)
-            exact = ref._top_cells(ref._softmax(ref._exact_logits(qg, kk, sigma, 0.0)).sum(0), cells, k2)
+            exact = ref.exact_top_cells(qg, kk, k2, scale=sigma)
             for label, k1 in k1s.items():
-                i1 = ref._top_components(np.abs(qg).sum(axis=0), k1)
-                approx = ref._top_cells(ref._approx_probs(qg, kk, i1, sigma).sum(0), cells, k2)
+                approx = ref.approx_top_cells(qg, kk, k1, k2, scale=sigma)
                 out[label][h] += np.intersect1d(exact, approx).size / k2 / n_rows
     return out
 
