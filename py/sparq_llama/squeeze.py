@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
+from . import _bindings as C
+from ._bindings import LlamaSqueezeInfo, LlamaSqueezeParams, ProgressFn
 from .sparq import _as_int, _ctx_ptr, _finite_float, _int32
 
 if TYPE_CHECKING:
@@ -35,9 +37,6 @@ Group = Literal["max", "mean"]
 # k-means' initial centroids; index = enum llama_squeeze_init (ops.kmeans_cosine and the reference take these names)
 INITS = ("even", "kpp")
 Init = Literal["even", "kpp"]
-
-ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
-
 
 @dataclass(frozen=True)
 class Clusters:
@@ -130,83 +129,20 @@ class SqueezeInfo:
     var_weight: float = 0.0  # the kept rule's variance term (0: the mean rule; sidecars before version 3)
 
 
-class LlamaSqueezeParams(ctypes.Structure):
-    """struct llama_squeeze_params (sparq-llama.h), field for field."""
-
-    _fields_ = [
-        ("centroids", ctypes.c_float),
-        ("keep", ctypes.c_float),
-        ("levels", ctypes.c_int32),
-        ("centroids_coarse", ctypes.c_float),
-        ("keep_coarse", ctypes.c_float),
-        ("n_calib", ctypes.c_int32),
-        ("n_iter", ctypes.c_int32),
-        ("group", ctypes.c_int32),
-        ("var_weight", ctypes.c_float),
-        ("init", ctypes.c_int32),
-        ("progress_callback", ProgressFn),
-        ("progress_callback_user_data", ctypes.c_void_p),
-    ]
-
-
-class LlamaSqueezeInfo(ctypes.Structure):
-    """struct llama_squeeze_info (sparq-llama.h)."""
-
-    _fields_ = [
-        ("prepared", ctypes.c_bool),
-        ("seq_id", ctypes.c_int32),
-        ("n_prefix", ctypes.c_int32),
-        ("n_clustered", ctypes.c_int32),
-        ("n_layers", ctypes.c_int32),
-        ("levels", ctypes.c_int32),
-        ("threshold", ctypes.c_float),
-        ("threshold_coarse", ctypes.c_float),
-        ("kept_calib", ctypes.c_float),
-        ("prefill", ctypes.c_int32),
-        ("var_weight", ctypes.c_float),
-    ]
+_C_FUNCTIONS = (C.llama_squeeze_default_params, C.llama_squeeze_check, C.llama_squeeze_prepare, C.llama_squeeze_save,
+                C.llama_squeeze_load, C.llama_squeeze_load_state_file, C.llama_squeeze_recalibrate,
+                C.llama_squeeze_set_prefill, C.llama_squeeze_clear, C.llama_squeeze_get_info, C.llama_squeeze_seq_sparse,
+                C.llama_squeeze_last_error)
 
 
 @lru_cache(maxsize=1)
-def _api() -> ctypes.CDLL:
-    from ._lib import libllama
-
-    lib = libllama()
-    names = ("llama_squeeze_default_params", "llama_squeeze_check", "llama_squeeze_prepare", "llama_squeeze_save",
-             "llama_squeeze_load", "llama_squeeze_clear", "llama_squeeze_get_info", "llama_squeeze_seq_sparse",
-             "llama_squeeze_load_state_file", "llama_squeeze_last_error")
-    missing = [n for n in names if not hasattr(lib, n)]
+def _api() -> Any:
+    """The bound C functions (`_bindings`), once this libllama is known to have the centroid-sparse ones."""
+    missing = C.missing(_C_FUNCTIONS)
     if missing:
         raise RuntimeError(f"this build of sparq-llama's libllama has no centroid-sparse API ({', '.join(missing)} "
                            f"missing); rebuild and reinstall the package")
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    lib.llama_squeeze_default_params.argtypes = []
-    lib.llama_squeeze_default_params.restype = LlamaSqueezeParams
-    lib.llama_squeeze_check.argtypes = [ctypes.POINTER(LlamaSqueezeParams)]
-    lib.llama_squeeze_check.restype = ctypes.c_char_p
-    lib.llama_squeeze_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32,
-                                          ctypes.POINTER(LlamaSqueezeParams)]
-    lib.llama_squeeze_prepare.restype = ctypes.c_int32
-    lib.llama_squeeze_save.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    lib.llama_squeeze_save.restype = ctypes.c_int32
-    lib.llama_squeeze_load.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p, ctypes.c_int32]
-    lib.llama_squeeze_load.restype = ctypes.c_int32
-    lib.llama_squeeze_recalibrate.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
-    lib.llama_squeeze_recalibrate.restype = ctypes.c_int32
-    lib.llama_squeeze_set_prefill.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    lib.llama_squeeze_set_prefill.restype = ctypes.c_int32
-    lib.llama_squeeze_clear.argtypes = [ctypes.c_void_p]
-    lib.llama_squeeze_clear.restype = None
-    lib.llama_squeeze_get_info.argtypes = [ctypes.c_void_p]
-    lib.llama_squeeze_get_info.restype = LlamaSqueezeInfo
-    lib.llama_squeeze_seq_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    lib.llama_squeeze_seq_sparse.restype = ctypes.c_bool
-    lib.llama_squeeze_load_state_file.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p,
-                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-    lib.llama_squeeze_load_state_file.restype = ctypes.c_int32
-    lib.llama_squeeze_last_error.argtypes = []
-    lib.llama_squeeze_last_error.restype = ctypes.c_char_p
-    return lib
+    return C
 
 
 def _error(what: str) -> ValueError:
