@@ -169,7 +169,7 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
     and KV head the sum of V, then the count), v [n_tokens, n_head_kv, d_v] (the tokens' values, rounded to v_dtype
     by the op, as the cache stores them), idx [n_tokens] (each token's table row). With v_ld the op reads v
     through a strided view (v_ld >= d_v components per row). Returns [n_tokens, n_head_kv, d_v + 1] float32:
-    table[idx] + [round(v), 1]; `vsum_rows_reference` is the float64 oracle."""
+    table[idx] + [round(v), 1] (`kv_round` gives round(v))."""
     tab = np.ascontiguousarray(table, dtype=np.float32)
     vv = np.asarray(v, dtype=np.float32)
     ix = np.ascontiguousarray(idx, dtype=np.int32)
@@ -192,14 +192,6 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
                             out=out.ctypes.data)
     _call(C.sparq_llama_eval_vsum_rows, args)
     return out
-
-
-def vsum_rows_reference(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str = "f16") -> np.ndarray:
-    """float64 oracle of `vsum_rows`: table[idx] + [kv_round(v), 1] per KV head."""
-    tab = np.asarray(table, dtype=np.float32).astype(np.float64)
-    aug = np.concatenate([kv_round(np.asarray(v, dtype=np.float32), v_dtype),
-                          np.ones(np.shape(v)[:2] + (1,))], axis=-1)
-    return tab[np.asarray(idx)] + aug
 
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,
