@@ -55,7 +55,8 @@ class CFunction:
         return f"<C function {self.name}>"
 
 
-def c_function(library: Callable[[], ctypes.CDLL], argtypes: list[Any], restype: Any) -> Callable[[Callable], CFunction]:
+def c_function(library: Callable[[], ctypes.CDLL], argtypes: list[Any],
+               restype: Any) -> Callable[[Callable], CFunction]:
     """Declares the C function named as the decorated stub, in `library` (a loader of `_lib`); the stub gives
     the Python signature and the docstring."""
 

@@ -1,7 +1,7 @@
 """Float64 numpy reference of the SparQ attention op: the oracle every CPU/CUDA kernel test compares against.
 
-It implements, slowly and plainly, the semantics written down in DESIGN.md ("SparQ: exact semantics of
-the op"), for one stream: per KV head h and query row t, with G the query heads that read h (GQA group),
+It implements, slowly and plainly, the semantics written down in docs/design.md, "SparQ: op semantics",
+for one stream: per KV head h and query row t, with G the query heads that read h (GQA group),
 sigma the kq scale (default 1/sqrt(d)) and V_t the visible cells of row t:
 
 1. |V_t| <= k2: exact attention over V_t, no mean reallocation, whatever the policy.

@@ -1,5 +1,6 @@
 """Float64 numpy reference of centroid-sparse ("Squeezed") attention: the oracle for the ``ggml_centroid_attn``
-kernels and for the clustering and calibration that prepare a fixed prefix (DESIGN.md "Centroid-sparse").
+kernels and for the clustering and calibration that prepare a fixed prefix (docs/design.md, "Centroid-sparse: op
+semantics").
 
 Offline, once per fixed prefix, per layer and KV head, over the *clustered* cells (the prefix without its
 last ``n_calib`` cells, which stay exact and whose queries calibrate the threshold):

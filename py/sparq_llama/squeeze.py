@@ -38,6 +38,7 @@ Group = Literal["max", "mean"]
 INITS = ("even", "kpp")
 Init = Literal["even", "kpp"]
 
+
 @dataclass(frozen=True)
 class Clusters:
     """One KV head's clustering of P keys (`ops.kmeans_cosine`, `reference_squeeze.kmeans_cosine`): centroids [c, d]
@@ -56,7 +57,7 @@ class SqueezeConfig:
 
     centroids: fine clusters per layer and KV head, as a fraction of the clustered prefix tokens. The paper's 5%
         (the default) finds 89% of dense's needles on SmolLM2 at keep = 0.1 with the variance rule below (none
-        without it); 10% finds 96% for ~23% more decode time (README, bench/notes_squeeze_quality.md).
+        without it); 10% finds 96% for ~23% more decode time (docs/quality.md).
     keep: target fraction of the clustered prefix read per query (calibrated on the prefix's last tokens).
     levels: 1, or 2 (coarse clusters prune before the fine ones).
     centroids_coarse: levels = 2: coarse clusters as a fraction of the clustered prefix.
@@ -129,10 +130,10 @@ class SqueezeInfo:
     var_weight: float = 0.0  # the kept rule's variance term (0: the mean rule; sidecars before version 3)
 
 
-_C_FUNCTIONS = (C.llama_squeeze_default_params, C.llama_squeeze_check, C.llama_squeeze_prepare, C.llama_squeeze_save,
-                C.llama_squeeze_load, C.llama_squeeze_load_state_file, C.llama_squeeze_recalibrate,
-                C.llama_squeeze_set_prefill, C.llama_squeeze_clear, C.llama_squeeze_get_info, C.llama_squeeze_seq_sparse,
-                C.llama_squeeze_last_error)
+_C_FUNCTIONS = (C.llama_squeeze_default_params, C.llama_squeeze_check, C.llama_squeeze_prepare,
+                C.llama_squeeze_save, C.llama_squeeze_load, C.llama_squeeze_load_state_file,
+                C.llama_squeeze_recalibrate, C.llama_squeeze_set_prefill, C.llama_squeeze_clear,
+                C.llama_squeeze_get_info, C.llama_squeeze_seq_sparse, C.llama_squeeze_last_error)
 
 
 @lru_cache(maxsize=1)
