@@ -299,7 +299,8 @@ def read(ctx: Any) -> SparqConfig:
 
 
 def transfer_elements(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> tuple[int, int]:
-    """(dense, SparQ) elements moved per KV head and decode step (the model of docs/design.md, "SparQ: op semantics").
+    """(dense, SparQ) elements moved per KV head and decode step (the transfer model of docs/design.md, "SparQ: op
+    semantics").
 
     dense = 2*S*d + 2*d (read K and V, write the new k and v);
     sparq = S*r + 2*k*d + 4*d (r rows of K^T, k rows of K and V, write k and v, read/write v_bar),

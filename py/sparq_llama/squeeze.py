@@ -1,4 +1,5 @@
-"""Centroid-sparse ("Squeezed") attention over a fixed prefix: settings (`SqueezeConfig`) and the C API.
+"""Centroid-sparse ("Squeezed") attention over a fixed prefix: settings (`SqueezeConfig`), the names of its enums,
+the k-means result (`Clusters`) and the C API.
 
     from sparq_llama import Llama
     llm = Llama(path)                                       # flash attention on (needed: row-major V)
