@@ -57,7 +57,7 @@ def test_flags_reach_the_context_and_generation_runs(smollm2_path):
 
 def test_default_dense_threshold_is_per_backend(smollm2_path):
     # the measured defaults: 512 cells where the KV is in host memory; on a GPU 24576 for MHA layers and 49152
-    # for GQA layers (README, CUDA section)
+    # for GQA layers (docs/performance.md)
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-v", "--sparq"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "dense below n_kv = 512 (CPU) / 24576 (GPU, MHA) / 49152 (GPU, GQA) (measured defaults)" in res.stdout + res.stderr

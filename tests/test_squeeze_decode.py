@@ -510,8 +510,8 @@ def test_mismatched_sidecar_fails_clearly(llm, doc, tmp_path):
 
 def test_calibration_tokens_over_several_ubatches(llm, doc, questions):
     """More calibration tokens than a ubatch: prepare decodes them in several ubatches of one size, and each one's
-    queries are captured (a reused graph captured none: "captured query rows have an unexpected size" before session
-    19). The oracle: the same preparation over one ubatch gives the same threshold and, at keep 1, dense's logits."""
+    queries are captured (a reused graph would capture none: "captured query rows have an unexpected size"). The
+    oracle: the same preparation over one ubatch gives the same threshold and, at keep 1, dense's logits."""
     cfg = squeeze_api.SqueezeConfig(keep=0.2, centroids=0.1, n_calib=200)
     thresholds = []
     for n_batch in (64, 512):

@@ -261,8 +261,8 @@ def long_document(tmp_path_factory) -> str:
 
 def test_server_shares_a_prefix_longer_than_the_window(gemma3_path, long_document, tmp_path):
     # Past the window llama-server keeps only the window's cells (no --swa-full). A slot sharing slot 0's cells (-kvu)
-    # gets windowed cells of its own: with cells held by both sequences the windowed cache filled and slot 1's decode
-    # failed ("Context size has been exceeded", HTTP 500) before session 19. Both slots evaluate only the question.
+    # gets windowed cells of its own: cells held by both sequences would fill the windowed cache and fail slot 1's
+    # decode ("Context size has been exceeded", HTTP 500). Both slots evaluate only the question.
     prefix, question = _server_tokens(gemma3_path, Path(long_document).read_bytes(),
                                       b"\nQuestion: What is the secret number of Alice?\nAnswer: The secret number of Alice is")
     assert len(prefix) > 3 * 512

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._lib import build_info, claim_llama_cpp, devices, lib_dir
+from ._lib import claim_llama_cpp, lib_dir
+from ._system import build_info, devices
 from .sparq import (  # plain Python: no native library, no numpy
     SparqConfig,
     transfer_ratio,

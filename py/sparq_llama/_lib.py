@@ -1,13 +1,13 @@
-"""Point llama-cpp-python at our libraries and bind our C API.
+"""Point llama-cpp-python at our libraries and load them.
 
 llama-cpp-python binds every symbol of libllama at import time, so `LLAMA_CPP_LIB_PATH` must name our
 library directory *before* `llama_cpp` is first imported. This module does that once, then exposes the
-loaded library. It is the only global state of the package: the loaded library itself.
+loaded libraries (our functions in them are declared in `_bindings`). It is the only global state of the
+package: the loaded libraries themselves.
 """
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 from functools import lru_cache
@@ -67,47 +67,24 @@ def llama_cpp_bindings():
 
 @lru_cache(maxsize=1)
 def libllama() -> ctypes.CDLL:
-    """Our libllama as loaded by llama-cpp-python, with our own functions' signatures declared."""
-    lib = llama_cpp_bindings()._lib
-    lib.sparq_llama_version.argtypes = []
-    lib.sparq_llama_version.restype = ctypes.c_char_p
-    lib.sparq_llama_build_info.argtypes = []
-    lib.sparq_llama_build_info.restype = ctypes.c_char_p
-    return lib
+    """Our libllama as loaded by llama-cpp-python (our own functions are declared in `_bindings`)."""
+    return llama_cpp_bindings()._lib
+
+
+def _ggml_library(stem: str) -> ctypes.CDLL:
+    """One of ggml's libraries in our directory, after libllama (which loads it as a dependency: same copy)."""
+    names = {"win32": f"{stem}.dll", "darwin": f"lib{stem}.dylib"}
+    libllama()
+    return ctypes.CDLL(str(lib_dir() / names.get(sys.platform, f"lib{stem}.so")))
 
 
 @lru_cache(maxsize=1)
 def libggml() -> ctypes.CDLL:
-    """libggml (backend registry), already loaded as a dependency of libllama."""
-    names = {"win32": "ggml.dll", "darwin": "libggml.dylib"}
-    libllama()
-    lib = ctypes.CDLL(str(lib_dir() / names.get(sys.platform, "libggml.so")))
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-        getattr(lib, fn).argtypes = [ctypes.c_void_p]
-        getattr(lib, fn).restype = ctypes.c_char_p
-    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                            ctypes.POINTER(ctypes.c_size_t)]
-    lib.ggml_backend_dev_memory.restype = None
-    return lib
+    """libggml (the backend registry)."""
+    return _ggml_library("ggml")
 
 
-def build_info() -> dict:
-    """What this build holds: version, pinned llama.cpp commit, our ops and the backends compiled in."""
-    return json.loads(libllama().sparq_llama_build_info().decode())
-
-
-def devices() -> list[dict]:
-    """The devices ggml sees in this process (name, description, free and total memory in bytes)."""
-    lib = libggml()
-    out = []
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        out.append({"name": lib.ggml_backend_dev_name(dev).decode(),
-                    "description": lib.ggml_backend_dev_description(dev).decode(),
-                    "memory_free": free.value, "memory_total": total.value})
-    return out
+@lru_cache(maxsize=1)
+def libggml_base() -> ctypes.CDLL:
+    """libggml-base (tensors, the backend tensor API)."""
+    return _ggml_library("ggml-base")

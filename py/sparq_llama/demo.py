@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 
 from . import models, texts
-from .reference import transfer_ratio
+from .shape import AttentionShape, attention_shape
+from .sparq import transfer_ratio
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,6 @@ class DemoConfig:
                              f"> n_ctx = {self.n_ctx}")
         if (self.k1 is not None and self.k1 < 1) or self.k2 < 1:
             raise ValueError(f"k1 and k2 must be >= 1, got k1={self.k1}, k2={self.k2}")
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    head_dim: int
-    n_head: int
-    n_head_kv: int
-
-    @property
-    def gqa(self) -> bool:
-        return self.n_head != self.n_head_kv
 
 
 @dataclass
@@ -104,18 +94,6 @@ def build_prompt(llm, cfg: DemoConfig) -> list[int]:
     if len(body) < cfg.prompt_tokens:
         raise ValueError(f"{cfg.text} has only {len(body)} tokens; asked for {cfg.prompt_tokens}")
     return body[: cfg.prompt_tokens]
-
-
-def attention_shape(llm) -> AttentionShape:
-    """head_dim and head counts of the loaded model (GGUF key_length where present, else n_embd / n_head)."""
-    from llama_cpp import llama_cpp as lc
-
-    n_head = lc.llama_model_n_head(llm.model)
-    n_head_kv = lc.llama_model_n_head_kv(llm.model)
-    arch = llm.metadata.get("general.architecture", "")
-    key_length = llm.metadata.get(f"{arch}.attention.key_length")
-    head_dim = int(key_length) if key_length else lc.llama_model_n_embd(llm.model) // n_head
-    return AttentionShape(head_dim=head_dim, n_head=n_head, n_head_kv=n_head_kv)
 
 
 def _per_s(n: int, ms: float) -> float:

@@ -16,32 +16,28 @@ from typing import Literal
 
 import numpy as np
 
-from ._lib import devices, libllama
-from .reference import MEAN_MODES, POLICIES
-from .reference_squeeze import KMEANS_INITS, Clusters
+from . import _bindings as C
+from ._bindings import (
+    CentroidBenchArgs,
+    CentroidEvalArgs,
+    GgmlCentroidParams,
+    GgmlSparqParams,
+    KmeansBenchArgs,
+    KmeansEvalArgs,
+    SparqBenchArgs,
+    SparqEvalArgs,
+    SqueezeCalibArgs,
+    VsumRowsEvalArgs,
+)
+from ._system import devices
+from .sparq import MEAN_MODES, POLICIES
+from .squeeze import GROUPS, INITS, Clusters
 
 # ggml_type values (ggml.h)
 _GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
-_MEAN = {"auto": 0, "on": 1, "off": 2}
-_POLICY = {"sparq": 0, "exact": 1, "window": 2}
-
-
-class GgmlSparqParams(ctypes.Structure):
-    """struct ggml_sparq_params (ggml-sparq.h)."""
-
-    _fields_ = [("k1", ctypes.c_int32), ("k2", ctypes.c_int32), ("window", ctypes.c_int32),
-                ("sinks", ctypes.c_int32), ("mean", ctypes.c_int32), ("policy", ctypes.c_int32),
-                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("sparse_v_thresh", ctypes.c_float)]
-
-
-class SparqEvalArgs(ctypes.Structure):
-    """struct sparq_eval_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns")] + \
-        [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p),
-         ("mask", ctypes.c_void_p), ("vsum", ctypes.c_void_p), ("params", ctypes.POINTER(GgmlSparqParams)),
-         ("out", ctypes.c_void_p), ("pos", ctypes.c_void_p)]
+_MEAN = {name: i for i, name in enumerate(MEAN_MODES)}      # enum ggml_sparq_mean
+_POLICY = {name: i for i, name in enumerate(POLICIES)}      # enum ggml_sparq_policy
+_GROUP = {name: i for i, name in enumerate(GROUPS)}         # enum ggml_centroid_group
 
 
 def _params(*, k1: int, k2: int, window: int | None = None, sinks: int = 0, mean: str = "auto",
@@ -66,14 +62,11 @@ def _device_name(backend: str) -> bytes | None:
     return name.encode()
 
 
-def _call(entry: str, args: ctypes.Structure) -> None:
+def _call(entry: C.CFunction, args: ctypes.Structure) -> None:
     """Calls one of libllama's `int entry(const struct *args, char *err, size_t err_size)` functions (the eval and
-    bench entries of sparq-llama.h); ValueError with its message when it returns nonzero."""
-    fn = getattr(libllama(), entry)
-    fn.argtypes = [ctypes.POINTER(type(args)), ctypes.c_char_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
+    bench entries of sparq-llama-testing.h); ValueError with its message when it returns nonzero."""
     err = ctypes.create_string_buffer(1024)
-    if fn(ctypes.byref(args), err, len(err)) != 0:
+    if entry(ctypes.byref(args), err, len(err)) != 0:
         raise ValueError(err.value.decode())
 
 
@@ -165,17 +158,9 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
                          mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
                          pos=ptr(pos_dev))
-    _call("sparq_llama_eval_sparq_attn", args)
+    _call(C.sparq_llama_eval_sparq_attn, args)
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
-
-
-class VsumRowsEvalArgs(ctypes.Structure):
-    """struct vsum_rows_eval_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("v_type", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d_v", "n_head_kv", "n_tokens", "n_seq", "v_ld")] + \
-        [(n, ctypes.c_void_p) for n in ("table", "v", "idx", "out")]
 
 
 def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str = "f16", v_ld: int | None = None,
@@ -184,7 +169,7 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
     and KV head the sum of V, then the count), v [n_tokens, n_head_kv, d_v] (the tokens' values, rounded to v_dtype
     by the op, as the cache stores them), idx [n_tokens] (each token's table row). With v_ld the op reads v
     through a strided view (v_ld >= d_v components per row). Returns [n_tokens, n_head_kv, d_v + 1] float32:
-    table[idx] + [round(v), 1]; `vsum_rows_reference` is the float64 oracle."""
+    table[idx] + [round(v), 1] (`kv_round` gives round(v))."""
     tab = np.ascontiguousarray(table, dtype=np.float32)
     vv = np.asarray(v, dtype=np.float32)
     ix = np.ascontiguousarray(idx, dtype=np.int32)
@@ -205,26 +190,8 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
                             v_type=_GGML_TYPES[v_dtype], d_v=d_v, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
                             v_ld=ld, table=tab.ctypes.data, v=padded.ctypes.data, idx=ix.ctypes.data,
                             out=out.ctypes.data)
-    _call("sparq_llama_eval_vsum_rows", args)
+    _call(C.sparq_llama_eval_vsum_rows, args)
     return out
-
-
-def vsum_rows_reference(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str = "f16") -> np.ndarray:
-    """float64 oracle of `vsum_rows`: table[idx] + [kv_round(v), 1] per KV head."""
-    tab = np.asarray(table, dtype=np.float32).astype(np.float64)
-    aug = np.concatenate([kv_round(np.asarray(v, dtype=np.float32), v_dtype),
-                          np.ones(np.shape(v)[:2] + (1,))], axis=-1)
-    return tab[np.asarray(idx)] + aug
-
-
-class SparqBenchArgs(ctypes.Structure):
-    """struct sparq_bench_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv")] + \
-        [("use_kt", ctypes.c_int), ("n_runs", ctypes.c_int), ("params", ctypes.POINTER(GgmlSparqParams)),
-         ("sparq_us", ctypes.POINTER(ctypes.c_double)), ("flash_us", ctypes.POINTER(ctypes.c_double)),
-         ("n_seq", ctypes.c_int64)]
 
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,
@@ -239,31 +206,11 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
                           kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
                           sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq))
-    _call("sparq_llama_bench_attn", args)
+    _call(C.sparq_llama_bench_attn, args)
     return np.array(sparq_us[:]), np.array(flash_us[:])
 
 
 # ---- centroid-sparse attention ----------------------------------------------------------------------
-
-_GROUP = {"max": 0, "mean": 1}
-
-
-class GgmlCentroidParams(ctypes.Structure):
-    """struct ggml_centroid_params (ggml-centroid.h)."""
-
-    _fields_ = [("threshold", ctypes.c_float), ("threshold_coarse", ctypes.c_float), ("group", ctypes.c_int32),
-                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("var_weight", ctypes.c_float)]
-
-
-class CentroidEvalArgs(ctypes.Structure):
-    """struct centroid_eval_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns",
-                                       "n_cent", "n_coarse")] + \
-        [(n, ctypes.c_void_p) for n in ("q", "k", "v", "mask", "cent", "cell", "coarse", "parent")] + \
-        [("params", ctypes.POINTER(GgmlCentroidParams)), ("out", ctypes.c_void_p), ("table_width", ctypes.c_int64)]
-
 
 def _table(centroids: np.ndarray, sizes: np.ndarray, variances: np.ndarray | None, ns: int, n_head_kv: int, d: int,
            name: str) -> np.ndarray:
@@ -347,21 +294,12 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
                             v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
                             coarse=ptr(coarse_dev), parent=ptr(parent), params=ctypes.pointer(params), out=ptr(out),
                             table_width=cent.shape[3])
-    _call("sparq_llama_eval_centroid_attn", args)
+    _call(C.sparq_llama_eval_centroid_attn, args)
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
 
 
 # ---- spherical k-means (the clustering of a fixed prefix) --------------------------------------------
-
-class KmeansEvalArgs(ctypes.Structure):
-    """struct kmeans_eval_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
-        [("n_iter", ctypes.c_int), ("x", ctypes.c_void_p), ("table", ctypes.c_void_p), ("assignment", ctypes.c_void_p),
-         ("n_iter_run", ctypes.POINTER(ctypes.c_int)), ("init", ctypes.c_int)]
-
 
 def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: str = "even",
                   n_threads: int | None = None, backend: str = "cpu") -> Clusters | list[Clusters]:
@@ -379,8 +317,8 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: s
         raise ValueError(f"n_clusters must be an integer in [1, P = {P}], got {n_clusters!r}")
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
-    if init not in KMEANS_INITS:
-        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
     x = np.ascontiguousarray(x)
     table = np.zeros((H, n_clusters, 2 * d + 1), dtype=np.float32)
     assignment = np.zeros((H, P), dtype=np.int32)
@@ -388,21 +326,12 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: s
     args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
                           n_clusters=int(n_clusters), n_iter=int(n_iter), x=x.ctypes.data, table=table.ctypes.data,
                           assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run),
-                          init=KMEANS_INITS.index(init))
-    _call("sparq_llama_eval_kmeans", args)
+                          init=INITS.index(init))
+    _call(C.sparq_llama_eval_kmeans, args)
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
                     assignment[h].astype(np.int64), n_run.value, table[h, :, d + 1:].astype(np.float64))
            for h in range(H)]
     return out[0] if single else out
-
-
-class KmeansBenchArgs(ctypes.Structure):
-    """struct kmeans_bench_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
-        [("n_iter", ctypes.c_int), ("n_layers", ctypes.c_int), ("layer_s", ctypes.POINTER(ctypes.c_double)),
-         ("iters_out", ctypes.POINTER(ctypes.c_int)), ("phase_s", ctypes.POINTER(ctypes.c_double)), ("init", ctypes.c_int)]
 
 
 def bench_kmeans(*, d: int, P: int, H: int, n_clusters: int, n_iter: int, n_layers: int, init: str = "even",
@@ -412,24 +341,15 @@ def bench_kmeans(*, d: int, P: int, H: int, n_clusters: int, n_iter: int, n_laye
     most; `init` as kmeans_cosine's). Returns (seconds per layer, iterations each layer ran, phase seconds
     [n_layers, 3]: setup (state, normalising, seeding), iterations (with their read-backs), the table (with its
     read-back))."""
-    if init not in KMEANS_INITS:
-        raise ValueError(f"init must be one of {KMEANS_INITS}, got {init!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
     layer_s, iters_out = (ctypes.c_double * n_layers)(), (ctypes.c_int * n_layers)()
     phase_s = (ctypes.c_double * (3 * n_layers))()
     args = KmeansBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P,
                            H=H, n_clusters=n_clusters, n_iter=n_iter, n_layers=n_layers, layer_s=layer_s,
-                           iters_out=iters_out, phase_s=phase_s, init=KMEANS_INITS.index(init))
-    _call("sparq_llama_bench_kmeans", args)
+                           iters_out=iters_out, phase_s=phase_s, init=INITS.index(init))
+    _call(C.sparq_llama_bench_kmeans, args)
     return list(layer_s), list(iters_out), np.array(phase_s[:]).reshape(n_layers, 3)
-
-
-class CentroidBenchArgs(ctypes.Structure):
-    """struct centroid_bench_args (sparq-llama.h)."""
-
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
-        [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv", "n_prefix", "n_clusters")] + \
-        [("keep", ctypes.c_float), ("n_runs", ctypes.c_int), ("centroid_us", ctypes.POINTER(ctypes.c_double)),
-         ("flash_us", ctypes.POINTER(ctypes.c_double)), ("kept_out", ctypes.POINTER(ctypes.c_double))]
 
 
 def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: int, n_clusters: int, keep: float,
@@ -445,22 +365,11 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
                              kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                              n_prefix=n_prefix, n_clusters=n_clusters, keep=float(keep), n_runs=n_runs,
                              centroid_us=centroid_us, flash_us=flash_us, kept_out=ctypes.pointer(kept))
-    _call("sparq_llama_bench_centroid", args)
+    _call(C.sparq_llama_bench_centroid, args)
     return np.array(centroid_us[:]), np.array(flash_us[:]), kept.value
 
 
 # ---- threshold calibration of a prepared prefix (llama_squeeze_prepare's, over arrays) ----------------
-
-class SqueezeCalibArgs(ctypes.Structure):
-    """struct squeeze_calib_args (sparq-llama.h)."""
-
-    _fields_ = [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_rows", "n_layers", "n_cent", "n_coarse")] + \
-        [("q", ctypes.c_void_p), ("table", ctypes.c_void_p), ("coarse", ctypes.c_void_p), ("parent", ctypes.c_void_p),
-         ("scale", ctypes.c_float), ("group", ctypes.c_int), ("keep", ctypes.c_float), ("keep_coarse", ctypes.c_float),
-         ("n_threads", ctypes.c_int), ("threshold", ctypes.POINTER(ctypes.c_float)),
-         ("threshold_coarse", ctypes.POINTER(ctypes.c_float)), ("kept", ctypes.POINTER(ctypes.c_float)),
-         ("table_width", ctypes.c_int64), ("var_weight", ctypes.c_float)]
-
 
 def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: float, group: str = "max",
                       coarse: np.ndarray | None = None, parent: np.ndarray | None = None, keep_coarse: float = 0.0,
@@ -489,9 +398,9 @@ def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: f
                             n_cent=table.shape[2], n_coarse=n_coarse, q=q.ctypes.data, table=table.ctypes.data,
                             coarse=None if coarse is None else coarse.ctypes.data,
                             parent=None if parent is None else parent.ctypes.data, scale=float(scale),
-                            group={"max": 0, "mean": 1}[group], keep=float(keep), keep_coarse=float(keep_coarse),
+                            group=_GROUP[group], keep=float(keep), keep_coarse=float(keep_coarse),
                             n_threads=int(n_threads or os.cpu_count() or 1), threshold=ctypes.pointer(t),
                             threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept),
                             table_width=table.shape[3], var_weight=float(var_weight))
-    _call("sparq_llama_eval_squeeze_calibrate", args)
+    _call(C.sparq_llama_eval_squeeze_calibrate, args)
     return t.value, tc.value, kept.value

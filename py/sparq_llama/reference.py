@@ -1,7 +1,7 @@
 """Float64 numpy reference of the SparQ attention op: the oracle every CPU/CUDA kernel test compares against.
 
-It implements, slowly and plainly, the semantics written down in DESIGN.md ("SparQ: exact semantics of
-the op"), for one stream: per KV head h and query row t, with G the query heads that read h (GQA group),
+It implements, slowly and plainly, the semantics written down in docs/design.md, "SparQ: op semantics",
+for one stream: per KV head h and query row t, with G the query heads that read h (GQA group),
 sigma the kq scale (default 1/sqrt(d)) and V_t the visible cells of row t:
 
 1. |V_t| <= k2: exact attention over V_t, no mean reallocation, whatever the policy.
@@ -41,7 +41,8 @@ from numpy.typing import ArrayLike, NDArray
 from .sparq import MEAN_MODES, POLICIES, _as_int, transfer_ratio
 from .sparq import _finite_float as _as_float
 
-__all__ = ["MEAN_MODES", "POLICIES", "dense_attn", "sparq_attn", "transfer_ratio"]
+__all__ = ["MEAN_MODES", "POLICIES", "approx_top_cells", "dense_attn", "exact_top_cells", "sparq_attn",
+           "transfer_ratio"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -298,3 +299,22 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
             selection[h][t] = i2
 
     return (out, selection) if return_selection else out
+
+
+def exact_top_cells(q_group: ArrayLike, keys: ArrayLike, k2: int, *, scale: float) -> I64:
+    """The k2 cells of keys [n, d] with the largest true probability summed over one GQA group's queries
+    q_group [G, d] (ties: the lower cell), in rank order: the ``exact`` policy's ranking, no window or sinks."""
+    qg = np.asarray(q_group, dtype=np.float64)
+    kt = np.asarray(keys, dtype=np.float64)
+    score = _softmax(_exact_logits(qg, kt, scale, 0.0)).sum(axis=0)
+    return _top_cells(score, np.arange(kt.shape[0], dtype=np.int64), k2)
+
+
+def approx_top_cells(q_group: ArrayLike, keys: ArrayLike, k1: int, k2: int, *, scale: float) -> I64:
+    """The k2 cells of keys [n, d] with the largest approximate probability p_hat (from the k1 components of
+    largest sum_g |q_g|) summed over the group's queries q_group [G, d] (ties: the lower cell), in rank order:
+    SparQ's ranking (step 2 and the scored part of step 3 of the module doc), no window or sinks."""
+    qg = np.asarray(q_group, dtype=np.float64)
+    kt = np.asarray(keys, dtype=np.float64)
+    i1 = _top_components(np.abs(qg).sum(axis=0), k1)
+    return _top_cells(_approx_probs(qg, kt, i1, scale).sum(axis=0), np.arange(kt.shape[0], dtype=np.int64), k2)

@@ -1,5 +1,6 @@
 """Float64 numpy reference of centroid-sparse ("Squeezed") attention: the oracle for the ``ggml_centroid_attn``
-kernels and for the clustering and calibration that prepare a fixed prefix (DESIGN.md "Centroid-sparse").
+kernels and for the clustering and calibration that prepare a fixed prefix (docs/design.md, "Centroid-sparse: op
+semantics").
 
 Offline, once per fixed prefix, per layer and KV head, over the *clustered* cells (the prefix without its
 last ``n_calib`` cells, which stay exact and whose queries calibrate the threshold):
@@ -44,34 +45,22 @@ cluster's keys about the coarse centroid (:func:`coarse_level` computes them exa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .reference import _check_mask
+from .squeeze import GROUPS as GROUP_RULES
+from .squeeze import INITS as KMEANS_INITS
+from .squeeze import Clusters
 
 __all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "group_scores", "kept_fraction",
            "kmeans_cosine", "kpp_round_size", "kpp_seed_rows", "kpp_uniform", "variance_term"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
-GROUP_RULES = ("max", "mean")
-KMEANS_INITS = ("even", "kpp")  # k-means' initial centroids; index = enum llama_squeeze_init
 KPP_SEED = 0x5EED5EED5EED5EED   # the generator's fixed seed
 _M64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class Clusters:
-    """One KV head's clustering of P keys: centroids [c, d] (means of unnormalised member keys), sizes [c],
-    assignment [P] (cluster of each key), the number of iterations run and variances [c, d] (the members'
-    per-component variances about their centroid; 0 for an empty cluster)."""
-    centroids: F64
-    sizes: I64
-    assignment: I64
-    n_iter: int
-    variances: F64
 
 
 def _normalise(x: F64) -> F64:

@@ -11,8 +11,8 @@ None where C uses 0 / -1 for "automatic", strings for the enums. Constructing on
 names (ValueError); the value rules that depend on each other or on the model (k2 >= window + sinks,
 k1 <= head_dim, flash attention, ...) are C's: `check` and `apply` raise ValueError with its message.
 
-Importing this module loads nothing native and no numpy; the C functions are bound on first use, on the
-libllama llama-cpp-python has loaded (which `sparq_llama` made ours).
+Importing this module loads nothing native and no numpy; the C functions (`_bindings`) are bound on first
+use, on the libllama llama-cpp-python has loaded (which `sparq_llama` made ours).
 """
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import Any, Literal
+
+from . import _bindings as C
+from ._bindings import LlamaSparqParams
 
 __all__ = [
     "KWARG_FIELDS",
@@ -230,59 +233,23 @@ def to_kwargs(config: SparqConfig) -> dict[str, Any]:
 # The C API (sparq-llama.h)
 
 
-class LlamaSparqParams(ctypes.Structure):
-    """struct llama_sparq_params (sparq-llama.h), field for field."""
-
-    _fields_ = [
-        ("enabled", ctypes.c_bool),
-        ("k1", ctypes.c_int32),
-        ("k2", ctypes.c_int32),
-        ("window", ctypes.c_int32),
-        ("sinks", ctypes.c_int32),
-        ("mean", ctypes.c_int32),
-        ("policy", ctypes.c_int32),
-        ("sparse_v_thresh", ctypes.c_float),
-        ("default_layout", ctypes.c_bool),
-        ("prefill", ctypes.c_bool),
-        ("swa", ctypes.c_bool),
-        ("min_n_kv", ctypes.c_int32),
-    ]
-
-
-_C_FUNCTIONS = ("llama_sparq_default_params", "llama_sparq_check", "llama_set_sparq", "llama_get_sparq",
-                "llama_sparq_last_error")
+_C_FUNCTIONS = (C.llama_sparq_default_params, C.llama_sparq_check, C.llama_set_sparq, C.llama_get_sparq,
+                C.llama_sparq_last_error)
 
 
 def available() -> bool:
     """Whether the loaded libllama has SparQ's decode-path API (a build from before it has not)."""
-    from ._lib import libllama
-
-    lib = libllama()
-    return all(hasattr(lib, name) for name in _C_FUNCTIONS)
+    return not C.missing(_C_FUNCTIONS)
 
 
 @lru_cache(maxsize=1)
-def _api() -> ctypes.CDLL:
-    """libllama with the SparQ functions' signatures declared (once)."""
-    from ._lib import libllama
-
-    lib = libllama()
-    missing = [name for name in _C_FUNCTIONS if not hasattr(lib, name)]
+def _api() -> Any:
+    """The bound C functions (`_bindings`), once this libllama is known to have SparQ's."""
+    missing = C.missing(_C_FUNCTIONS)
     if missing:
         raise RuntimeError(f"this build of sparq-llama's libllama has no SparQ decode path ({', '.join(missing)} "
                            f"missing); rebuild and reinstall the package (`make install` or `pip install .`)")
-    params_p = ctypes.POINTER(LlamaSparqParams)
-    lib.llama_sparq_default_params.argtypes = []
-    lib.llama_sparq_default_params.restype = LlamaSparqParams
-    lib.llama_sparq_check.argtypes = [ctypes.c_void_p, params_p]
-    lib.llama_sparq_check.restype = ctypes.c_char_p
-    lib.llama_set_sparq.argtypes = [ctypes.c_void_p, params_p]
-    lib.llama_set_sparq.restype = ctypes.c_int32
-    lib.llama_get_sparq.argtypes = [ctypes.c_void_p]
-    lib.llama_get_sparq.restype = LlamaSparqParams
-    lib.llama_sparq_last_error.argtypes = []
-    lib.llama_sparq_last_error.restype = ctypes.c_char_p
-    return lib
+    return C
 
 
 def _ctx_ptr(ctx: Any) -> int | None:
@@ -332,7 +299,8 @@ def read(ctx: Any) -> SparqConfig:
 
 
 def transfer_elements(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> tuple[int, int]:
-    """(dense, SparQ) elements moved per KV head and decode step (DESIGN.md's model).
+    """(dense, SparQ) elements moved per KV head and decode step (the transfer model of docs/design.md, "SparQ: op
+    semantics").
 
     dense = 2*S*d + 2*d (read K and V, write the new k and v);
     sparq = S*r + 2*k*d + 4*d (r rows of K^T, k rows of K and V, write k and v, read/write v_bar),

@@ -1,4 +1,5 @@
-"""Centroid-sparse ("Squeezed") attention over a fixed prefix: settings (`SqueezeConfig`) and the C API.
+"""Centroid-sparse ("Squeezed") attention over a fixed prefix: settings (`SqueezeConfig`), the names of its enums,
+the k-means result (`Clusters`) and the C API.
 
     from sparq_llama import Llama
     llm = Llama(path)                                       # flash attention on (needed: row-major V)
@@ -17,21 +18,38 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from .reference_squeeze import KMEANS_INITS
+from . import _bindings as C
+from ._bindings import LlamaSqueezeInfo, LlamaSqueezeParams, ProgressFn
 from .sparq import _as_int, _ctx_ptr, _finite_float, _int32
 
-__all__ = ["GROUPS", "INITS", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save", "sidecar_path"]
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+__all__ = ["GROUPS", "INITS", "Clusters", "SqueezeConfig", "SqueezeInfo", "clear", "info", "load", "prepare", "save",
+           "sidecar_path"]
 
 log = logging.getLogger(__name__)
 
 GROUPS = ("max", "mean")  # index = enum ggml_centroid_group
 Group = Literal["max", "mean"]
-INITS = KMEANS_INITS  # ("even", "kpp"): index = enum llama_squeeze_init (ops.kmeans_cosine takes the same names)
+# k-means' initial centroids; index = enum llama_squeeze_init (ops.kmeans_cosine and the reference take these names)
+INITS = ("even", "kpp")
 Init = Literal["even", "kpp"]
 
-ProgressFn = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
+
+@dataclass(frozen=True)
+class Clusters:
+    """One KV head's clustering of P keys (`ops.kmeans_cosine`, `reference_squeeze.kmeans_cosine`): centroids [c, d]
+    (means of unnormalised member keys), sizes [c], assignment [P] (cluster of each key), the number of iterations
+    run and variances [c, d] (the members' per-component variances about their centroid; 0 for an empty cluster)."""
+    centroids: NDArray[np.float64]
+    sizes: NDArray[np.int64]
+    assignment: NDArray[np.int64]
+    n_iter: int
+    variances: NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -40,7 +58,7 @@ class SqueezeConfig:
 
     centroids: fine clusters per layer and KV head, as a fraction of the clustered prefix tokens. The paper's 5%
         (the default) finds 89% of dense's needles on SmolLM2 at keep = 0.1 with the variance rule below (none
-        without it); 10% finds 96% for ~23% more decode time (README, bench/notes_squeeze_quality.md).
+        without it); 10% finds 96% for ~23% more decode time (docs/quality.md).
     keep: target fraction of the clustered prefix read per query (calibrated on the prefix's last tokens).
     levels: 1, or 2 (coarse clusters prune before the fine ones).
     centroids_coarse: levels = 2: coarse clusters as a fraction of the clustered prefix.
@@ -113,83 +131,20 @@ class SqueezeInfo:
     var_weight: float = 0.0  # the kept rule's variance term (0: the mean rule; sidecars before version 3)
 
 
-class LlamaSqueezeParams(ctypes.Structure):
-    """struct llama_squeeze_params (sparq-llama.h), field for field."""
-
-    _fields_ = [
-        ("centroids", ctypes.c_float),
-        ("keep", ctypes.c_float),
-        ("levels", ctypes.c_int32),
-        ("centroids_coarse", ctypes.c_float),
-        ("keep_coarse", ctypes.c_float),
-        ("n_calib", ctypes.c_int32),
-        ("n_iter", ctypes.c_int32),
-        ("group", ctypes.c_int32),
-        ("var_weight", ctypes.c_float),
-        ("init", ctypes.c_int32),
-        ("progress_callback", ProgressFn),
-        ("progress_callback_user_data", ctypes.c_void_p),
-    ]
-
-
-class LlamaSqueezeInfo(ctypes.Structure):
-    """struct llama_squeeze_info (sparq-llama.h)."""
-
-    _fields_ = [
-        ("prepared", ctypes.c_bool),
-        ("seq_id", ctypes.c_int32),
-        ("n_prefix", ctypes.c_int32),
-        ("n_clustered", ctypes.c_int32),
-        ("n_layers", ctypes.c_int32),
-        ("levels", ctypes.c_int32),
-        ("threshold", ctypes.c_float),
-        ("threshold_coarse", ctypes.c_float),
-        ("kept_calib", ctypes.c_float),
-        ("prefill", ctypes.c_int32),
-        ("var_weight", ctypes.c_float),
-    ]
+_C_FUNCTIONS = (C.llama_squeeze_default_params, C.llama_squeeze_check, C.llama_squeeze_prepare,
+                C.llama_squeeze_save, C.llama_squeeze_load, C.llama_squeeze_load_state_file,
+                C.llama_squeeze_recalibrate, C.llama_squeeze_set_prefill, C.llama_squeeze_clear,
+                C.llama_squeeze_get_info, C.llama_squeeze_seq_sparse, C.llama_squeeze_last_error)
 
 
 @lru_cache(maxsize=1)
-def _api() -> ctypes.CDLL:
-    from ._lib import libllama
-
-    lib = libllama()
-    names = ("llama_squeeze_default_params", "llama_squeeze_check", "llama_squeeze_prepare", "llama_squeeze_save",
-             "llama_squeeze_load", "llama_squeeze_clear", "llama_squeeze_get_info", "llama_squeeze_seq_sparse",
-             "llama_squeeze_load_state_file", "llama_squeeze_last_error")
-    missing = [n for n in names if not hasattr(lib, n)]
+def _api() -> Any:
+    """The bound C functions (`_bindings`), once this libllama is known to have the centroid-sparse ones."""
+    missing = C.missing(_C_FUNCTIONS)
     if missing:
         raise RuntimeError(f"this build of sparq-llama's libllama has no centroid-sparse API ({', '.join(missing)} "
                            f"missing); rebuild and reinstall the package")
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    lib.llama_squeeze_default_params.argtypes = []
-    lib.llama_squeeze_default_params.restype = LlamaSqueezeParams
-    lib.llama_squeeze_check.argtypes = [ctypes.POINTER(LlamaSqueezeParams)]
-    lib.llama_squeeze_check.restype = ctypes.c_char_p
-    lib.llama_squeeze_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32,
-                                          ctypes.POINTER(LlamaSqueezeParams)]
-    lib.llama_squeeze_prepare.restype = ctypes.c_int32
-    lib.llama_squeeze_save.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    lib.llama_squeeze_save.restype = ctypes.c_int32
-    lib.llama_squeeze_load.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p, ctypes.c_int32]
-    lib.llama_squeeze_load.restype = ctypes.c_int32
-    lib.llama_squeeze_recalibrate.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
-    lib.llama_squeeze_recalibrate.restype = ctypes.c_int32
-    lib.llama_squeeze_set_prefill.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    lib.llama_squeeze_set_prefill.restype = ctypes.c_int32
-    lib.llama_squeeze_clear.argtypes = [ctypes.c_void_p]
-    lib.llama_squeeze_clear.restype = None
-    lib.llama_squeeze_get_info.argtypes = [ctypes.c_void_p]
-    lib.llama_squeeze_get_info.restype = LlamaSqueezeInfo
-    lib.llama_squeeze_seq_sparse.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    lib.llama_squeeze_seq_sparse.restype = ctypes.c_bool
-    lib.llama_squeeze_load_state_file.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, i32p,
-                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
-    lib.llama_squeeze_load_state_file.restype = ctypes.c_int32
-    lib.llama_squeeze_last_error.argtypes = []
-    lib.llama_squeeze_last_error.restype = ctypes.c_char_p
-    return lib
+    return C
 
 
 def _error(what: str) -> ValueError:

@@ -18,18 +18,16 @@ layers carry no SparQ node), the per-layer list has them all.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import random
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
+from .. import _bindings as C
 from .. import reference as ref
-from .._lib import lib_dir
 from ..sparq import SparqConfig
 from ..sparq import apply as apply_sparq
 from .settings import K2, TARGET_RATIOS, k1_for_ratio, ratio_label
@@ -40,31 +38,13 @@ if TYPE_CHECKING:
     from .runner import EvalConfig
 
 
-def _ggml_base() -> ctypes.CDLL:
-    names = {"win32": "ggml-base.dll", "darwin": "libggml-base.dylib"}
-    lib = ctypes.CDLL(str(lib_dir() / names.get(sys.platform, "libggml-base.so")))
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
-    lib.ggml_op_desc.restype = ctypes.c_char_p
-    lib.ggml_nelements.argtypes = [ctypes.c_void_p]
-    lib.ggml_nelements.restype = ctypes.c_int64
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    lib.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
-    lib.ggml_is_contiguous.restype = ctypes.c_bool
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    lib.ggml_backend_tensor_get.restype = None
-    return lib
-
-
 class QKCapture:
     """A llama.cpp context on `engine`'s model that records roped Q and K per layer while it prefills."""
 
     def __init__(self, engine: Engine, n_ctx: int, keep_q_from: int) -> None:
         from llama_cpp import llama_cpp as lc
 
-        self._lc, self._ggml, self.engine = lc, _ggml_base(), engine
+        self._lc, self.engine = lc, engine
         self.n_head, self.n_head_kv = engine.shape.n_head, engine.shape.n_head_kv
         self.d = engine.shape.head_dim
         self.keep_q_from = keep_q_from
@@ -97,22 +77,21 @@ class QKCapture:
             self.ctx = None
 
     def _callback(self, t: int, ask: bool, _user: int) -> bool:
-        g = self._ggml
-        name = (g.ggml_get_name(t) or b"").decode()
+        name = (C.ggml_get_name(t) or b"").decode()
         kind, _, il = name.partition("-")
         if kind == "sparq_attn" and il.isdigit():
             self.sparq_layers.add(int(il))
-        if kind not in ("Qcur", "Kcur") or not il.isdigit() or g.ggml_op_desc(t) != b"ROPE":
+        if kind not in ("Qcur", "Kcur") or not il.isdigit() or C.ggml_op_desc(t) != b"ROPE":
             return not ask
         if ask:
             return True
         n_heads = self.n_head if kind == "Qcur" else self.n_head_kv
-        n = g.ggml_nelements(t)
-        if not g.ggml_is_contiguous(t) or g.ggml_nbytes(t) != 4 * n or n % (n_heads * self.d):
+        n = C.ggml_nelements(t)
+        if not C.ggml_is_contiguous(t) or C.ggml_nbytes(t) != 4 * n or n % (n_heads * self.d):
             self.error = f"{name}: expected a contiguous f32 [{self.d}, {n_heads}, n_tok] tensor"
             return True
         buf = np.empty(n, dtype=np.float32)
-        g.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+        C.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
         x = buf.reshape(-1, n_heads, self.d)                 # [n_tok, heads, d]
         layer = int(il)
         if kind == "Kcur":
@@ -153,11 +132,9 @@ def window_agreement(q: np.ndarray, k: np.ndarray, first_row: int, k1s: dict[str
             n_vis = first_row + t + 1
             kk = k[:n_vis, h].astype(np.float64)
             qg = q[t, h * group:(h + 1) * group].astype(np.float64)
-            cells = np.arange(n_vis)
-            exact = ref._top_cells(ref._softmax(ref._exact_logits(qg, kk, sigma, 0.0)).sum(0), cells, k2)
+            exact = ref.exact_top_cells(qg, kk, k2, scale=sigma)
             for label, k1 in k1s.items():
-                i1 = ref._top_components(np.abs(qg).sum(axis=0), k1)
-                approx = ref._top_cells(ref._approx_probs(qg, kk, i1, sigma).sum(0), cells, k2)
+                approx = ref.approx_top_cells(qg, kk, k1, k2, scale=sigma)
                 out[label][h] += np.intersect1d(exact, approx).size / k2 / n_rows
     return out
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..shape import attention_shape
 from ..sparq import SparqConfig
 from .settings import ModelShape
 
@@ -71,8 +72,6 @@ class Engine:
     # -- model facts ---------------------------------------------------------------------------------
 
     def _shape(self) -> ModelShape:
-        from ..demo import attention_shape
-
         a = attention_shape(self.llm)
         return ModelShape(head_dim=a.head_dim, n_head=a.n_head, n_head_kv=a.n_head_kv,
                           has_swa=bool(self._lc.llama_model_n_swa(self.llm.model)))
