@@ -44,7 +44,7 @@ from typing import Any
 
 from record import RESULTS, provenance
 from sparq_llama import models
-from sparq_llama.reference import transfer_ratio
+from sparq_llama.sparq import transfer_ratio
 
 log = logging.getLogger("decode_cpu")
 HEAD_DIM = {"smollm2": 64, "gemma3": 256}  # attention head size of the models in sparq_llama.models

@@ -17,7 +17,7 @@ import numpy as np
 from head_shapes import HEAD_SHAPES
 from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import ops
-from sparq_llama.reference import transfer_ratio
+from sparq_llama.sparq import transfer_ratio
 from tqdm import tqdm
 
 SHAPES = ("llama2-7b", "smollm2")
