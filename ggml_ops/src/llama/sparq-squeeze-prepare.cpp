@@ -11,6 +11,7 @@
 //      only the clusters near the bin, from the normalisers the first pass kept);
 //   4. install the tables on the device (sparq-squeeze-state.cpp).
 #include "sparq-squeeze.h"
+#include "sparq-llama-testing.h"
 
 #include "../sparq-kmeans.h"
 
