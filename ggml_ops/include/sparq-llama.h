@@ -27,7 +27,8 @@ SPARQ_API const char * sparq_llama_build_info(void);
 
 // ---- SparQ in llama.cpp's decode path --------------------------------------------------------------
 // Settings of a llama_context (new functions, no change to llama_context_params). Semantics of the
-// selection: ggml-sparq.h and DESIGN.md. Zero/negative "auto" values are resolved per layer.
+// selection: ggml-sparq.h and docs/design.md, "SparQ: op semantics". Zero/negative "auto" values are
+// resolved per layer.
 struct llama_context;
 
 enum llama_sparq_mean {
@@ -117,7 +118,7 @@ struct llama_squeeze_params {
     int32_t group;             // enum ggml_centroid_group: a GQA group keeps a cluster by the max (0) or mean (1)
     float   var_weight;        // the kept rule's variance term (ggml-centroid.h), >= 0; 0: the paper's mean rule
                                // (default 1, the Gaussian value, chosen on a held-out example set:
-                               // bench/notes_squeeze_quality.md, session 12)
+                               // docs/quality.md)
     int32_t init;              // enum llama_squeeze_init: k-means' initial centroids
     bool  (*progress_callback)(float progress, void * user_data); // NULL: none; returning false cancels
     void *  progress_callback_user_data;
@@ -178,7 +179,7 @@ SPARQ_API void llama_squeeze_clear(struct llama_context * ctx);
 enum llama_squeeze_prefill {
     LLAMA_SQUEEZE_PREFILL_AUTO   = 0,  // sparse where the layer's KV is in host memory, dense where it is on a GPU: there
                                        // each row reads its own clusters, slower than flash attention's single pass
-                                       // over the KV for all rows (README, "Centroid-sparse")
+                                       // over the KV for all rows (docs/squeeze.md)
     LLAMA_SQUEEZE_PREFILL_SPARSE = 1,  // every row reads its kept clusters (and the rest of the cache exactly)
     LLAMA_SQUEEZE_PREFILL_DENSE  = 2,  // dense attention over the whole cache, the prefix included (exact)
 };
