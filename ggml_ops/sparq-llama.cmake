@@ -27,6 +27,10 @@ target_sources(llama PRIVATE
     "${SPARQ_OPS_DIR}/src/llama/sparq-llama-graph.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-state.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-prepare.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-cluster.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-calibrate.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-sidecar.cpp"
+    "${SPARQ_OPS_DIR}/src/llama/sparq-squeeze-api.cpp"
     "${SPARQ_OPS_DIR}/src/llama/sparq-state-file.cpp")
 
 # ---- llama-common: the tools' --squeeze setup (llama-completion, llama-server and llama-cli share it) ------------

@@ -1,5 +1,5 @@
 // ggml_centroid_attn: centroid-sparse ("Squeezed") attention over a clustered fixed prefix as one ggml op
-// (semantics: shared/DESIGN.md "Centroid-sparse"; float64 reference: sparq_llama.reference_squeeze).
+// (semantics: docs/design.md, "Centroid-sparse: op semantics"; float64 reference: sparq_llama.reference_squeeze).
 //
 // Per KV head h, stream s, query row t, with G the query heads sharing h and sigma the kq scale:
 //   1. S_g[i] = exp(sigma q_g . C_i + var_weight sigma^2 / 2 sum_d q_gd^2 D_id) / sum_j N_j exp(sigma q_g . C_j)

@@ -1,4 +1,4 @@
-// ggml_sparq_attn: SparQ attention as one ggml op (semantics: shared/DESIGN.md "SparQ: exact semantics").
+// ggml_sparq_attn: SparQ attention as one ggml op (semantics: docs/design.md, "SparQ: op semantics").
 //
 // Per KV head h, stream s, query row t, with G the query heads sharing h and V_t the visible cells:
 //   1. |V_t| <= k2: exact attention over V_t.

@@ -1,4 +1,5 @@
-// sparq-llama: the public C API of our additions to llama.cpp, exported from libllama.
+// sparq-llama: the public C API of our additions to llama.cpp, exported from libllama. (The entry points for
+// tests and microbenchmarks are in sparq-llama-testing.h.)
 // Functions only: llama.cpp's public structs are never changed (llama-cpp-python binds them by value).
 #pragma once
 
@@ -24,149 +25,10 @@ SPARQ_API const char * sparq_llama_version(void);
 //    "ops": [names of our ggml ops compiled in], "backends": [ggml backends compiled in, e.g. "CPU", "CUDA"]}
 SPARQ_API const char * sparq_llama_build_info(void);
 
-struct ggml_sparq_params;
-
-// One evaluation of ggml_sparq_attn over host arrays, for tests and research (sparq_llama.ops).
-// Arrays are C-contiguous in ggml order (ne0 fastest): q [ns][n_head][n_q][d] f32,
-// k [ns][n_head_kv][n_kv][d], kt [ns][n_head_kv][d][n_kv] (or NULL), v [ns][n_head_kv][n_kv][d_v] of kv_type
-// (a ggml_type: f32, f16 or bf16), mask [mask_ns][n_q][n_kv] f16 0/-inf (or NULL),
-// vsum [ns][n_q][n_head_kv][d_v + 1] f32 (or NULL); out [ns][n_q][n_head][d_v] f32.
-struct sparq_eval_args {
-    const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
-    int          n_threads;
-    int          kv_type;
-    int64_t      d, d_v, n_q, n_head, n_head_kv, n_kv, ns, mask_ns;
-    const float * q;
-    const void  * k;
-    const void  * kt;
-    const void  * v;
-    const void  * mask;
-    const float * vsum;
-    const struct ggml_sparq_params * params;
-    float       * out;
-    const int32_t * pos;   // [ns][n_kv] cell positions for the window and sinks (NULL: cell order)
-};
-
-// 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).
-SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, char * err, size_t err_size);
-
-// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows): table [n_seq][(d_v + 1)*n_head_kv] f32,
-// v [n_tokens][n_head_kv][v_ld] f32 (the op sees the first d_v of each v_ld components: a strided view),
-// idx [n_tokens] i32, v_type a ggml_type (f32, f16, bf16); out [n_tokens][(d_v + 1)*n_head_kv] f32.
-struct vsum_rows_eval_args {
-    const char * device;   // NULL or "": the CPU
-    int          n_threads;
-    int          v_type;
-    int64_t      d_v, n_head_kv, n_tokens, n_seq, v_ld;
-    const float * table;
-    const float * v;
-    const int32_t * idx;
-    float       * out;
-};
-SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
-
-struct ggml_centroid_params;
-
-// One evaluation of ggml_centroid_attn over host arrays (sparq_llama.ops.centroid_attn). Arrays are
-// C-contiguous in ggml order: q, k, v and mask as for sparq_eval_args; cent [ns][n_head_kv][n_cent][table_width]
-// f32 (components, the cluster size, then with table_width 2d + 1 the variances); cell [ns][n_head_kv][n_kv] i32
-// (-1: not clustered); coarse [ns][n_head_kv][n_coarse][table_width] f32 and parent [ns][n_head_kv][n_cent] i32,
-// both or neither (two levels);
-// out [ns][n_q][n_head][d_v] f32. 0 on success; otherwise 1 with a message in err.
-struct centroid_eval_args {
-    const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
-    int          n_threads;
-    int          kv_type;
-    int64_t      d, d_v, n_q, n_head, n_head_kv, n_kv, ns, mask_ns, n_cent, n_coarse;
-    const float   * q;
-    const void    * k;
-    const void    * v;
-    const void    * mask;
-    const float   * cent;
-    const int32_t * cell;
-    const float   * coarse;
-    const int32_t * parent;
-    const struct ggml_centroid_params * params;
-    float         * out;
-    int64_t         table_width;  // d + 1, or 2d + 1 with the variances; 0: d + 1
-};
-SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * args, char * err, size_t err_size);
-
-// Spherical k-means of H problems of P rows as ggml graphs on a backend (sparq_llama.ops.kmeans_cosine; the
-// clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][2d + 1] f32 out
-// (member means of the unnormalised rows, the size, the members' per-component variances about the mean);
-// assignment [H][P] i32 out; *n_iter_run out; init: enum llama_squeeze_init (the initial centroids).
-// 0 on success; otherwise 1 with a message in err.
-struct kmeans_eval_args {
-    const char * device;   // NULL or "": the CPU
-    int          n_threads;
-    int64_t      d, P, H, n_clusters;
-    int          n_iter;
-    const float * x;
-    float       * table;
-    int32_t     * assignment;
-    int         * n_iter_run;
-    int          init;
-};
-SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
-
-// Microbenchmark: the clustering of a fixed prefix per layer with the keys already on the backend (as in a
-// prepared KV cache): n_layers problems sets of H x P random rows of d components (a pool of normal values in
-// tiles), each clustered by sparq_kmeans_run into n_clusters (n_iter iterations at most) after a warm-up
-// layer. Out: layer_s [n_layers] wall seconds of each (normalising, iterations with their assignment
-// read-backs, the table and its read-back), iters_out [n_layers] iterations run. 0 on success, else 1.
-struct kmeans_bench_args {
-    const char * device;   // NULL or "": the CPU
-    int          n_threads;
-    int64_t      d, P, H, n_clusters;
-    int          n_iter, n_layers;
-    double     * layer_s;
-    int        * iters_out;
-    double     * phase_s;  // NULL, or [n_layers][3] out: setup (state, normalising, seeding), iterations, the table
-                           // (seconds)
-    int          init;     // enum llama_squeeze_init
-};
-SPARQ_API int sparq_llama_bench_kmeans(const struct kmeans_bench_args * args, char * err, size_t err_size);
-
-// Microbenchmark: ggml_centroid_attn vs ggml_flash_attn_ext (F32 precision) on the same random cache, one decode
-// query (n_q = 1, one stream, all cells visible). The first n_prefix cells are clustered into n_clusters
-// clusters of consecutive cells (random centroids); the threshold is set from the query's cluster scores so
-// that about `keep` of the clustered cells are read (*kept_out: the fraction actually read). n_runs
-// interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
-struct centroid_bench_args {
-    const char * device;   // NULL or "": the CPU
-    int          n_threads;
-    int          kv_type;
-    int64_t      d, n_head, n_head_kv, n_kv, n_prefix, n_clusters;
-    float        keep;
-    int          n_runs;
-    double     * centroid_us; // [n_runs]
-    double     * flash_us;    // [n_runs]
-    double     * kept_out;
-};
-SPARQ_API int sparq_llama_bench_centroid(const struct centroid_bench_args * args, char * err, size_t err_size);
-
-// Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
-// one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
-// interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
-struct sparq_bench_args {
-    const char * device;   // NULL or "": the CPU
-    int          n_threads;
-    int          kv_type;
-    int64_t      d, n_head, n_head_kv, n_kv;
-    int          use_kt;   // pass the transposed key copy (the "kt" layout)
-    int          n_runs;
-    const struct ggml_sparq_params * params;
-    double     * sparq_us; // [n_runs]
-    double     * flash_us; // [n_runs]
-    int64_t      n_seq;    // sequences (streams), each with its own n_kv cells; 0: 1
-};
-SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
-
-
 // ---- SparQ in llama.cpp's decode path --------------------------------------------------------------
 // Settings of a llama_context (new functions, no change to llama_context_params). Semantics of the
-// selection: ggml-sparq.h and DESIGN.md. Zero/negative "auto" values are resolved per layer.
+// selection: ggml-sparq.h and docs/design.md, "SparQ: op semantics". Zero/negative "auto" values are
+// resolved per layer.
 struct llama_context;
 
 enum llama_sparq_mean {
@@ -256,7 +118,7 @@ struct llama_squeeze_params {
     int32_t group;             // enum ggml_centroid_group: a GQA group keeps a cluster by the max (0) or mean (1)
     float   var_weight;        // the kept rule's variance term (ggml-centroid.h), >= 0; 0: the paper's mean rule
                                // (default 1, the Gaussian value, chosen on a held-out example set:
-                               // bench/notes_squeeze_quality.md, session 12)
+                               // docs/quality.md)
     int32_t init;              // enum llama_squeeze_init: k-means' initial centroids
     bool  (*progress_callback)(float progress, void * user_data); // NULL: none; returning false cancels
     void *  progress_callback_user_data;
@@ -317,7 +179,7 @@ SPARQ_API void llama_squeeze_clear(struct llama_context * ctx);
 enum llama_squeeze_prefill {
     LLAMA_SQUEEZE_PREFILL_AUTO   = 0,  // sparse where the layer's KV is in host memory, dense where it is on a GPU: there
                                        // each row reads its own clusters, slower than flash attention's single pass
-                                       // over the KV for all rows (README, "Centroid-sparse")
+                                       // over the KV for all rows (docs/squeeze.md)
     LLAMA_SQUEEZE_PREFILL_SPARSE = 1,  // every row reads its kept clusters (and the rest of the cache exactly)
     LLAMA_SQUEEZE_PREFILL_DENSE  = 2,  // dense attention over the whole cache, the prefix included (exact)
 };
@@ -347,34 +209,8 @@ SPARQ_API struct llama_squeeze_info llama_squeeze_get_info(const struct llama_co
 // holds the prefix's keys in the same cells). false when nothing is prepared.
 SPARQ_API bool llama_squeeze_seq_sparse(const struct llama_context * ctx, int32_t seq_id);
 
-// The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
-// (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
-// calibration queries), table [n_layers][n_head_kv][n_cent][table_width] (components, the size, with width 2d + 1
-// the variances); two levels: coarse [n_layers][n_head_kv][n_coarse][table_width] and parent
-// [n_layers][n_head_kv][n_cent], else NULL. var_weight: the kept rule's variance term (needs width 2d + 1).
-// Out: *threshold, *threshold_coarse (two levels) and *kept (mean kept fraction at them). 0, or 1 with err.
-struct squeeze_calib_args {
-    int64_t d, n_head, n_head_kv, n_rows, n_layers, n_cent, n_coarse;
-    const float   * q;
-    const float   * table;
-    const float   * coarse;
-    const int32_t * parent;
-    float   scale;
-    int     group;        // enum ggml_centroid_group
-    float   keep;
-    float   keep_coarse;  // two levels: 0 -> min(1, 2*keep)
-    int     n_threads;
-    float * threshold;
-    float * threshold_coarse;
-    float * kept;
-    int64_t table_width;  // d + 1 or 2d + 1; 0: d + 1
-    float   var_weight;
-};
-SPARQ_API int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * args, char * err, size_t err_size);
-
 // The reason for the last failed llama_squeeze_* call on this thread ("" if none).
 SPARQ_API const char * llama_squeeze_last_error(void);
-
 
 #ifdef __cplusplus
 }

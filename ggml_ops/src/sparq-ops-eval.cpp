@@ -1,6 +1,7 @@
-// sparq_llama_eval_sparq_attn / _centroid_attn: run one of our ops once on a backend over host arrays. Used
-// by sparq_llama.ops (tests against the float64 reference, research); each builds a one-node ggml graph.
-#include "sparq-llama.h"
+// The entry points of sparq-llama-testing.h: sparq_llama_eval_* run one of our ops (or the k-means) once on a
+// backend over host arrays, used by sparq_llama.ops (tests against the float64 reference, research), each as a
+// one-node ggml graph; sparq_llama_bench_* time them against flash attention (the microbenchmarks of bench/).
+#include "sparq-llama-testing.h"
 #include "sparq-kmeans.h"
 
 #include "ggml-alloc.h"

@@ -1,5 +1,5 @@
-// CPU kernel of ggml_centroid_attn. Semantics: ggml_ops/include/ggml-centroid.h and shared/DESIGN.md; the
-// float64 reference is sparq_llama.reference_squeeze.centroid_attn.
+// CPU kernel of ggml_centroid_attn. Semantics: ggml_ops/include/ggml-centroid.h and docs/design.md,
+// "Centroid-sparse: op semantics"; the float64 reference is sparq_llama.reference_squeeze.centroid_attn.
 //
 // Work is organised in "rows": one row = (KV head h, query row t, stream s), all query heads of h's group
 // together since they share the selection. Rows go in waves of W rows (bounded scratch for long prefill

@@ -1,4 +1,4 @@
-// CPU kernel of ggml_sparq_attn. Semantics: ggml_ops/include/ggml-sparq.h and shared/DESIGN.md.
+// CPU kernel of ggml_sparq_attn. Semantics: ggml_ops/include/ggml-sparq.h and docs/design.md, "SparQ: op semantics".
 //
 // Work is organised in "rows": one row = (KV head h, query row t, stream s); all query heads of h's
 // group are handled together because they share the selection. Rows are processed in waves of W rows

@@ -51,8 +51,8 @@ struct sparq_kv_state {
 
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
 // lives and, on a GPU, on the layer's GQA group. CPU: measured on the 2-core x86 machine with SmolLM2
-// (bench/results/sparq_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from
-// 512). GPU: measured on an H100 (bench/results/cuda_e2e.json, kernel v5c): the Llama-2-7B shape (MHA) is at
+// (bench/results/decode_cpu_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from
+// 512). GPU: measured on an H100 (bench/results/cuda_e2e.json): the Llama-2-7B shape (MHA) is at
 // 0.96x of dense at 16k and 1.18x at 32k; the Llama-3-8B shape (4 query heads per KV head) at 0.92x at 32k
 // and 1.06x at 64k. A GQA row reads its K and V rows once for several heads, so dense attention is cheaper
 // per head there and SparQ pays off later.
@@ -72,7 +72,7 @@ inline int32_t sparq_window(const llama_sparq_params & p) {
 }
 
 //
-// centroid-sparse ("Squeezed") attention over a prepared prefix (sparq-squeeze-state.cpp, sparq-squeeze-prepare.cpp)
+// centroid-sparse ("Squeezed") attention over a prepared prefix (sparq-squeeze.h lists its files)
 //
 
 // One cache layer's clusters. Host copies are what the sidecar holds; the tensors what graphs read.

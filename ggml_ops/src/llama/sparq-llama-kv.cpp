@@ -1,6 +1,6 @@
 // SparQ's derived KV state, kept by llama_kv_cache (member functions declared by vendor/patches/0003):
 //   K^T  per layer [kv_size, n_embd_k_gqa, n_stream]: one row of cells per key component, so the
-//        approximate-score pass reads k1 contiguous rows (DESIGN.md "Layouts");
+//        approximate-score pass reads k1 contiguous rows (docs/design.md, "Derived KV state");
 //   vsum per layer [(d_v + 1) * n_head_kv, n_seq_max] f32: per sequence and KV head, the sum of V over the
 //        sequence's cells and their count (the mean value of step 5 without reading V).
 // Graphs write both next to cpy_k/cpy_v (sparq-llama-graph.cpp). Whatever changes K or the cells outside a

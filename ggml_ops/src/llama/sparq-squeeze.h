@@ -1,9 +1,13 @@
 // Centroid-sparse attention over a prepared prefix inside libllama. llama_kv_cache and llama_context name
 // sparq_squeeze_access a friend (vendor/patches/0003), so the code here reaches their private members
 // without more hook points:
-//   sparq-squeeze-state.cpp    the cache side: prefix cells, checks, device tables, the graph op
-//   sparq-squeeze-prepare.cpp  the context side: capture, clustering, calibration, sidecar, C API
-//   sparq-state-file.cpp       loading a saved prefix's KV state: checked, and into a context of other stream counts
+//   sparq-squeeze-state.cpp      the cache side: prefix cells, checks, device tables, the graph op
+//   sparq-squeeze-prepare.cpp    the context side: the cache, layer selection, query capture, preparing in order
+//   sparq-squeeze-cluster.cpp    k-means of the prefix keys per layer (and of the centroids: two levels)
+//   sparq-squeeze-calibrate.cpp  the thresholds from the calibration queries (and recalibrating at a new keep)
+//   sparq-squeeze-sidecar.cpp    saving and loading a prepared prefix (the sidecar file)
+//   sparq-squeeze-api.cpp        the llama_squeeze_* C API
+//   sparq-state-file.cpp         loading a saved prefix's KV state: checked, and into a context of other stream counts
 #pragma once
 
 #include "sparq-llama-internal.h"
@@ -47,7 +51,7 @@ struct sparq_squeeze_access {
 
     static const squeeze_kv_layer * layer(const llama_kv_cache & kv, int32_t il);
 
-    // context side (sparq-squeeze-prepare.cpp)
+    // context side (sparq-squeeze-prepare.cpp, -cluster.cpp, -calibrate.cpp, -sidecar.cpp)
     static std::string prepare(llama_context & ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
                                const llama_squeeze_params & params);
     static std::string save(llama_context & ctx, const char * path);
@@ -71,5 +75,13 @@ struct sparq_squeeze_access {
 };
 
 // The result of a llama_squeeze_* C API call: 0 when err is empty, else -1 with err logged (as fn's) and kept for
-// llama_squeeze_last_error() (sparq-squeeze-prepare.cpp)
+// llama_squeeze_last_error() (sparq-squeeze-api.cpp)
 int32_t sparq_squeeze_result(const char * fn, const std::string & err);
+
+namespace sparq_squeeze_detail {
+
+// Whether the device holding this layer's cache can run ggml_centroid_attn on it (sparq-squeeze-cluster.cpp).
+bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_cache, int64_t d, int64_t d_v, int64_t n_head,
+                    int64_t n_head_kv, bool two_levels);
+
+}  // namespace sparq_squeeze_detail

@@ -1,0 +1,179 @@
+// sparq-llama's testing and benchmarking entry points, exported from libllama next to the user API of
+// sparq-llama.h: each runs one of our ops, the k-means or the threshold calibration once over host arrays (for
+// the tests against the float64 references in sparq_llama.ops), or times one of them against flash attention
+// (the microbenchmarks of bench/). Users of the C API do not need them; this header is not installed.
+#pragma once
+
+#include "sparq-llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ggml_sparq_params;
+
+// One evaluation of ggml_sparq_attn over host arrays, for tests and research (sparq_llama.ops).
+// Arrays are C-contiguous in ggml order (ne0 fastest): q [ns][n_head][n_q][d] f32,
+// k [ns][n_head_kv][n_kv][d], kt [ns][n_head_kv][d][n_kv] (or NULL), v [ns][n_head_kv][n_kv][d_v] of kv_type
+// (a ggml_type: f32, f16 or bf16), mask [mask_ns][n_q][n_kv] f16 0/-inf (or NULL),
+// vsum [ns][n_q][n_head_kv][d_v + 1] f32 (or NULL); out [ns][n_q][n_head][d_v] f32.
+struct sparq_eval_args {
+    const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
+    int          n_threads;
+    int          kv_type;
+    int64_t      d, d_v, n_q, n_head, n_head_kv, n_kv, ns, mask_ns;
+    const float * q;
+    const void  * k;
+    const void  * kt;
+    const void  * v;
+    const void  * mask;
+    const float * vsum;
+    const struct ggml_sparq_params * params;
+    float       * out;
+    const int32_t * pos;   // [ns][n_kv] cell positions for the window and sinks (NULL: cell order)
+};
+
+// 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).
+SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, char * err, size_t err_size);
+
+// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows): table [n_seq][(d_v + 1)*n_head_kv] f32,
+// v [n_tokens][n_head_kv][v_ld] f32 (the op sees the first d_v of each v_ld components: a strided view),
+// idx [n_tokens] i32, v_type a ggml_type (f32, f16, bf16); out [n_tokens][(d_v + 1)*n_head_kv] f32.
+struct vsum_rows_eval_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          v_type;
+    int64_t      d_v, n_head_kv, n_tokens, n_seq, v_ld;
+    const float * table;
+    const float * v;
+    const int32_t * idx;
+    float       * out;
+};
+SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
+
+struct ggml_centroid_params;
+
+// One evaluation of ggml_centroid_attn over host arrays (sparq_llama.ops.centroid_attn). Arrays are
+// C-contiguous in ggml order: q, k, v and mask as for sparq_eval_args; cent [ns][n_head_kv][n_cent][table_width]
+// f32 (components, the cluster size, then with table_width 2d + 1 the variances); cell [ns][n_head_kv][n_kv] i32
+// (-1: not clustered); coarse [ns][n_head_kv][n_coarse][table_width] f32 and parent [ns][n_head_kv][n_cent] i32,
+// both or neither (two levels);
+// out [ns][n_q][n_head][d_v] f32. 0 on success; otherwise 1 with a message in err.
+struct centroid_eval_args {
+    const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
+    int          n_threads;
+    int          kv_type;
+    int64_t      d, d_v, n_q, n_head, n_head_kv, n_kv, ns, mask_ns, n_cent, n_coarse;
+    const float   * q;
+    const void    * k;
+    const void    * v;
+    const void    * mask;
+    const float   * cent;
+    const int32_t * cell;
+    const float   * coarse;
+    const int32_t * parent;
+    const struct ggml_centroid_params * params;
+    float         * out;
+    int64_t         table_width;  // d + 1, or 2d + 1 with the variances; 0: d + 1
+};
+SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * args, char * err, size_t err_size);
+
+// Spherical k-means of H problems of P rows as ggml graphs on a backend (sparq_llama.ops.kmeans_cosine; the
+// clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][2d + 1] f32 out
+// (member means of the unnormalised rows, the size, the members' per-component variances about the mean);
+// assignment [H][P] i32 out; *n_iter_run out; init: enum llama_squeeze_init (the initial centroids).
+// 0 on success; otherwise 1 with a message in err.
+struct kmeans_eval_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int64_t      d, P, H, n_clusters;
+    int          n_iter;
+    const float * x;
+    float       * table;
+    int32_t     * assignment;
+    int         * n_iter_run;
+    int          init;
+};
+SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
+
+// Microbenchmark: the clustering of a fixed prefix per layer with the keys already on the backend (as in a
+// prepared KV cache): n_layers problems sets of H x P random rows of d components (a pool of normal values in
+// tiles), each clustered by sparq_kmeans_run into n_clusters (n_iter iterations at most) after a warm-up
+// layer. Out: layer_s [n_layers] wall seconds of each (normalising, iterations with their assignment
+// read-backs, the table and its read-back), iters_out [n_layers] iterations run. 0 on success, else 1.
+struct kmeans_bench_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int64_t      d, P, H, n_clusters;
+    int          n_iter, n_layers;
+    double     * layer_s;
+    int        * iters_out;
+    double     * phase_s;  // NULL, or [n_layers][3] out: setup (state, normalising, seeding), iterations, the table
+                           // (seconds)
+    int          init;     // enum llama_squeeze_init
+};
+SPARQ_API int sparq_llama_bench_kmeans(const struct kmeans_bench_args * args, char * err, size_t err_size);
+
+// Microbenchmark: ggml_centroid_attn vs ggml_flash_attn_ext (F32 precision) on the same random cache, one decode
+// query (n_q = 1, one stream, all cells visible). The first n_prefix cells are clustered into n_clusters
+// clusters of consecutive cells (random centroids); the threshold is set from the query's cluster scores so
+// that about `keep` of the clustered cells are read (*kept_out: the fraction actually read). n_runs
+// interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
+struct centroid_bench_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          kv_type;
+    int64_t      d, n_head, n_head_kv, n_kv, n_prefix, n_clusters;
+    float        keep;
+    int          n_runs;
+    double     * centroid_us; // [n_runs]
+    double     * flash_us;    // [n_runs]
+    double     * kept_out;
+};
+SPARQ_API int sparq_llama_bench_centroid(const struct centroid_bench_args * args, char * err, size_t err_size);
+
+// Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
+// one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
+// interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
+struct sparq_bench_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          kv_type;
+    int64_t      d, n_head, n_head_kv, n_kv;
+    int          use_kt;   // pass the transposed key copy (the "kt" layout)
+    int          n_runs;
+    const struct ggml_sparq_params * params;
+    double     * sparq_us; // [n_runs]
+    double     * flash_us; // [n_runs]
+    int64_t      n_seq;    // sequences (streams), each with its own n_kv cells; 0: 1
+};
+SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
+
+// The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
+// (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
+// calibration queries), table [n_layers][n_head_kv][n_cent][table_width] (components, the size, with width 2d + 1
+// the variances); two levels: coarse [n_layers][n_head_kv][n_coarse][table_width] and parent
+// [n_layers][n_head_kv][n_cent], else NULL. var_weight: the kept rule's variance term (needs width 2d + 1).
+// Out: *threshold, *threshold_coarse (two levels) and *kept (mean kept fraction at them). 0, or 1 with err.
+struct squeeze_calib_args {
+    int64_t d, n_head, n_head_kv, n_rows, n_layers, n_cent, n_coarse;
+    const float   * q;
+    const float   * table;
+    const float   * coarse;
+    const int32_t * parent;
+    float   scale;
+    int     group;        // enum ggml_centroid_group
+    float   keep;
+    float   keep_coarse;  // two levels: 0 -> min(1, 2*keep)
+    int     n_threads;
+    float * threshold;
+    float * threshold_coarse;
+    float * kept;
+    int64_t table_width;  // d + 1 or 2d + 1; 0: d + 1
+    float   var_weight;
+};
+SPARQ_API int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * args, char * err, size_t err_size);
+
+#ifdef __cplusplus
+}
+#endif
