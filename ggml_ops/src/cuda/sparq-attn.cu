@@ -88,6 +88,7 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 // so kernel P's blocks never take a slot from a waiting block of A (SPARQ_CUDA_A_RELEASE_EXIT=1: release only
 // at exit, as before session 15, for A/B runs).
 
+#ifdef SPARQ_CUDA_INSTRUMENT
 // Timeline of the op's kernels (SPARQ_CUDA_TIMELINE=1 in the environment; for kernel tuning only): per kernel the
 // %globaltimer of its first block's start, of the first block past pdl_wait, and of the last warp's end; after
 // the chain a one-thread kernel prints them relative to the chain's start and resets them. It shows the chain as it
@@ -145,10 +146,23 @@ __global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
 
 // Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's last block prints
 // clock64() deltas between marks; for kernel tuning only.
-#define SPARQ_TIMING_MARK(i) do { if (a.timing && threadIdx.x == 0) { t_marks[i] = clock64(); } } while (0)
-#define SPARQ_TIMING_PRINT(what, w, n) do { if (a.timing && threadIdx.x == 0 && (w) == 0) { \
+
+#    define SPARQ_TL_SCOPE(k)      const tl_scope tl(k, a.timeline)
+#    define SPARQ_TL_WAITED()      tl.waited()
+#    define SPARQ_TL_END(k)        tl_end(k, a.timeline)
+#    define SPARQ_TIMING_MARKS(n)  long long t_marks[n]
+#    define SPARQ_TIMING_MARK(i) do { if (a.timing && threadIdx.x == 0) { t_marks[i] = clock64(); } } while (0)
+#    define SPARQ_TIMING_PRINT(what, w, n) do { if (a.timing && threadIdx.x == 0 && (w) == 0) { \
         printf("%s:", what); for (int i_ = 1; i_ < (n); ++i_) printf(" %lld", t_marks[i_] - t_marks[i_ - 1]); \
         printf(" cycles\n"); } } while (0)
+#else
+#    define SPARQ_TL_SCOPE(k)
+#    define SPARQ_TL_WAITED()
+#    define SPARQ_TL_END(k)
+#    define SPARQ_TIMING_MARKS(n)
+#    define SPARQ_TIMING_MARK(i)           do { } while (0)
+#    define SPARQ_TIMING_PRINT(what, w, n) do { } while (0)
+#endif  // SPARQ_CUDA_INSTRUMENT
 
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
 enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
@@ -179,14 +193,10 @@ struct sparq_args {
     bool vec_kt, vec_kv, vec_logits;
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
     bool has_logits;               // kernel A writes logits (every policy but WINDOW without the mean)
+#ifdef SPARQ_CUDA_INSTRUMENT
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool timeline;                 // SPARQ_CUDA_TIMELINE: print the kernels' start and end times (tl_scope)
-    bool a_release_exit;           // SPARQ_CUDA_A_RELEASE_EXIT: kernel A releases its successor only at exit
-    bool q_v14;                    // SPARQ_CUDA_Q_V14: kernel Q without row_query_fast (as before session 15)
-    bool bucket_sel;               // P and S select with one bucket pass, S builds I2 from lists (v6a)
-    bool sample_v6;                // kernel P's sample as before session 12 (plan_sample)
-    bool sweep_v6;                 // kernel B reads masks and positions of every cell, as before session 12
-    int  lv_slice;                 // kernel LV's slice forced by SPARQ_CUDA_LV_SLICE (32 or 128), 0: chosen by lv_slice()
+#endif
 };
 
 struct sparq_scratch {
@@ -761,8 +771,8 @@ __device__ void row_query_fast(const sparq_args & a, const row_coords & c, float
 // Kernel Q's shared memory: absum and rank [d] each, and with the fast path the row's queries [G][d] (the fast path
 // runs where they fit in Q_SMEM_MAX bytes; SPARQ_CUDA_Q_V14=1 turns it off, for A/B runs).
 constexpr size_t Q_SMEM_MAX = 32 << 10;
-__host__ __device__ inline bool query_fast(int64_t d, int64_t G, bool off) {
-    return !off && sizeof(float) * (G + 2)*d <= Q_SMEM_MAX;
+__host__ __device__ inline bool query_fast(int64_t d, int64_t G) {
+    return sizeof(float) * (G + 2)*d <= Q_SMEM_MAX;
 }
 
 // Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
@@ -771,15 +781,15 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks, the fast path's [G][d] queries
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];
-    const tl_scope tl(TL_Q, a.timeline);
+    SPARQ_TL_SCOPE(TL_Q);
     pdl_wait();
-    tl.waited();
+    SPARQ_TL_WAITED();
     pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
-    if (query_fast(d, G, a.q_v14)) {
+    if (query_fast(d, G)) {
         float * qrow = smq + 2*d;
         row_query_fast(a, c, smq, (int *) (smq + d), qrow, i1, fac);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
@@ -827,11 +837,7 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
 struct sample_plan {
     int64_t stride, n_samp, rank;
 };
-__device__ inline sample_plan plan_sample(int64_t n_kv, int64_t n_top, int64_t cap, bool v6) {
-    if (v6) {  // 1024 cells, target 4 n_top + 16
-        const int64_t stride = max((int64_t) 1, n_kv / SAMPLE);
-        return { stride, (n_kv + stride - 1) / stride, (4*n_top + 16) / stride };
-    }
+__device__ inline sample_plan plan_sample(int64_t n_kv, int64_t n_top, int64_t cap) {
     const int64_t target = max(4*n_top + 16, min(8*n_top + 64, cap / 2));
     int64_t stride = min(n_kv / SAMPLE, target / SAMPLE_RANK);
     stride = max(stride, (n_kv + SAMPLE_MAX - 1) / SAMPLE_MAX);
@@ -888,12 +894,11 @@ __device__ row_merge merge_chunk_stats(const sparq_args & a, const sparq_scratch
 }
 
 // Kernel P's work for one row: merge the chunk statistics, classify the row, set the candidate threshold.
-__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r, long long t_start) {
-    long long t_marks[5];
-    t_marks[0] = t_start;
+__device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64_t w, int64_t r) {
+    SPARQ_TIMING_MARKS(5);
+    SPARQ_TIMING_MARK(0);
     __shared__ uint32_t skey[SAMPLE_MAX];
     __shared__ uint32_t hist[HIST_WORDS];
-    __shared__ select_state sst;
     __shared__ int64_t info[N_RI];
     __shared__ int red[32];
     __shared__ uint32_t red3[96];
@@ -917,7 +922,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
     __syncthreads();  // rstat (global, this block) and info
     if (info[RI_KIND] == ROW_SPARSE && a.n_top > 0) {
         // threshold: the sample's value at the rank that leaves ~target cells above it
-        const sample_plan sp = plan_sample(n_kv, a.n_top, a.cap, a.sample_v6);
+        const sample_plan sp = plan_sample(n_kv, a.n_top, a.cap);
         const int64_t stride = sp.stride, n_samp = sp.n_samp;
         const float * lrow = s.logits + w*G*n_kv;
         const int64_t w_lo = info[RI_W_LO], s_hi = info[RI_S_HI];
@@ -955,7 +960,7 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
         const int64_t n_valid = cnt;
         SPARQ_TIMING_MARK(3);
         const int64_t rank = sp.rank;
-        if (rank < n_valid && a.bucket_sel) {
+        if (rank < n_valid) {
             // the lower bound of the bucket that holds the sample's (rank+1)-th key: at most a bucket's worth of
             // extra candidates pass (any threshold is correct: it only filters)
             const int shift = bucket_shift(kmin, kmax);
@@ -963,12 +968,6 @@ __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s, int64
                                                [&](int64_t i) { return skey[i]; }, hist, red, &bst);
             if (threadIdx.x == 0) {
                 info[RI_THR] = (int64_t) (kmin + (b.bin << shift));
-            }
-        } else if (rank < n_valid) {
-            const uint64_t thr = block_select(n_samp, (uint32_t) rank + 1, 24,
-                                              [&](int64_t i) { return (uint64_t) skey[i]; }, hist, &sst);
-            if (threadIdx.x == 0) {
-                info[RI_THR] = (int64_t) thr;
             }
         }
         __syncthreads();
@@ -1008,9 +1007,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
     __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
     __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
     pdl_wait();
-    if (!a.a_release_exit) {
-        pdl_release();
-    }
+    pdl_release();
     __shared__ int   i1_buf[MAX_HEAD_DIM];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
@@ -1045,7 +1042,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
             cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
         }
-        tl_end(TL_A, a.timeline);
+        SPARQ_TL_END(TL_A);
         return;
     }
 
@@ -1237,24 +1234,23 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             }
         }
     }
-    tl_end(TL_A, a.timeline);
+    SPARQ_TL_END(TL_A);
 }
 
 // Kernel P, one block per row: merges kernel A's chunk statistics and sets the row's candidate threshold. A
 // kernel of its own (not kernel A's last block) so that kernel A carries none of its shared memory and runs
 // more blocks per SM.
 __global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    const long long t_start = clock64();
-    const tl_scope tl(TL_P, a.timeline);
+    SPARQ_TL_SCOPE(TL_P);
     pdl_wait();
-    tl.waited();
+    SPARQ_TL_WAITED();
     pdl_release();
     // kernel B's counters of this row start at zero (here rather than a memset: a memset would break the
     // chain of dependent launches)
     for (int i = threadIdx.x; i < N_CTR; i += blockDim.x) {
         s.counters[blockIdx.x*N_CTR + i] = 0;
     }
-    prepare_row(a, s, blockIdx.x, r0 + blockIdx.x, t_start);
+    prepare_row(a, s, blockIdx.x, r0 + blockIdx.x);
 }
 
 // ---- kernel B: select and attend --------------------------------------------------------------------
@@ -1375,9 +1371,9 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     __shared__ float rst[2*MAX_G];
     __shared__ int red[32];
     __shared__ uint32_t n_local, at_global, n_local_f, at_forced;
-    const tl_scope tl(TL_B, a.timeline);
+    SPARQ_TL_SCOPE(TL_B);
     pdl_wait();
-    tl.waited();
+    SPARQ_TL_WAITED();
     pdl_release();
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -1395,7 +1391,7 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const bool find_cand = kind == ROW_SPARSE && a.n_top > 0;
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-    const bool from_logits = find_cand && !a.sweep_v6;
+    const bool from_logits = find_cand;
     const int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
     // positions are needed where a cell of the chunk can be in the window or the sinks
     const bool need_pos = !from_logits || (cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi));
@@ -1407,7 +1403,7 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
         n_local_f = 0;
     }
     __syncthreads();
-    const bool list_forced = a.bucket_sel && kind == ROW_SPARSE;
+    const bool list_forced = kind == ROW_SPARSE;
 
     const int64_t strip = chunk*B_CHUNK + (int64_t) warp*WARP_SIZE*B_CELLS;
     bool vis[B_CELLS], mark[B_CELLS], cand[B_CELLS];
@@ -1553,8 +1549,8 @@ __device__ void row_alpha(const sparq_args & a, const sparq_scratch & s, int64_t
 // Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
 // cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
 __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    long long t_marks[5];
-    t_marks[0] = clock64();
+    SPARQ_TIMING_MARKS(5);
+    SPARQ_TIMING_MARK(0);
     extern __shared__ __align__(16) unsigned char sms[];  // smem_s_layout
     __shared__ uint32_t hist[HIST_WORDS];
     __shared__ select_state sst;
@@ -1564,9 +1560,9 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     __shared__ uint64_t bnd[BND_CAP];
     __shared__ bucket_state bst;
     __shared__ uint32_t n_uni, n_bnd;
-    const tl_scope tl(TL_S, a.timeline);
+    SPARQ_TL_SCOPE(TL_S);
     pdl_wait();
-    tl.waited();
+    SPARQ_TL_WAITED();
     pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -1595,7 +1591,7 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
         const int64_t n_w = ctr[CTR_N_W], n_s = ctr[CTR_N_S], n_cand = ctr[CTR_N_CAND], n_f = ctr[CTR_N_F];
         const bool fast = n_w == a.window && n_s == a.sinks && ri[RI_W_LO] >= ri[RI_S_HI] - 1 &&
                           (a.n_top == 0 || (n_cand >= a.n_top && n_cand <= a.cap));
-        from_list = a.bucket_sel && fast && k2 <= LIST_MAX_K2 && n_f == n_w + n_s && n_f + a.n_top <= k2;
+        from_list = fast && k2 <= LIST_MAX_K2 && n_f == n_w + n_s && n_f + a.n_top <= k2;
         if (from_list) {
             // I2 unordered: the forced cells (kernel B's list), then the exact top of the candidates: one bucket
             // pass over their 32-bit scores; the keys of the boundary bucket ranked pairwise by (score, cell)
@@ -1682,11 +1678,13 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
                 }
             }
         } else if (!fast) {
+#ifdef SPARQ_CUDA_INSTRUMENT
             if (a.timing && tid == 0) {
                 printf("S: exact fallback, row %lld: window %lld/%d, sinks %lld/%d, candidates %lld (need %lld..%lld)\n",
                        (long long) (r0 + w), (long long) n_w, a.window, (long long) n_s, a.sinks, (long long) n_cand,
                        (long long) a.n_top, (long long) a.cap);
             }
+#endif
             select_all_cells(a, s, w, c, hist, &sst);
         }
         __syncthreads();
@@ -1824,10 +1822,10 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     __shared__ int64_t row_sum[3];     // from the cluster: forced window cells, sink cells; selected cells before this block
     __shared__ uint32_t hist[HIST_WORDS];  // kernel S's exact selection (first block, rows that need it)
     __shared__ select_state sst;
-    long long t_marks[10];
-    const tl_scope tl(TL_PBS, a.timeline);
+    SPARQ_TIMING_MARKS(10);
+    SPARQ_TL_SCOPE(TL_PBS);
     pdl_wait();
-    tl.waited();
+    SPARQ_TL_WAITED();
     pdl_release();
     SPARQ_TIMING_MARK(0);
     const int rank = (int) cluster.block_rank();
@@ -2099,9 +2097,11 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     SPARQ_TIMING_MARK(8);
     cluster.barrier_wait();
     SPARQ_TIMING_MARK(9);
+#ifdef SPARQ_CUDA_INSTRUMENT
     if (a.timing && tid == 0 && w == 0 && rank == 0) {
         printf("PBS passes %d exact_all %d cpt %d\n", n_pass, (int) exact_all, cpt);
     }
+#endif
     SPARQ_TIMING_PRINT("PBS: merge, keys+count, exchange, radix, select, alpha, exchange, i2, wait", w*CL + rank, 10);
 #else
     NO_DEVICE_CODE;
@@ -2130,9 +2130,9 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
     extern __shared__ __align__(16) unsigned char smlv[];  // [k2] I2, [k2] logits of head g
     __shared__ float red[32];
     __shared__ float part[V_GROUPS][V_SLICE];
-    const tl_scope tl(TL_LV, a.timeline);
+    SPARQ_TL_SCOPE(TL_LV);
     pdl_wait();
-    tl.waited();
+    SPARQ_TL_WAITED();
     const int64_t w = blockIdx.y, G = a.group, d = a.d, d_v = a.d_v, k2 = a.p.k2;
     const int64_t n_slices = (d_v + V_SLICE - 1) / V_SLICE;
     const int64_t slice = blockIdx.x % n_slices, g = blockIdx.x / n_slices;
@@ -2343,9 +2343,6 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
 // SPARQ_CUDA_LV_SLICE=32|128 (a.lv_slice) forces one (A/B runs, tests of both paths).
 constexpr int V_MIN_BLOCKS = 2;
 int lv_slice(const sparq_args & a, int64_t nw) {
-    if (a.lv_slice != 0) {
-        return a.lv_slice;
-    }
     const int64_t n_narrow = ((a.d_v + V_SLICE_NARROW - 1) / V_SLICE_NARROW) * a.group * nw;
     const int64_t wave = (int64_t) ggml_cuda_info().devices[ggml_cuda_get_device()].nsm * V_MIN_BLOCKS;
     return n_narrow > wave ? V_SLICE_WIDE : V_SLICE_NARROW;
@@ -2440,15 +2437,7 @@ constexpr int PBS_CL16_FROM_CPT = 20;
 // (GQA models: 8 rows whose 8-block clusters would leave half the SMs idle); SPARQ_CUDA_PBS_CLUSTER=8 or 16 prefers
 // that size wherever it fits, for A/B runs.
 int pbs_cluster_for(int64_t n_kv, int64_t nw) {
-    static const bool off = [] {
-        const char * e = getenv("SPARQ_CUDA_PBS");
-        return e != nullptr && atoi(e) == 0;
-    }();
-    static const int prefer = [] {
-        const char * e = getenv("SPARQ_CUDA_PBS_CLUSTER");
-        return e != nullptr ? atoi(e) : 0;
-    }();
-    if (!SPARQ_PBS_BUILT || off) {
+    if (!SPARQ_PBS_BUILT) {
         return 0;
     }
 #if SPARQ_PBS_BUILT
@@ -2466,12 +2455,12 @@ int pbs_cluster_for(int64_t n_kv, int64_t nw) {
     }
     const bool fits8  = pbs_cpt(n_kv, 8)  <= PBS_MAX_CPT && nw <= resident[device][0];
     const bool fits16 = pbs_cpt(n_kv, 16) <= PBS_MAX_CPT && nw <= resident[device][1];
-    if (fits16 && (prefer == 16 || (prefer != 8 && (!fits8 || pbs_cpt(n_kv, 8) > PBS_CL16_FROM_CPT)))) {
+    if (fits16 && (!fits8 || pbs_cpt(n_kv, 8) > PBS_CL16_FROM_CPT)) {
         return 16;
     }
     return fits8 ? 8 : 0;
 #else
-    GGML_UNUSED(n_kv); GGML_UNUSED(nw); GGML_UNUSED(prefer);
+    GGML_UNUSED(n_kv); GGML_UNUSED(nw);
     return 0;
 #endif  // SPARQ_PBS_BUILT
 }
@@ -2539,7 +2528,7 @@ scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     p.counters = take(sizeof(uint32_t) * W*N_CTR);
     p.bitmap   = take(sizeof(uint32_t) * W*a.n_words);
     p.cand     = take(a.n_top > 0 ? sizeof(uint64_t) * W*a.cap : 0);
-    p.forced   = take(a.bucket_sel ? sizeof(int32_t) * W*a.p.k2 : 0);
+    p.forced   = take(sizeof(int32_t) * W*a.p.k2);
     p.i2       = take(sizeof(int32_t) * W*a.p.k2);
     p.alpha    = take(sizeof(float) * W*G);
     p.total    = o;
@@ -2617,32 +2606,11 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.vec_logits = a.n_kv % 4 == 0;
     a.vec_mask   = mask && aligned16(mask->data) && mask->nb[1] % 16 == 0 && mask->nb[3] % 16 == 0;
     a.vec_pos    = pos && aligned16(pos->data) && pos->nb[3] % 16 == 0;
+#ifdef SPARQ_CUDA_INSTRUMENT
     a.timing     = getenv("SPARQ_CUDA_TIMING") != nullptr;
     static const bool timeline = getenv("SPARQ_CUDA_TIMELINE") != nullptr;
     a.timeline = timeline;
-    // SPARQ_CUDA_A_RELEASE_EXIT=1: kernel A lets kernel P's blocks launch only when it exits (before session 15)
-    static const bool a_release_exit = getenv("SPARQ_CUDA_A_RELEASE_EXIT") != nullptr;
-    a.a_release_exit = a_release_exit;
-    // SPARQ_CUDA_Q_V14=1: kernel Q as before session 15 (row_query), for A/B runs
-    static const bool q_v14 = getenv("SPARQ_CUDA_Q_V14") != nullptr;
-    a.q_v14 = q_v14;
-    // SPARQ_CUDA_RADIX_SELECT=1: kernels P and S select with v5c's radix passes and S builds I2 from the bitmap
-    // (same results; for measuring v6a against it, bench/notes_cuda.md)
-    static const bool radix_select = getenv("SPARQ_CUDA_RADIX_SELECT") != nullptr;
-    a.bucket_sel = !radix_select;
-    // SPARQ_CUDA_SAMPLE_V6=1: kernel P's threshold sample as before session 12 (for measuring in one run)
-    static const bool sample_v6 = getenv("SPARQ_CUDA_SAMPLE_V6") != nullptr;
-    a.sample_v6 = sample_v6;
-    // SPARQ_CUDA_SWEEP_V6=1: kernel B's sweep as before session 12 (masks and positions of every cell)
-    static const bool sweep_v6 = getenv("SPARQ_CUDA_SWEEP_V6") != nullptr;
-    a.sweep_v6 = sweep_v6;
-    // SPARQ_CUDA_LV_SLICE=32|128: kernel LV's slice width instead of lv_slice()'s choice (other values: the choice)
-    static const int lv_slice_env = [] {
-        const char * e = getenv("SPARQ_CUDA_LV_SLICE");
-        const int v = e ? atoi(e) : 0;
-        return v == V_SLICE_NARROW || v == V_SLICE_WIDE ? v : 0;
-    }();
-    a.lv_slice = lv_slice_env;
+#endif
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     a.has_logits = scores;
@@ -2674,7 +2642,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.i2       = (int32_t *)  (base + plan.i2);
     s.alpha    = (float *)    (base + plan.alpha);
 
-    const size_t smem_q = sizeof(float) * (query_fast(a.d, a.group, a.q_v14) ? a.group + 2 : 2)*a.d;
+    const size_t smem_q = sizeof(float) * (query_fast(a.d, a.group) ? a.group + 2 : 2)*a.d;
     const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
@@ -2690,9 +2658,11 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
             case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
             default:             launch_all<nv_bfloat16>(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
         }
+#ifdef SPARQ_CUDA_INSTRUMENT
         if (a.timeline) {
             sparq_timeline_dump<<<1, 1, 0, stream>>>(a.n_kv, nw);
         }
+#endif
         CUDA_CHECK(cudaGetLastError());
     }
 }
