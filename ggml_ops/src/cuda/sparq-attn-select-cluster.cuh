@@ -28,9 +28,9 @@ namespace {
 // Where it runs (sparq_cuda_get_best_select_kernel, sparq-attn.cu): kernel PBS is built for latency, one wave of
 // clusters doing few cells each; kernels P, B and S for throughput (kernel B's sweep spreads any number of cells over
 // many blocks, and its per-cell work is a threshold test where PBS's is a key, a histogram count and a select test).
-// Measured on an H100 (op bench, Llama-2 heads, PBS vs P, B, S): one sequence (B = 1) 61 vs 72 us at 4k, 91 vs 100 at
-// 32k, 134 vs 136 at 64k, but 212 vs 195 at 128k (64 cells per thread); B = 8 slower at every length (32k: 372 vs
-// 321). So PBS runs for rows of at most PBS_MAX_CPT cells per thread when every row's cluster is resident at once;
+// Measured on an H100 (op bench, Llama-2 heads, PBS with up to 64 cells per thread vs P, B, S): one sequence (B = 1)
+// 60 vs 72 us at 4k, 92 vs 100 at 32k, 134 vs 136 at 64k, but 212 vs 195 at 128k; B = 8 slower at every length (32k:
+// 372 vs 321). So PBS runs for rows of at most PBS_MAX_CPT cells per thread when every row's cluster is resident at once;
 // devices before Hopper run P, B and S. The bound covers decodes at depth 32k and 64k, whose rows are 33024 and 65792
 // cells (the cache view is padded); end to end PBS is worth more there than the op bench shows (llama-bench tg at
 // 32k: 7.36 vs 8.03 ms; op 96 vs 104 us). Few long rows (GQA: 8 rows at B = 1) take clusters of 16 blocks (op with

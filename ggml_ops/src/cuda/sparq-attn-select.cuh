@@ -2,7 +2,7 @@
 // sparq-attn.cu only; the op's files: sparq-attn-common.cuh).
 //   P. prepare (one block per row): merges kernel A's chunk statistics (softmax normaliser, visible count, position
 //      range), classifies the row (empty, dense, sparse) and sets a candidate threshold from a strided sample of the
-//      group score, so that about 8 n_top cells pass it;
+//      group score, so that 4 to 8 times the cells to pick pass it;
 //   B. sweep (grid: chunks of B_CHUNK cells x rows): marks the forced cells (window and sinks, or every visible cell
 //      of a dense row) in a bitmap, lists the forced cells of sparse rows, and appends the cells whose group score
 //      passes the threshold to the row's candidate list;
@@ -445,8 +445,8 @@ static __device__ void select_all_cells(const sparq_args & a, const sparq_scratc
     __syncthreads();
 }
 
-// Candidate-list capacity per row: the sample threshold passes ~4 n_top cells; at least B_CHUNK so that a sweep
-// block's own list fits.
+// Candidate-list capacity per row: the sample threshold passes 4 to 8 n_top cells (at most half the capacity); at
+// least B_CHUNK so that a sweep block's own list fits.
 __host__ __device__ inline int64_t candidate_cap(int64_t k2) { return 4*k2 + 4096; }
 
 // Kernel S builds I2 from lists (forced cells + the selected top, ranked by cell) up to this k2; above it from
@@ -477,8 +477,8 @@ constexpr int BND_CAP     = 128;  // keys of the boundary bucket ranked pairwise
 // rounds).
 static_assert(A_CHUNK == B_CHUNK, "kernel B reads kernel A's chunk statistics of its own chunk");
 // At least 6 blocks per SM (40 registers, no spill; 8 blocks spill 88 bytes with the mask fallback for -inf logits):
-// at 48 registers 5 fit and a 64k step's 1024 blocks run in 1.55 waves, but 8 blocks per SM measured the same as 6
-// (19.3 vs 19.6 us under ncu).
+// at 48 registers 5 fit and a 64k step's 1024 blocks run in 1.55 waves, but 8 blocks per SM measured the same as 5
+// (19.6 vs 19.3 us under ncu).
 __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ __align__(16) uint64_t local[];  // this block's candidates (B_CHUNK <= cap)
     __shared__ float rst[2*MAX_G];

@@ -209,10 +209,10 @@ static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64
 // The current device's caps (once per device): cluster occupancy of kernel PBS where the device is Hopper or later and
 // the kernel has code for it.
 static const sparq_select_caps & select_device_caps() {
-    static sparq_select_caps caps[GGML_CUDA_MAX_DEVICES] = {};
-    static bool known[GGML_CUDA_MAX_DEVICES] = {};
+    static sparq_select_caps caps[GGML_CUDA_MAX_DEVICES] = {};  // zero: no cluster kernel
     const int device = ggml_cuda_get_device();
 #if SPARQ_PBS_BUILT
+    static bool known[GGML_CUDA_MAX_DEVICES] = {};
     if (!known[device]) {
         known[device] = true;
         cudaFuncAttributes attr;
@@ -222,8 +222,6 @@ static const sparq_select_caps & select_device_caps() {
             caps[device].resident_cl16 = pbs_resident_clusters<16>();
         }
     }
-#else
-    known[device] = true;  // no cluster kernel in this build: zero caps
 #endif  // SPARQ_PBS_BUILT
     return caps[device];
 }
