@@ -10,7 +10,8 @@ thread-block cluster per row, Hopper) or kernels P, B, S. A plain run takes each
 Hopper GPU: PBS for decode-like shapes, P, B, S for many rows); the testing switch SPARQ_CUDA_SELECT=cluster|sweep
 forces one (see ggml_ops/src/cuda/sparq-attn.cu). The library reads it once per process, so
 test_cases_pass_with_each_selection_kernel_forced runs this file's selection cases again in a subprocess under each
-value; the whole file runs under one with e.g. `SPARQ_CUDA_SELECT=sweep python -m pytest tests/test_op_sparq_attn_cuda.py`.
+value; the whole file runs under one value with e.g.
+`SPARQ_CUDA_SELECT=sweep python -m pytest tests/test_op_sparq_attn_cuda.py`.
 """
 from __future__ import annotations
 
@@ -253,8 +254,8 @@ def test_cases_pass_with_each_selection_kernel_forced(select):
     repo = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
            "-k", FORCED_SELECTION_CASES]
-    r = subprocess.run(cmd, cwd=repo, env={**os.environ, "SPARQ_CUDA_SELECT": select}, capture_output=True, text=True,
-                       timeout=1800)
+    env = {**os.environ, "SPARQ_CUDA_SELECT": select, "GGML_NO_BACKTRACE": "1"}  # an abort ends without a debugger
+    r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
     out = r.stdout + r.stderr
     if select == "cluster" and "kernel PBS cannot run on this device" in out:
         pytest.skip("kernel PBS needs a Hopper GPU and a build with sm_90 code")
