@@ -75,8 +75,9 @@ __device__ __forceinline__ uint4 pbs_logits4(const sparq_args & a, const float *
 }
 
 // The bin of this thread's cluster-wide histogram (bin 255 - tid: the scans run from the top bin down), the sum of the
-// cluster's blocks' hist[bin], read through distributed shared memory.
-#if SPARQ_PBS_BUILT
+// cluster's blocks' hist[bin], read through distributed shared memory. Device code for sm_90 or later only: the
+// cooperative-groups cluster types do not exist for older targets.
+#if SPARQ_PBS_BUILT && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 template <int CL>
 __device__ __forceinline__ uint32_t pbs_cluster_bin(const cooperative_groups::cluster_group & cluster, uint32_t * hist) {
     uint32_t cnt = 0;
@@ -94,7 +95,7 @@ __device__ __forceinline__ uint32_t pbs_cluster_bin(const cooperative_groups::cl
     }
     return cnt;
 }
-#endif  // SPARQ_PBS_BUILT
+#endif  // SPARQ_PBS_BUILT && sm_90 or later
 
 template <int CL>  // blocks per row (cluster size): 8 or 16
 __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, const sparq_scratch s, int64_t r0) {
