@@ -10,10 +10,21 @@ target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "$
                                "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/sparq-vsum-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
 if (GGML_CUDA)
-    # the kernel includes ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our header
+    # the kernels include ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our headers. sparq-attn.cu is the
+    # SparQ op's one translation unit: the sparq-attn-*.cuh headers hold its kernels.
     target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
-                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu" "${SPARQ_OPS_DIR}/src/cuda/sparq-vsum.cu")
+                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu" "${SPARQ_OPS_DIR}/src/cuda/sparq-vsum.cu"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-common.cuh" "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-score.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-cluster.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-values.cuh")
     target_include_directories(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda" "${SPARQ_LLAMA_TREE}/ggml/src/ggml-cuda")
+    # The debugging build of the SparQ kernel: its timeline and timing instrumentation (sparq-attn.cu's header).
+    option(SPARQ_CUDA_INSTRUMENT "compile the CUDA SparQ kernel's timeline and timing instrumentation" OFF)
+    if (SPARQ_CUDA_INSTRUMENT)
+        set_source_files_properties("${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" TARGET_DIRECTORY ggml-cuda
+            PROPERTIES COMPILE_DEFINITIONS SPARQ_CUDA_INSTRUMENT)
+    endif()
 endif()
 
 # ---- llama: C API (libllama exports it; everything that links llama can include it) -------------

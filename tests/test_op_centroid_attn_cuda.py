@@ -1,7 +1,7 @@
 """ggml_centroid_attn and the graph k-means (ggml_cluster_update) on CUDA, against the CPU op and the float64
 reference (sparq_llama.reference_squeeze).
 
-Runs where our library was built with CUDA and sees a device (bench/device_squeeze.sh runs it on the lent GPU);
+Runs where our library was built with CUDA and sees a device (bench/device.sh runs it on a GPU machine);
 elsewhere the module is skipped as a whole. The op cases are the CPU test's (tests/test_op_centroid_attn.py),
 plus what only the GPU kernels split: long sequences over many blocks, prefill batches in waves of rows, wide
 groups in several passes, repeated runs giving identical bits. Selections are compared directly with V = the
@@ -29,7 +29,7 @@ from test_op_centroid_attn import (
 from test_reference_squeeze import blobs
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
-                                reason="no CUDA device in this build (the GPU run is bench/device_squeeze.sh)")
+                                reason="no CUDA device in this build (the GPU run is bench/device.sh)")
 
 
 @pytest.mark.parametrize("var_weight", [0.0, 0.5])

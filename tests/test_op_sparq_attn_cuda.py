@@ -1,11 +1,24 @@
 """ggml_sparq_attn on CUDA against the float64 reference and against the CPU op.
 
-Runs where our library was built with CUDA and sees a device (bench/device_cuda.sh runs it on the lent GPU);
+Runs where our library was built with CUDA and sees a device (bench/device.sh runs it on a GPU machine);
 elsewhere the module is skipped as a whole. The cases are the CPU op's cases (tests/test_op_sparq_attn.py)
 plus long sequences that split every kernel over many blocks, and the paths only a GPU kernel has: the
 sampled candidate threshold, its exact fallback, waves of rows, and repeated runs giving identical bits.
+
+The kernel selects I2 with one of two kernel families, chosen from the shapes and the device: kernel PBS (a
+thread-block cluster per row, Hopper) or kernels P, B, S. A plain run takes each where the choice puts it (on a
+Hopper GPU: PBS for decode-like shapes, P, B, S for many rows); the testing switch SPARQ_CUDA_SELECT=cluster|sweep
+forces one (see ggml_ops/src/cuda/sparq-attn.cu). The library reads it once per process, so
+test_cases_pass_with_each_selection_kernel_forced runs this file's selection cases again in a subprocess under each
+value; the whole file runs under one value with e.g.
+`SPARQ_CUDA_SELECT=sweep python -m pytest tests/test_op_sparq_attn_cuda.py`.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +35,7 @@ from test_op_sparq_attn import (
 from test_op_vsum_rows import VSUM_CASES, expected, vsum_case
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
-                                reason="no CUDA device in this build (the GPU run is bench/device_cuda.sh)")
+                                reason="no CUDA device in this build (the GPU run is bench/device.sh)")
 
 
 def both_backends(q, k, v, mask, kv_dtype, **kw):
@@ -71,8 +84,8 @@ def test_window_and_sinks_follow_cell_positions(seed):
     dict(n_head_kv=3, group=3, d=64, n_kv=12345, k1=8, k2=1024),     # SmolLM2, large k2 (long candidate list)
     dict(n_head_kv=1, group=16, d=128, n_kv=9000, k1=32, k2=64),     # wide group: several passes over K^T and V
     dict(n_head_kv=1, group=2, d=512, n_kv=5000, k1=128, k2=128),    # d = 512: two vectors per thread
-    # kernel P's sample (plan_sample, session 12): past 64k the stride keeps the threshold's rank >= 16; past ~212k
-    # cells the 4096-cell sample bounds the stride instead (rank 13 here)
+    # kernel P's sample (plan_sample): past 64k the stride keeps the threshold's rank >= 16; past ~212k cells the
+    # 4096-cell sample bounds the stride instead (rank 13 here)
     dict(n_head_kv=2, group=1, d=128, n_kv=70000, k1=32, k2=128),
     dict(n_head_kv=1, group=2, d=64, n_kv=260000, k1=16, k2=128),
 ])
@@ -113,8 +126,7 @@ def test_rows_whose_scores_underflow_to_zero_match_reference_and_cpu(group, mean
 
 
 # Group-1 rows over many chunks whose selection turns on ties across chunk borders, forced cells among the highest
-# scores, and chunks that the mask hides (written for the v7 MHA chain, measured slower and removed, bench/notes_cuda.md;
-# they check the same cases on the present chain).
+# scores, and chunks that the mask hides.
 
 @pytest.mark.parametrize("n_distinct", [3, 40])
 @pytest.mark.parametrize("dtype", ["f16", "f32"])
@@ -225,3 +237,27 @@ def test_vsum_rows_equals_reference_and_cpu_bit_for_bit(case):
     got = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, backend="cuda")
     np.testing.assert_array_equal(got, expected(table, v, idx, v_dtype))
     np.testing.assert_array_equal(got, ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2))
+
+
+# The cases whose selection differs most between the two kernel families (window and sinks by position, the exact
+# fallback, ties, underflowing scores, long rows, hidden chunks, waves of many rows), run again under each forced value
+# of the testing switch. Under "cluster" kernel PBS takes every row it can hold, however many rows (the waves test
+# too); only the 260000-cell rows fall back to P, B, S.
+FORCED_SELECTION_CASES = ("window_and_sinks or long_sequences or underflow or mha_rows or waves or covering "
+                          "or empty_rows")
+
+
+@pytest.mark.skipif(bool(os.environ.get("SPARQ_CUDA_SELECT")),
+                    reason="this process already runs under a forced selection kernel")
+@pytest.mark.parametrize("select", ["cluster", "sweep"])
+def test_cases_pass_with_each_selection_kernel_forced(select):
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
+           "-k", FORCED_SELECTION_CASES]
+    env = {**os.environ, "SPARQ_CUDA_SELECT": select, "GGML_NO_BACKTRACE": "1"}  # an abort ends without a debugger
+    r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    out = r.stdout + r.stderr
+    if select == "cluster" and "kernel PBS cannot run on this device" in out:
+        pytest.skip("kernel PBS needs a Hopper GPU and a build with sm_90 code")
+    assert r.returncode == 0, f"SPARQ_CUDA_SELECT={select}: {' '.join(cmd)}\n{out[-4000:]}"
+    assert " passed" in out and " failed" not in out, out[-2000:]

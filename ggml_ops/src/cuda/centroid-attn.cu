@@ -1,6 +1,7 @@
-// CUDA kernel of ggml_centroid_attn. Semantics: ggml_ops/include/ggml-centroid.h and shared/DESIGN.md
-// "Centroid-sparse"; the CPU kernel (ggml_ops/src/cpu/centroid-attn-cpu.cpp) is the reference for every detail
-// (tie rules, which normaliser, the double-precision parts of the scores).
+// CUDA kernel of ggml_centroid_attn. Semantics: ggml_ops/include/ggml-centroid.h and docs/design.md,
+// "Centroid-sparse: op semantics"; the kernels' structure: docs/design.md, "CUDA kernels". The CPU kernel
+// (ggml_ops/src/cpu/centroid-attn-cpu.cpp) is the reference for every detail (tie rules, which normaliser, the
+// double-precision parts of the scores).
 //
 // A row is (KV head h, query row t, stream s), heads fastest, as on the CPU; the query heads of h's group share
 // the row's selection. Rows go in waves (bounded scratch for long prefill batches); per wave, four kernels,

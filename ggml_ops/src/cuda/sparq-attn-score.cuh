@@ -1,0 +1,541 @@
+// Kernels Q and A of the CUDA SparQ op (included by sparq-attn.cu only; the op's files: sparq-attn-common.cuh).
+//   Q. one block per row: I1 (the k1 largest components of sum_g |q_g|) and every head's query components at I1,
+//      scaled by scale / sqrt(rho_g), into scratch;
+//   A. grid of chunks of A_CHUNK cells x rows: the approximate logits of each chunk (from K^T rows at I1, gathered K
+//      components, or exact dot products for the exact and window policies), the chunk's softmax max and sum per head,
+//      and its visible-cell count and position range.
+// docs/design.md, "CUDA kernels".
+#pragma once
+
+#include "sparq-attn-common.cuh"
+
+namespace {
+
+// Kernel A: K^T rows in flight per thread (16 bytes of each for f16/bf16) and blocks per SM (the register
+// budget: 64K / (256 * blocks) per thread; a_min_blocks below). For K^T, two blocks of 16 rows in flight beat
+// three of 8 (H100, Llama-2 heads: 36.4 vs 39.2 us at 32k, 58.6 vs 65.3 at 64k): half the DRAM round trips per
+// block, and 2 blocks per SM make 1.94 waves of the 32k grid (16 x 32 blocks) where 3 made 1.29, whose last 0.29
+// wave ran ~12 us alone at a fraction of the bandwidth. With 3-4 heads per pass (GQA, G = 4) 8 rows in flight fit
+// 128 registers without spill but make Llama-3's kernel A slower (26.7 vs 24.7 us at 33024 cells, 31.1 vs 27.4 at
+// 65792), so 4 stay.
+template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
+    return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
+}
+// Kernel A's blocks per SM: 2 for K^T (above) and for 4-8 heads per pass; the gather and exact scores of 1-2
+// heads keep 3 (no rows in flight to trade for it: more blocks hide their per-cell round trips).
+template <int POL, int NG> constexpr int a_min_blocks() { return POL == SC_KT || NG > 2 ? 2 : 3; }
+
+// Kernel A's K^T loads: each row is read once per decode step, so they skip L1 and leave L2 first
+// (evict-first policy), which keeps the logits that kernels P and B read next in L2. Plain loads before sm_80.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+#if __CUDA_ARCH__ >= 800
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ uint4 load16_stream(const void * p, uint64_t pol) {
+    uint4 r;
+#if __CUDA_ARCH__ >= 800
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(pol));
+#else
+    GGML_UNUSED(pol);
+    r = *(const uint4 *) p;
+#endif
+    return r;
+}
+__device__ __forceinline__ void load_raw8_stream(const half * p, raw8<half> & r, uint64_t pol) { r.u = load16_stream(p, pol); }
+__device__ __forceinline__ void load_raw8_stream(const nv_bfloat16 * p, raw8<nv_bfloat16> & r, uint64_t pol) {
+    r.u = load16_stream(p, pol);
+}
+__device__ __forceinline__ void load_raw8_stream(const float * p, raw8<float> & r, uint64_t pol) {
+    const uint4 a = load16_stream(p, pol), b = load16_stream(p + 4, pol);
+    r.a = make_float4(__uint_as_float(a.x), __uint_as_float(a.y), __uint_as_float(a.z), __uint_as_float(a.w));
+    r.b = make_float4(__uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z), __uint_as_float(b.w));
+}
+
+// Kernel A: the mask and positions of a thread's cells [j0, j0 + A_CELLS), loaded as they are (16-byte loads
+// where a.vec_mask / a.vec_pos allow and the 8 cells exist) before the block's first barrier and used after
+// it, so that they, I1 and the query components take one round trip (rather than the positions waiting for the
+// mask and the query for both). Elsewhere cells_use reads them one by one.
+struct cells_raw {
+    uint4 m;       // 8 f16 mask values
+    int4  p0, p1;  // 8 positions
+};
+__device__ __forceinline__ void cells_load(const sparq_args & a, const uint16_t * m, const int32_t * pr, int64_t j0,
+                                           cells_raw & r) {
+    static_assert(A_CELLS == 8, "one 16-byte mask load and two position loads per thread");
+    const bool full = j0 + A_CELLS <= a.n_kv;
+    r.m  = make_uint4(0, 0, 0, 0);
+    r.p0 = make_int4(0, 0, 0, 0);
+    r.p1 = r.p0;
+    if (full && m && a.vec_mask) {
+        r.m = *(const uint4 *) (m + j0);
+    }
+    if (full && pr && a.vec_pos) {
+        r.p0 = ((const int4 *) (pr + j0))[0];
+        r.p1 = ((const int4 *) (pr + j0))[1];
+    }
+}
+// vis bit u: cell j0 + u exists and is visible; the visible cells' count and smallest / largest position.
+__device__ __forceinline__ void cells_use(const sparq_args & a, const uint16_t * m, const int32_t * pr, int64_t j0,
+                                          const cells_raw & r, uint32_t & vis, int & n_vis, int & p_min, int & p_max) {
+    const bool full = j0 + A_CELLS <= a.n_kv;
+    const bool vm = full && m && a.vec_mask, vp = full && pr && a.vec_pos;
+    const uint16_t * mv = (const uint16_t *) &r.m;
+    const int32_t pv[A_CELLS] = { r.p0.x, r.p0.y, r.p0.z, r.p0.w, r.p1.x, r.p1.y, r.p1.z, r.p1.w };
+    vis = 0; n_vis = 0; p_min = INT32_MAX; p_max = INT32_MIN;
+#pragma unroll
+    for (int u = 0; u < A_CELLS; ++u) {
+        const int64_t j = j0 + u;
+        if (vm ? mv[u] != F16_NEG_INF : j < a.n_kv && visible(m, j)) {
+            vis |= 1u << u;
+            ++n_vis;
+            const int32_t pj = vp ? pv[u] : (int32_t) position(pr, j);
+            p_min = min(p_min, pj);
+            p_max = max(p_max, pj);
+        }
+    }
+}
+
+// ---- kernel A: scores ------------------------------------------------------------------------------
+
+// factor_g = scale / sqrt(rho_g), rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU), into fac: a warp per head, lanes
+// strided, one butterfly; q_of(g) gives head g's d components (global memory or a shared copy: the same values, so
+// the same bits). Ends with a barrier (fac is read by the whole block).
+template <typename QFn>
+__device__ void query_factors(const sparq_args & a, int64_t G, int64_t d, const int * i1, float * fac, QFn q_of) {
+    const int k1 = a.p.k1;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
+        const float * qg = q_of(g);
+        double all = 0.0, sel = 0.0;
+        for (int64_t i = lane; i < d; i += WARP_SIZE) {
+            all += fabs((double) qg[i]);
+        }
+        for (int i = lane; i < k1; i += WARP_SIZE) {
+            sel += fabs((double) qg[i1[i]]);
+        }
+        all = warp_reduce(all, op_add());
+        sel = warp_reduce(sel, op_add());
+        if (lane == 0) {
+            const double rho = all > 0.0 ? sel / all : 1.0;
+            fac[g] = (float) (a.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
+        }
+    }
+    __syncthreads();
+}
+
+// I1 of row c (ascending; the k1 largest components of sum_g |q_g|, ties to the lower component) into i1, and
+// factor_g = scale / sqrt(rho_g) into fac. Shared scratch: absum [d] floats, rank [d] ints.
+static __device__ void row_query(const sparq_args & a, const row_coords & c, float * absum, int * rank, int * i1, float * fac) {
+    const int64_t d = a.d, G = a.group;
+    const int k1 = a.p.k1;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        float sum = 0.0f;  // in head order, as the CPU
+        for (int64_t g = 0; g < G; ++g) {
+            sum += fabsf(q_row(a, c.h*G + g, c)[i]);
+        }
+        absum[i] = sum;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float ai = absum[i];
+        int rk = 0;
+        for (int64_t j = 0; j < d; ++j) {
+            const float b = absum[j];
+            rk += (b > ai) | ((b == ai) & (j < i));
+        }
+        rank[i] = rk;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        if (rank[i] < k1) {
+            int at = 0;
+            for (int64_t j = 0; j < i; ++j) {
+                at += rank[j] < k1;
+            }
+            i1[at] = (int) i;
+        }
+    }
+    __syncthreads();
+    query_factors(a, G, d, i1, fac, [&](int64_t g) { return q_row(a, c.h*G + g, c); });
+}
+
+// row_query's results (the same I1, the same factors bit for bit) in fewer dependent steps, for kernel Q: the row's
+// queries are read from global memory once, into qrow [G][d] (row_query reads them three times); each component's
+// rank is counted by R consecutive lanes (as many as fit, up to a warp) over a 1/R share of the others (row_query:
+// one thread over all d); I1 is compacted in order by one warp's ballots (row_query: each selected component
+// counts the selected ones below it, O(d) serial loads). The factors: query_factors over the same values, as
+// row_query. Shared: absum [d], rank [d], qrow [G*d] floats.
+// At 32k (H100): kernel Q's body takes 4.7 us with this, 6.2 us with row_query, of a ~86 us chain.
+static __device__ void row_query_fast(const sparq_args & a, const row_coords & c, float * absum, int * rank, float * qrow,
+                               int * i1, float * fac) {
+    const int d = (int) a.d, G = (int) a.group, k1 = a.p.k1, nt = (int) blockDim.x;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int idx = threadIdx.x; idx < G*d; idx += nt) {  // every head's loads in flight together
+        qrow[idx] = q_row(a, c.h*G + idx / d, c)[idx % d];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += nt) {
+        float sum = 0.0f;  // in head order, as the CPU
+        for (int g = 0; g < G; ++g) {
+            sum += fabsf(qrow[g*d + i]);
+        }
+        absum[i] = sum;
+    }
+    __syncthreads();
+    int R = 1;  // lanes per component; R divides the warp, so a component's lanes are in one warp
+    while (2*R <= WARP_SIZE && 2*R*d <= nt) {
+        R *= 2;
+    }
+    const int n_t = (d*R + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;  // whole warps: the shuffles below
+    for (int t = threadIdx.x; t < n_t; t += nt) {
+        const int i = t / R, p = t % R;
+        int rk = 0;
+        if (i < d) {
+            const float ai = absum[i];
+#pragma unroll 8
+            for (int j = p; j < d; j += R) {
+                const float b = absum[j];
+                rk += (b > ai) | ((b == ai) & (j < i));
+            }
+        }
+        for (int off = R/2; off > 0; off >>= 1) {
+            rk += __shfl_xor_sync(0xFFFFFFFF, rk, off);
+        }
+        if (i < d && p == 0) {
+            rank[i] = rk;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int run = 0;
+        for (int i0 = 0; i0 < d; i0 += WARP_SIZE) {
+            const int i = i0 + lane;
+            const bool take = i < d && rank[i] < k1;
+            const uint32_t b = __ballot_sync(0xFFFFFFFF, take);
+            if (take) {
+                i1[run + __popc(b & ((1u << lane) - 1))] = i;
+            }
+            run += __popc(b);
+        }
+    }
+    __syncthreads();
+    query_factors(a, G, d, i1, fac, [&](int64_t g) { return (const float *) qrow + g*d; });
+}
+
+// Kernel Q's shared memory: absum and rank [d] each, and with the fast path the row's queries [G][d] (the fast path
+// runs where they fit in Q_SMEM_MAX bytes; row_query elsewhere).
+constexpr size_t Q_SMEM_MAX = 32 << 10;
+__host__ __device__ inline bool query_fast(int64_t d, int64_t G) {
+    return sizeof(float) * (G + 2)*d <= Q_SMEM_MAX;
+}
+
+// Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
+// for kernel A.
+__global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks, the fast path's [G][d] queries
+    __shared__ int i1[MAX_HEAD_DIM];
+    __shared__ float fac[MAX_G];
+    SPARQ_TL_SCOPE(TL_Q);
+    pdl_wait();
+    SPARQ_TL_WAITED();
+    pdl_release();
+    const int64_t w = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t d = a.d, G = a.group;
+    const int k1 = a.p.k1;
+    if (query_fast(d, G)) {
+        float * qrow = smq + 2*d;
+        row_query_fast(a, c, smq, (int *) (smq + d), qrow, i1, fac);
+        for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
+            const int64_t g = idx / k1, i = idx % k1;
+            s.qs[(w*G + g)*k1 + i] = qrow[g*d + i1[i]] * fac[g];
+        }
+    } else {
+        row_query(a, c, smq, (int *) (smq + d), i1, fac);
+        for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
+            const int64_t g = idx / k1, i = idx % k1;
+            s.qs[(w*G + g)*k1 + i] = q_row(a, c.h*G + g, c)[i1[i]] * fac[g];
+        }
+    }
+    for (int i = threadIdx.x; i < k1; i += blockDim.x) {
+        s.i1[w*k1 + i] = i1[i];
+    }
+}
+
+// Heads g0 .. g0+NG of the row into shared memory: scaled components at I1 (SparQ) or whole rows (exact).
+template <int POL, int NG>
+__device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
+                                int64_t g0, float * qs) {
+    const int64_t G = a.group, d = a.d;
+    const int k1 = a.p.k1;
+    if (g0 > 0) {
+        __syncthreads();  // qs of the previous pass is no longer read (none before the first: its loads go out with I1's)
+    }
+    if (POL == SC_KT || POL == SC_GATHER) {
+        for (int idx = threadIdx.x; idx < NG*k1; idx += blockDim.x) {
+            const int gg = idx / k1, i = idx % k1;
+            qs[idx] = g0 + gg >= G ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
+        }
+    } else if (POL == SC_EXACT) {
+        for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
+            const int64_t gg = idx / d, i = idx % d;
+            qs[idx] = g0 + gg < G ? q_row(a, c.h*G + g0 + gg, c)[i] : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
+// Kernel A (grid: chunks of A_CHUNK cells x rows; A_THREADS threads, A_CELLS cells each). Per pass of NG heads:
+// the approximate logits of the chunk's cells, -inf for hidden cells, and the chunk's max and sum of exponentials
+// per head; once per block the chunk's visible count and position range. Phases, each chosen so that a block
+// spends its life with K^T loads in flight:
+//   prologue: I1, the first pass's query components, the mask and the positions in one round trip (one barrier);
+//   K^T rows a_unroll at a time (evict-first, no L1);
+//   epilogue: one barrier for every head's block max, one for the sums; the visible count and position range
+//   ride along (their warp results are in shared memory since the prologue). The reduction trees are
+//   block_reduce's (warp butterfly, then the A_WARPS warp results in lanes 0 .. A_WARPS-1 of one butterfly), so
+//   the statistics are bit for bit those of one block_reduce per value (rather than 5 block reductions per head and
+//   pass, 3 barriers each).
+template <typename T, int POL, int NG>
+__global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
+    __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
+    __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
+    pdl_wait();
+    pdl_release();
+    __shared__ int   i1_buf[MAX_HEAD_DIM];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int64_t w = blockIdx.y, chunk = blockIdx.x;
+    const row_coords c = coords_of(a, r0 + w);
+    const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
+    const int k1 = a.p.k1;
+    if (POL == SC_KT || POL == SC_GATHER) {
+        for (int i = threadIdx.x; i < k1; i += blockDim.x) {
+            i1_buf[i] = s.i1[w*k1 + i];
+        }
+    }
+    const uint16_t * m  = mask_row(a, c);
+    const int32_t  * pr = pos_row(a, c);
+    const int64_t j0 = chunk*A_CHUNK + (int64_t) threadIdx.x*A_CELLS;
+    cells_raw cr;
+    cells_load(a, m, pr, j0, cr);  // in flight with I1 and the first pass's query (used after its barrier)
+
+    uint32_t vis;  // bit u: cell j0 + u is visible
+    int n_vis, p_min, p_max;
+    if (POL == SC_NONE) {
+        cells_use(a, m, pr, j0, cr, vis, n_vis, p_min, p_max);
+        if (threadIdx.x < G) {
+            for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+                s.cmax[(w*G + g)*a.n_chunks_a + chunk] = -INFINITY;
+                s.csum[(w*G + g)*a.n_chunks_a + chunk] = 0.0f;
+            }
+        }
+        n_vis = block_reduce(n_vis, op_add(), 0, red_cells[0]);
+        p_min = block_reduce(p_min, op_min(), INT32_MAX, red_cells[0]);
+        p_max = block_reduce(p_max, op_max(), INT32_MIN, red_cells[0]);
+        if (threadIdx.x == 0) {
+            int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
+            cv[0] = n_vis; cv[1] = p_min; cv[2] = p_max;
+        }
+        SPARQ_TL_END(TL_A);
+        return;
+    }
+
+    // the first pass's query (no barrier before it), then the cells' statistics: each warp's go to shared memory
+    // here and are read after the first pass's barriers (nothing of cr and the statistics stays live in the loop)
+    load_query_pass<POL, NG>(a, s, w, c, 0, qs);
+    cells_use(a, m, pr, j0, cr, vis, n_vis, p_min, p_max);
+    n_vis = warp_reduce(n_vis, op_add());
+    p_min = warp_reduce(p_min, op_min());
+    p_max = warp_reduce(p_max, op_max());
+    if (lane == 0) {
+        red_cells[0][warp] = n_vis; red_cells[1][warp] = p_min; red_cells[2][warp] = p_max;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += NG) {
+        if (g0 > 0) {
+            load_query_pass<POL, NG>(a, s, w, c, g0, qs);
+        }
+        float acc[NG][A_CELLS];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                acc[g][u] = 0.0f;
+            }
+        }
+        if (POL == SC_KT) {
+            // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load (two for f32),
+            // A_UNROLL rows in flight
+            const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
+            const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
+            constexpr int A_UNROLL = a_unroll<T, NG>();
+#pragma unroll 1
+            for (int i = 0; i < k1; i += A_UNROLL) {
+                raw8<T> x[A_UNROLL];
+                if (vec) {
+                    const uint64_t pol = l2_evict_first();  // one instruction: cheaper than a register pair in the loop
+#pragma unroll
+                    for (int uu = 0; uu < A_UNROLL; ++uu) {
+                        load_raw8_stream((const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu], pol);
+                    }
+                }
+#pragma unroll
+                for (int uu = 0; uu < A_UNROLL; ++uu) {
+                    if (i + uu >= k1) {
+                        continue;
+                    }
+                    float xf[A_CELLS];
+                    if (vec) {
+#pragma unroll
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            xf[u] = raw8_at(x[uu], u);
+                        }
+                    } else {
+                        const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
+#pragma unroll
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                        }
+                    }
+#pragma unroll
+                    for (int g = 0; g < NG; ++g) {
+                        const float qv = qs[g*k1 + i + uu];
+#pragma unroll
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            acc[g][u] += qv * xf[u];
+                        }
+                    }
+                }
+            }
+        } else {
+            // default layout (gather k1 components of each row-major K row) or exact scores
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                const int64_t j = j0 + u;
+                if (j >= n_kv) {
+                    continue;
+                }
+                const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
+                if (POL == SC_GATHER) {
+                    for (int i = 0; i < k1; ++i) {
+                        const float x = to_f32(krow[i1_buf[i]]);
+#pragma unroll
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] += qs[g*k1 + i] * x;
+                        }
+                    }
+                } else {
+                    for (int64_t i = 0; i < d; ++i) {
+                        const float x = to_f32(krow[i]);
+#pragma unroll
+                        for (int g = 0; g < NG; ++g) {
+                            acc[g][u] += qs[g*d + i] * x;
+                        }
+                    }
+#pragma unroll
+                    for (int g = 0; g < NG; ++g) {
+                        acc[g][u] = logit_exact(a, acc[g][u]);
+                    }
+                }
+            }
+        }
+        // hidden cells: -inf; write the logits; every head's block max through one barrier. The NG heads' warp
+        // reductions run side by side (warp_reduce_n: one after another, this epilogue took ~3.6 us per block);
+        // a pass's heads past G (g0 + g >= G) are reduced too and not written.
+        float mx[NG];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            mx[g] = -INFINITY;
+#pragma unroll
+            for (int u = 0; u < A_CELLS; ++u) {
+                acc[g][u] = (vis >> u) & 1 ? acc[g][u] : -INFINITY;
+                mx[g] = fmaxf(mx[g], acc[g][u]);
+            }
+            if (g0 + g >= G) {
+                continue;
+            }
+            float * lrow = s.logits + (w*G + g0 + g)*n_kv;
+            if (a.vec_logits && j0 + A_CELLS <= n_kv) {
+                ((float4 *) (lrow + j0))[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+                ((float4 *) (lrow + j0))[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            } else {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    if (j0 + u < n_kv) {
+                        lrow[j0 + u] = acc[g][u];
+                    }
+                }
+            }
+        }
+        warp_reduce_n(mx, op_max());
+        if (lane == 0) {
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                red_max[g][warp] = mx[g];
+            }
+        }
+        __syncthreads();
+        // the chunk's sum of exponentials per head, through the second barrier
+        float sum[NG];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            mx[g] = lane < A_WARPS ? red_max[g][lane] : -INFINITY;
+        }
+        warp_reduce_n(mx, op_max());
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            sum[g] = 0.0f;
+            if (mx[g] != -INFINITY) {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    sum[g] += (vis >> u) & 1 ? __expf(acc[g][u] - mx[g]) : 0.0f;
+                }
+            }
+        }
+        warp_reduce_n(sum, op_add());
+        if (lane == 0) {
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                red_sum[g][warp] = sum[g];
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // red_* are next written after the next pass's first barrier (load_query_pass), which warp 0 reaches
+            // only after these reads. mx already holds every head's block max (the same reduction over red_max).
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                sum[g] = lane < A_WARPS ? red_sum[g][lane] : 0.0f;
+            }
+            warp_reduce_n(sum, op_add());
+            if (lane == 0) {
+#pragma unroll
+                for (int g = 0; g < NG; ++g) {
+                    if (g0 + g < G) {
+                        s.cmax[(w*G + g0 + g)*a.n_chunks_a + chunk] = mx[g];
+                        s.csum[(w*G + g0 + g)*a.n_chunks_a + chunk] = sum[g];
+                    }
+                }
+            }
+            if (g0 == 0) {
+                const bool in = lane < A_WARPS;
+                const int nv = warp_reduce(in ? red_cells[0][lane] : 0, op_add());
+                const int lo = warp_reduce(in ? red_cells[1][lane] : INT32_MAX, op_min());
+                const int hi = warp_reduce(in ? red_cells[2][lane] : INT32_MIN, op_max());
+                if (lane == 0) {
+                    int32_t * cv = s.cvis + (w*a.n_chunks_a + chunk)*3;
+                    cv[0] = nv; cv[1] = lo; cv[2] = hi;
+                }
+            }
+        }
+    }
+    SPARQ_TL_END(TL_A);
+}
+
+}  // namespace
