@@ -15,7 +15,7 @@
 #
 # A/B against another commit: BASE_COMMIT=<sha> makes `build` also build that commit's tree (a `git worktree` in
 # build/base-src, or, where the device copy has no .git, the archive .device/base.tar made beforehand with
-# `git archive -o .device/base.tar <sha>`) into build/cuda-base, from its own source pack .device/base-src.tgz where
+# `git archive -o .device/base.tar <sha>`) into build/base-src/build/cuda, from its own source pack .device/base-src.tgz where
 # present (its vendor/patches may differ; made as below from a checkout of <sha>), else from the same pack. `test` and
 # `op` then run on both builds, each with its own Python package and library (SPARQ_LLAMA_LIB_DIR), the base's own
 # test files and bench/cuda_op.py:
@@ -37,7 +37,7 @@ OUT=${OUT:-/tmp/out}
 REPO=$PWD
 BUILD=$REPO/build/cuda
 BASE_SRC=$REPO/build/base-src
-BASE_BUILD=$REPO/build/cuda-base
+BASE_BUILD=$BASE_SRC/build/cuda   # same depth below its tree as build/cuda: ccache (base dir $REPO) shares the upstream objects
 SELECT=${SELECT:-auto cluster sweep}
 BASE_SELECT=${BASE_SELECT:-auto}
 export PYTHONUNBUFFERED=1 DEVICE_SH_STAGES="$*"
