@@ -247,7 +247,7 @@ FORCED_SELECTION_CASES = ("window_and_sinks or long_sequences or underflow or mh
                           "or empty_rows")
 
 
-@pytest.mark.skipif(bool(os.environ.get("SPARQ_CUDA_SELECT")),
+@pytest.mark.skipif(os.environ.get("SPARQ_CUDA_SELECT", "auto") != "auto",
                     reason="this process already runs under a forced selection kernel")
 @pytest.mark.parametrize("select", ["cluster", "sweep"])
 def test_cases_pass_with_each_selection_kernel_forced(select):
