@@ -2,8 +2,11 @@
 //
 // Per KV head h, stream s, query row t, with G the query heads sharing h and V_t the visible cells:
 //   1. |V_t| <= k2: exact attention over V_t.
-//   2. I1 = the k1 largest components of sum_g |q_g|; approximate scores s_g = q_g[I1] . K[:, I1],
-//      p_g = softmax(scale * s_g / sqrt(rho_g)), rho_g = |q_g[I1]|_1 / |q_g|_1.
+//   2. I1 = the k1 largest components of sum_g |q_g| (select q) or of sigma_i * sum_g |q_g,i| (select qsigma,
+//      sigma_i the std of component i over the row's visible keys); approximate scores s_g = q_g[I1] . K^T[I1, :]
+//      (K^T as the index stores it: K's float type, or int8 with one scale per component and 32 cells),
+//      p_g = softmax(scale * s_g / sqrt(rho_g)), rho_g = |q_g[I1]|_1 / |q_g|_1 (q) or
+//      sum_{I1} (q_g,i sigma_i)^2 / sum_i (q_g,i sigma_i)^2 (qsigma: the share of the score's variance).
 //   3. I2 = window (last visible) + sinks (first visible) + top of sum_g p_g (ties: lower cell index).
 //   4. exact attention of each q_g over I2 (softcap, optional Sparse-V threshold).
 //   5. mean on: y_g = alpha_g * y_g + (1 - alpha_g) * mean(V over V_t), alpha_g = sum_{I2} p_g.
@@ -28,6 +31,12 @@ enum ggml_sparq_mean {
     GGML_SPARQ_MEAN_OFF  = 2,
 };
 
+enum ggml_sparq_select {
+    GGML_SPARQ_SELECT_Q      = 0, // the k1 components of largest sum_g |q_g| (the paper)
+    GGML_SPARQ_SELECT_QSIGMA = 1, // the k1 components of largest sigma_i * sum_g |q_g,i|: the keys' spread
+                                  // weighs each component (a component all keys share shifts every score alike)
+};
+
 struct ggml_sparq_params {
     int32_t k1;               // r: query components for the approximate scores, 1..head_dim
     int32_t k2;               // k: cells kept per (KV head, query row), >= 1
@@ -38,16 +47,20 @@ struct ggml_sparq_params {
     float   scale;            // kq scale; 0: 1/sqrt(head_dim)
     float   softcap;          // logit softcap (gemma2-style); 0: none
     float   sparse_v_thresh;  // drop final weights below this and renormalise; 0: off
+    enum ggml_sparq_select select;
 };
 
-// k1 = 32, k2 = 128, window = k2/4, sinks = 0, mean auto, policy SPARQ, scale 1/sqrt(d), no softcap.
+// k1 = 32, k2 = 128, window = k2/4, sinks = 0, mean auto, policy SPARQ, scale 1/sqrt(d), no softcap, select q.
 GGML_API struct ggml_sparq_params ggml_sparq_default_params(void);
 
 // Tensors (shapes as ggml_flash_attn_ext):
 //   q    [d,      n_q,  n_head,    ns] f32
-//   k    [d,      n_kv, n_head_kv, ns] f32 | f16 | bf16
-//   kt   [n_kv,   d,    n_head_kv, ns] same type as k, or NULL (step 2 then reads k)
-//   v    [d_v,    n_kv, n_head_kv, ns] f32 | f16 | bf16
+//   k    [d,      n_kv, n_head_kv, ns] f32 | f16 | bf16 | q8_0 | q4_0 | q4_1 | q5_0 | q5_1 (quantized: d % 32 == 0)
+//   kt   [n_kt,   d,    n_head_kv, ns] the index: K^T, or NULL (step 2 then reads k). f32 | f16 | bf16 with
+//        n_kt = n_kv, or q8_0 with n_kt = n_kv rounded up to 32: per component row, blocks of 32 cells with one
+//        f16 scale each (ggml's q8_0 of the row). The op scores from it as it is; it is K^T of the keys as k
+//        holds them (dequantized), quantized per block (the cells of a block past n_kv are ignored).
+//   v    [d_v,    n_kv, n_head_kv, ns] as k's types (quantized: d_v % 32 == 0)
 //   mask [n_kv,   n_q,  1,         ns or 1] f16 (0 visible, -inf hidden), or NULL (all visible)
 //   vsum [d_v+1,  n_head_kv, n_q,  ns] f32 or NULL: per query row, the sum of V over its visible cells
 //        followed by their count (the running sums llama keeps); NULL: computed from v (reads all V)
@@ -69,6 +82,13 @@ GGML_API struct ggml_tensor * ggml_sparq_attn(
         struct ggml_tensor  * mask,
         struct ggml_tensor  * vsum,
         struct ggml_sparq_params params);
+
+// Optional key statistics for select qsigma: kstat [2*d+1, n_head_kv, n_q, ns] f32 (contiguous rows): per query
+// row, the sum of the keys over its visible cells, the sum of their squares (each component of the key as k
+// holds it), then the cell count: the running sums llama keeps. sigma_i^2 = max(0, S2_i/n - (S1_i/n)^2).
+// Without it the op computes them from k over the visible cells (reads all of K). Call right after
+// ggml_sparq_attn; aborts on a shape or type mismatch.
+GGML_API void ggml_sparq_attn_set_kstat(struct ggml_tensor * op, struct ggml_tensor * kstat);
 
 // Optional cell positions for the op: pos [n_kv, 1, 1, ns or 1] i32. The window and the sinks are then the
 // visible cells with the largest / smallest positions (ties: the higher / lower cell); without it the cell
@@ -104,6 +124,7 @@ struct ggml_sparq_op_params {
     int32_t mean_on;   // 0 or 1
     int32_t policy;    // enum ggml_sparq_policy
     float   scale, softcap, sparse_v_thresh;
+    int32_t select;    // enum ggml_sparq_select
 };
 GGML_API struct ggml_sparq_op_params ggml_sparq_get_op_params(const struct ggml_tensor * op);
 

@@ -14,13 +14,15 @@ struct ggml_sparq_params;
 
 // One evaluation of ggml_sparq_attn over host arrays, for tests and research (sparq_llama.ops).
 // Arrays are C-contiguous in ggml order (ne0 fastest): q [ns][n_head][n_q][d] f32,
-// k [ns][n_head_kv][n_kv][d], kt [ns][n_head_kv][d][n_kv] (or NULL), v [ns][n_head_kv][n_kv][d_v] of kv_type
-// (a ggml_type: f32, f16 or bf16), mask [mask_ns][n_q][n_kv] f16 0/-inf (or NULL),
-// vsum [ns][n_q][n_head_kv][d_v + 1] f32 (or NULL); out [ns][n_q][n_head][d_v] f32.
+// k [ns][n_head_kv][n_kv][d] of k_type, kt [ns][n_head_kv][d][n_kt] of kt_type (or NULL; n_kt = n_kv, or n_kv
+// rounded up to 32 for q8_0), v [ns][n_head_kv][n_kv][d_v] of v_type (ggml_types: f32, f16, bf16, or q8_0, q4_0,
+// q4_1, q5_0, q5_1 as ggml's blocks of each row), mask [mask_ns][n_q][n_kv] f16 0/-inf (or NULL),
+// vsum [ns][n_q][n_head_kv][d_v + 1] f32 (or NULL), kstat [ns][n_q][n_head_kv][2d + 1] f32 (or NULL);
+// out [ns][n_q][n_head][d_v] f32.
 struct sparq_eval_args {
     const char * device;   // ggml device name ("CPU", "CUDA0"); NULL or "": the CPU
     int          n_threads;
-    int          kv_type;
+    int          k_type, kt_type, v_type;
     int64_t      d, d_v, n_q, n_head, n_head_kv, n_kv, ns, mask_ns;
     const float * q;
     const void  * k;
@@ -31,6 +33,7 @@ struct sparq_eval_args {
     const struct ggml_sparq_params * params;
     float       * out;
     const int32_t * pos;   // [ns][n_kv] cell positions for the window and sinks (NULL: cell order)
+    const float * kstat;
 };
 
 // 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).

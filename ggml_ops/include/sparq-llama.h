@@ -43,9 +43,24 @@ enum llama_sparq_policy {
     LLAMA_SPARQ_POLICY_WINDOW = 2, // sinks + most recent only (LM-Infinite / StreamingLLM baseline)
 };
 
+// The index the approximate scores read: the transposed key copy (K^T), one row of cells per key component.
+enum llama_sparq_index {
+    LLAMA_SPARQ_INDEX_F16 = 0, // K^T in K's float type (f16 where the K cache is quantized): 2 bytes a component
+    LLAMA_SPARQ_INDEX_Q8  = 1, // K^T in int8, one f16 scale per component and 32 cells: 1.0625 bytes a component,
+                               // so twice the components for the bytes of the f16 index
+};
+
+// How the k1 components are chosen (ggml_sparq_select).
+enum llama_sparq_select {
+    LLAMA_SPARQ_SELECT_Q      = 0, // largest |q| summed over the GQA group (the paper)
+    LLAMA_SPARQ_SELECT_QSIGMA = 1, // largest |q|·σ, σ the spread of the keys' component (kept per sequence and
+                                   // KV head as running sums, like the V sums)
+};
+
 struct llama_sparq_params {
     bool    enabled;         // false: dense attention everywhere, no derived state kept
-    int32_t k1;              // query components for the approximate scores; 0: head_dim/4
+    int32_t k1;              // query components for the approximate scores; 0: about 1/8 of dense attention's
+                             // bytes: head_dim/4 with the f16 index, head_dim/2 with the q8 index
     int32_t k2;              // cells kept per KV head and query row (default 128)
     int32_t window;          // most recent cells always kept; -1: k2/4
     int32_t sinks;           // first cells always kept (default 0)
@@ -56,10 +71,12 @@ struct llama_sparq_params {
     bool    prefill;         // multi-token batches select too (each row causally), not only decodes
     bool    swa;             // also sliding-window layers (dense by default: their read is bounded)
     int32_t min_n_kv;        // dense while the cache view holds fewer cells; -1: the measured default
+    int32_t index;           // enum llama_sparq_index (default_layout keeps no index: it needs F16)
+    int32_t select;          // enum llama_sparq_select
 };
 
-// enabled = false, k1 = 0 (head_dim/4), k2 = 128, window = -1 (k2/4), sinks = 0, mean auto, policy sparq,
-// sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1.
+// enabled = false, k1 = 0 (by the index), k2 = 128, window = -1 (k2/4), sinks = 0, mean auto, policy sparq,
+// sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1, index f16, select q.
 SPARQ_API struct llama_sparq_params llama_sparq_default_params(void);
 
 // Checks the values (and, when ctx is not NULL, that its model and context can honour them). Returns NULL
@@ -82,7 +99,8 @@ static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct 
     return a.enabled == b.enabled && a.k1 == b.k1 && a.k2 == b.k2 && a.window == b.window &&
            a.sinks == b.sinks && a.mean == b.mean && a.policy == b.policy &&
            a.sparse_v_thresh == b.sparse_v_thresh && a.default_layout == b.default_layout &&
-           a.prefill == b.prefill && a.swa == b.swa && a.min_n_kv == b.min_n_kv;
+           a.prefill == b.prefill && a.swa == b.swa && a.min_n_kv == b.min_n_kv && a.index == b.index &&
+           a.select == b.select;
 }
 
 

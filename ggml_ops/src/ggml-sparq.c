@@ -49,12 +49,19 @@ struct ggml_sparq_params ggml_sparq_default_params(void) {
         /*.scale           =*/ 0.0f,
         /*.softcap         =*/ 0.0f,
         /*.sparse_v_thresh =*/ 0.0f,
+        /*.select          =*/ GGML_SPARQ_SELECT_Q,
     };
     return p;
 }
 
-static bool sparq_kv_type_ok(enum ggml_type t) {
+static bool sparq_float_type(enum ggml_type t) {
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+// The KV cache types llama.cpp offers for K and V (-ctk/-ctv) that the op reads
+static bool sparq_kv_type_ok(enum ggml_type t) {
+    return sparq_float_type(t) || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 ||
+           t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
 }
 
 const char * ggml_sparq_attn_check(
@@ -70,8 +77,12 @@ const char * ggml_sparq_attn_check(
         return sparq_fail("q must be f32, got %s", ggml_type_name(q->type));
     }
     if (!sparq_kv_type_ok(k->type) || !sparq_kv_type_ok(v->type)) {
-        return sparq_fail("K/V type %s/%s not supported (f32, f16, bf16; quantized KV is not supported yet)",
+        return sparq_fail("K/V type %s/%s not supported (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1)",
                           ggml_type_name(k->type), ggml_type_name(v->type));
+    }
+    if (q->ne[0] % ggml_blck_size(k->type) != 0 || v->ne[0] % ggml_blck_size(v->type) != 0) {
+        return sparq_fail("head dims %lld/%lld are not multiples of the K/V types' blocks (%s/%s)",
+                          (long long) q->ne[0], (long long) v->ne[0], ggml_type_name(k->type), ggml_type_name(v->type));
     }
     if (k->ne[0] != d) {
         return sparq_fail("head dim of q (%lld) and k (%lld) differ", (long long) d, (long long) k->ne[0]);
@@ -88,13 +99,15 @@ const char * ggml_sparq_attn_check(
         return sparq_fail("rows of q, k and v must be contiguous");
     }
     if (kt) {
-        if (kt->type != k->type) {
-            return sparq_fail("kt type %s differs from k type %s", ggml_type_name(kt->type), ggml_type_name(k->type));
+        if (!sparq_float_type(kt->type) && kt->type != GGML_TYPE_Q8_0) {
+            return sparq_fail("kt (the index) must be f32, f16, bf16 or q8_0, got %s", ggml_type_name(kt->type));
         }
-        if (kt->ne[0] != n_kv || kt->ne[1] != d || kt->ne[2] != n_head_kv || kt->ne[3] != ns ||
+        const int64_t n_kt = kt->type == GGML_TYPE_Q8_0 ? (n_kv + 31) / 32 * 32 : n_kv;
+        if (kt->ne[0] != n_kt || kt->ne[1] != d || kt->ne[2] != n_head_kv || kt->ne[3] != ns ||
             kt->nb[0] != ggml_type_size(kt->type)) {
-            return sparq_fail("kt must be [n_kv=%lld, d=%lld, n_head_kv=%lld, ns=%lld] with contiguous rows",
-                              (long long) n_kv, (long long) d, (long long) n_head_kv, (long long) ns);
+            return sparq_fail("kt (%s) must be [%lld, d=%lld, n_head_kv=%lld, ns=%lld] with contiguous rows",
+                              ggml_type_name(kt->type), (long long) n_kt, (long long) d, (long long) n_head_kv,
+                              (long long) ns);
         }
     }
     if (mask) {
@@ -138,6 +151,9 @@ const char * ggml_sparq_attn_check(
     if (!(p->sparse_v_thresh >= 0.0f && p->sparse_v_thresh < 1.0f)) {
         return sparq_fail("sparse_v_thresh = %g must be in [0, 1)", (double) p->sparse_v_thresh);
     }
+    if (p->select != GGML_SPARQ_SELECT_Q && p->select != GGML_SPARQ_SELECT_QSIGMA) {
+        return sparq_fail("select must be q or qsigma");
+    }
     return NULL;
 }
 
@@ -165,6 +181,7 @@ struct ggml_tensor * ggml_sparq_attn(
         /*.scale           =*/ params.scale > 0.0f ? params.scale : 1.0f / sqrtf((float) q->ne[0]),
         /*.softcap         =*/ params.softcap,
         /*.sparse_v_thresh =*/ params.sparse_v_thresh,
+        /*.select          =*/ (int32_t) params.select,
     };
     const int64_t ne[4] = { v->ne[0], q->ne[2], q->ne[1], q->ne[3] };
     struct ggml_tensor * result = ggml_new_tensor(ctx, GGML_TYPE_F32, 4, ne);
@@ -186,6 +203,16 @@ struct ggml_sparq_op_params ggml_sparq_get_op_params(const struct ggml_tensor * 
     struct ggml_sparq_op_params p;
     memcpy(&p, op->op_params, sizeof(p));
     return p;
+}
+
+void ggml_sparq_attn_set_kstat(struct ggml_tensor * op, struct ggml_tensor * kstat) {
+    GGML_ASSERT(op->op == GGML_OP_SPARQ_ATTN);
+    const struct ggml_tensor * q = op->src[0];
+    const struct ggml_tensor * k = op->src[1];
+    GGML_ASSERT(kstat->type == GGML_TYPE_F32 && kstat->nb[0] == sizeof(float));
+    GGML_ASSERT(kstat->ne[0] == 2*q->ne[0] + 1 && kstat->ne[1] == k->ne[2]);
+    GGML_ASSERT(kstat->ne[2] == q->ne[1] && kstat->ne[3] == q->ne[3]);
+    op->src[7] = kstat;
 }
 
 void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos) {

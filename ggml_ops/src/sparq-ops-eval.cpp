@@ -83,9 +83,11 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (!a || !a->q || !a->k || !a->v || !a->out || !a->params) {
         return fail(err, err_size, "q, k, v, out and params are required");
     }
-    const auto kv_type = (ggml_type) a->kv_type;
-    if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16 && kv_type != GGML_TYPE_BF16) {
-        return fail(err, err_size, "kv_type must be f32, f16 or bf16");
+    const auto k_type = (ggml_type) a->k_type, kt_type = (ggml_type) a->kt_type, v_type = (ggml_type) a->v_type;
+    for (const int t : { a->k_type, a->kt_type, a->v_type }) {
+        if (t < 0 || t >= GGML_TYPE_COUNT) {
+            return fail(err, err_size, "k_type, kt_type and v_type must be ggml types, got %d", t);
+        }
     }
     ggml_backend_dev_t dev = nullptr;
     std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
@@ -96,12 +98,14 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
+    const int64_t n_kt = kt_type == GGML_TYPE_Q8_0 ? GGML_PAD(a->n_kv, 32) : a->n_kv;
     ggml_tensor * q  = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
-    ggml_tensor * k  = ggml_new_tensor_4d(c, kv_type, a->d, a->n_kv, a->n_head_kv, a->ns);
-    ggml_tensor * kt = a->kt ? ggml_new_tensor_4d(c, kv_type, a->n_kv, a->d, a->n_head_kv, a->ns) : nullptr;
-    ggml_tensor * v  = ggml_new_tensor_4d(c, kv_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * k  = ggml_new_tensor_4d(c, k_type, a->d, a->n_kv, a->n_head_kv, a->ns);
+    ggml_tensor * kt = a->kt ? ggml_new_tensor_4d(c, kt_type, n_kt, a->d, a->n_head_kv, a->ns) : nullptr;
+    ggml_tensor * v  = ggml_new_tensor_4d(c, v_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
     ggml_tensor * mask = a->mask ? ggml_new_tensor_4d(c, GGML_TYPE_F16, a->n_kv, a->n_q, 1, a->mask_ns) : nullptr;
     ggml_tensor * vsum = a->vsum ? ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d_v + 1, a->n_head_kv, a->n_q, a->ns) : nullptr;
+    ggml_tensor * kstat = a->kstat ? ggml_new_tensor_4d(c, GGML_TYPE_F32, 2*a->d + 1, a->n_head_kv, a->n_q, a->ns) : nullptr;
 
     if (const char * msg = ggml_sparq_attn_check(q, k, kt, v, mask, vsum, a->params)) {
         return fail(err, err_size, "%s", msg);
@@ -111,9 +115,12 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (pos) {
         ggml_sparq_attn_set_pos(out, pos);
     }
+    if (kstat) {
+        ggml_sparq_attn_set_kstat(out, kstat);
+    }
     return compute_op(backend.get(), dev, c, out, "sparq_attn",
                       { { q, a->q }, { k, a->k }, { kt, a->kt }, { v, a->v }, { mask, a->mask }, { pos, a->pos },
-                        { vsum, a->vsum } }, a->out, err, err_size);
+                        { vsum, a->vsum }, { kstat, a->kstat } }, a->out, err, err_size);
 }
 
 int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err, size_t err_size) {

@@ -113,6 +113,8 @@ class LlamaSparqParams(ctypes.Structure):
         ("prefill", ctypes.c_bool),
         ("swa", ctypes.c_bool),
         ("min_n_kv", ctypes.c_int32),
+        ("index", ctypes.c_int32),
+        ("select", ctypes.c_int32),
     ]
 
 
@@ -277,7 +279,8 @@ class GgmlSparqParams(ctypes.Structure):
 
     _fields_ = [("k1", ctypes.c_int32), ("k2", ctypes.c_int32), ("window", ctypes.c_int32),
                 ("sinks", ctypes.c_int32), ("mean", ctypes.c_int32), ("policy", ctypes.c_int32),
-                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("sparse_v_thresh", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("sparse_v_thresh", ctypes.c_float),
+                ("select", ctypes.c_int32)]
 
 
 class GgmlCentroidParams(ctypes.Structure):
@@ -295,11 +298,12 @@ class GgmlCentroidParams(ctypes.Structure):
 class SparqEvalArgs(ctypes.Structure):
     """struct sparq_eval_args (sparq-llama-testing.h)."""
 
-    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kv_type", ctypes.c_int)] + \
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
+        [(n, ctypes.c_int) for n in ("k_type", "kt_type", "v_type")] + \
         [(n, ctypes.c_int64) for n in ("d", "d_v", "n_q", "n_head", "n_head_kv", "n_kv", "ns", "mask_ns")] + \
         [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("kt", ctypes.c_void_p), ("v", ctypes.c_void_p),
          ("mask", ctypes.c_void_p), ("vsum", ctypes.c_void_p), ("params", ctypes.POINTER(GgmlSparqParams)),
-         ("out", ctypes.c_void_p), ("pos", ctypes.c_void_p)]
+         ("out", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("kstat", ctypes.c_void_p)]
 
 
 class VsumRowsEvalArgs(ctypes.Structure):

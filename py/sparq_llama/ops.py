@@ -154,7 +154,7 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                      softcap=softcap, sparse_v_thresh=sparse_v_thresh)
     ptr = lambda a: None if a is None else a.ctypes.data
     args = SparqEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                         kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
+                         k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
                          mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
                          pos=ptr(pos_dev))
@@ -203,7 +203,7 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
     sparq_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
     args = SparqBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                          kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                          k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
                           sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq))
     _call(C.sparq_llama_bench_attn, args)
@@ -288,7 +288,7 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
                                 softcap=float(softcap), var_weight=float(var_weight))
     ptr = lambda a: None if a is None else a.ctypes.data
     args = CentroidEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                            kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head,
+                            k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head,
                             n_head_kv=n_head_kv, n_kv=n_kv, ns=ns, mask_ns=mask_ns, n_cent=cent.shape[2],
                             n_coarse=0 if coarse_dev is None else coarse_dev.shape[2], q=ptr(q32), k=ptr(k_dev),
                             v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
@@ -362,7 +362,7 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
     flash_us = (ctypes.c_double * n_runs)()
     kept = ctypes.c_double(0.0)
     args = CentroidBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                             kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                             k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                              n_prefix=n_prefix, n_clusters=n_clusters, keep=float(keep), n_runs=n_runs,
                              centroid_us=centroid_us, flash_us=flash_us, kept_out=ctypes.pointer(kept))
     _call(C.sparq_llama_bench_centroid, args)

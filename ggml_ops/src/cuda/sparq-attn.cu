@@ -355,6 +355,9 @@ bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
     }
     // kernel S keeps the candidate keys and I2 in shared memory
     const ggml_sparq_op_params p = ggml_sparq_get_op_params(op);
+    if (p.select != GGML_SPARQ_SELECT_Q || op->src[7] != nullptr) {
+        return false;
+    }
     const size_t smem_s = smem_s_plan(candidate_cap(p.k2), p.k2).total + 12*1024;  // + static
     return smem_s <= ggml_cuda_info().devices[device].smpbo;
 }
