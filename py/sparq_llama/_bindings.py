@@ -383,6 +383,15 @@ def sparq_llama_eval_sparq_attn(args: Any, err: Any, err_size: int, /) -> int:
     """One ggml_sparq_attn graph over host arrays."""
 
 
+# SPARQ_API int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out,
+#                                          size_t n_out, int64_t * ne_out, char * err, size_t err_size);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t,
+                       ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int)
+def sparq_llama_read_kv_tensor(ctx: int | None, il: int, what: int, out: Any, n_out: int, ne_out: Any, err: Any,
+                               err_size: int, /) -> int:
+    """A layer's K (0), index K^T (1), V sums (2) or key statistics (3) as f32 host floats (tests)."""
+
+
 # SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
 @c_function(libllama, _entry(VsumRowsEvalArgs), ctypes.c_int)
 def sparq_llama_eval_vsum_rows(args: Any, err: Any, err_size: int, /) -> int:

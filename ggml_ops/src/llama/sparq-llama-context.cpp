@@ -1,5 +1,6 @@
 // SparQ settings of a llama_context: the C API (sparq-llama.h) and llama_context::set_sparq.
 #include "sparq-llama-internal.h"
+#include "sparq-llama-testing.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -9,6 +10,7 @@
 #include "llama-model.h"
 
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -101,6 +103,13 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
     gf_res_prev_active = nullptr;
 
     return 0;
+}
+
+// The graph's tensor budget (llama_context::graph_max_nodes) grows by what build_attn_sparq adds per layer at
+// most: the index write (up to 9 tensors), the cache read-backs (7), the V-sum and key-statistics upkeep (up to 11
+// each) and the op with its views (about 15), rounded up. Every view and reshape takes a tensor of the budget.
+uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & model) {
+    return cparams.sparq.enabled ? 64u*model.hparams.n_layer() : 0u;
 }
 
 const llama_sparq_params & llama_context::get_sparq() const {
@@ -220,4 +229,87 @@ void llama_context::sparq_sync() {
     if (cparams.sparq.enabled && memory) {
         memory_update(false);
     }
+}
+
+//
+// testing: the derived KV state as host arrays
+//
+
+int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out, size_t n_out,
+                               int64_t * ne_out, char * err, size_t err_size) {
+    auto fail = [&](const std::string & msg) {
+        if (err && err_size > 0) {
+            snprintf(err, err_size, "%s", msg.c_str());
+        }
+        return 1;
+    };
+    if (ctx == nullptr || ne_out == nullptr) {
+        return fail("ctx and ne_out must not be NULL");
+    }
+    std::vector<llama_kv_cache *> caches;
+    std::string msg;
+    if (!sparq_caches(ctx->get_memory(), true, caches, msg)) {
+        return fail(msg);
+    }
+    const sparq_kv_layer * L = nullptr;
+    const llama_kv_cache * L_kv = nullptr;
+    for (auto * kv : caches) {
+        if (const sparq_kv_layer * l = kv->sparq_layer(il)) {
+            L    = l;
+            L_kv = kv;
+            break;
+        }
+    }
+    if (L == nullptr || !L->active) {
+        return fail("layer " + std::to_string(il) + " has no SparQ state (SparQ off, or the layer is dense)");
+    }
+    if (what == 4) {
+        // the cells' occupancy, per stream (sequence s owns stream s unless the cache is unified)
+        const llama_kv_cache * kv = L_kv;
+        ne_out[0] = kv->get_size();
+        ne_out[1] = kv->get_n_stream();
+        ne_out[2] = 1;
+        if (out == nullptr) {
+            return 0;
+        }
+        if (n_out < (size_t) (ne_out[0]*ne_out[1])) {
+            return fail("out is too small for the occupancy");
+        }
+        for (int64_t s = 0; s < ne_out[1]; ++s) {
+            const auto & cells = kv->get_cells((llama_seq_id) s);
+            for (int64_t c = 0; c < ne_out[0]; ++c) {
+                out[s*ne_out[0] + c] = cells.is_empty((uint32_t) c) ? 0.0f : 1.0f;
+            }
+        }
+        return 0;
+    }
+    const ggml_tensor * t = what == 0 ? L->k : what == 1 ? L->kt : what == 2 ? L->vsum : what == 3 ? L->kstat : nullptr;
+    if (t == nullptr) {
+        return fail("layer " + std::to_string(il) + " keeps no tensor " + std::to_string(what));
+    }
+    GGML_ASSERT(ggml_is_contiguous(t) && t->ne[3] == 1);
+    for (int i = 0; i < 3; ++i) {
+        ne_out[i] = t->ne[i];
+    }
+    if (out == nullptr) {
+        return 0;
+    }
+    if (n_out < (size_t) ggml_nelements(t)) {
+        return fail("out holds " + std::to_string(n_out) + " floats, the tensor " + std::to_string(ggml_nelements(t)));
+    }
+    std::vector<uint8_t> raw(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    const auto * traits = ggml_get_type_traits(t->type);
+    const int64_t n_rows = ggml_nrows(t);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const uint8_t * row = raw.data() + r*t->nb[1];
+        float * dst = out + r*t->ne[0];
+        if (t->type == GGML_TYPE_F32) {
+            memcpy(dst, row, t->ne[0]*sizeof(float));
+        } else {
+            GGML_ASSERT(traits->to_float != nullptr);
+            traits->to_float(row, dst, t->ne[0]);
+        }
+    }
+    return 0;
 }

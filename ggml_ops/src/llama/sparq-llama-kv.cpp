@@ -508,8 +508,10 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
             n_work++;
         }
 
-        // per sequence sums over a stream's rows of x [n_embd_x, kv_size, n_stream]; w components a head
-        auto rebuild_sums = [&](ggml_tensor * table, ggml_tensor * x, int64_t w, int64_t h, bool squares) {
+        // per sequence sums over a stream's rows of x [n_embd_x, kv_size, n_stream] (d components a head, then
+        // with squares their squares too)
+        auto rebuild_sums = [&](ggml_tensor * table, ggml_tensor * x, int64_t d, int64_t h, bool squares) {
+            const int64_t w = squares ? 2*d : d;
             ggml_tensor * acc = nullptr;
             for (uint32_t s = 0; s < n_stream; ++s) {
                 if (inp->onehot[s] == nullptr) {
@@ -517,12 +519,12 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
                 }
                 ggml_tensor * x_s = ggml_view_2d(ctx, x, x->ne[0], kv_size, x->nb[1], x->nb[2]*s);
                 ggml_tensor * r   = ggml_get_rows(ctx, x_s, ggml_view_1d(ctx, inp->iota, n_used[s], 0));
-                if (x->ne[0] != w*h) {
-                    r = ggml_view_2d(ctx, r, w*h, n_used[s], r->nb[1], 0); // V rows may be padded
+                if (x->ne[0] != d*h) {
+                    r = ggml_view_2d(ctx, r, d*h, n_used[s], r->nb[1], 0); // V rows may be padded
                 }
                 if (squares) {
                     // the keys and their squares, per head: [2d, h, n_used]
-                    ggml_tensor * r3 = ggml_reshape_3d(ctx, ggml_cont(ctx, r), w/2, h, n_used[s]);
+                    ggml_tensor * r3 = ggml_reshape_3d(ctx, ggml_is_contiguous(r) ? r : ggml_cont(ctx, r), d, h, n_used[s]);
                     r = ggml_reshape_2d(ctx, ggml_concat(ctx, r3, ggml_sqr(ctx, r3), 0), w*h, n_used[s]);
                 }
                 ggml_tensor * aug = sparq_seq_sums(ctx, r, w, h, inp->onehot[s]);
@@ -540,7 +542,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
             rebuild_sums(L.vsum, layer.v, hparams.n_embd_head_v(il), hparams.n_head_kv(il), false);
         }
         if (sparq->kstat_dirty && L.kstat) {
-            rebuild_sums(L.kstat, layer.k, 2*hparams.n_embd_head_k(il), hparams.n_head_kv(il), true);
+            rebuild_sums(L.kstat, layer.k, hparams.n_embd_head_k(il), hparams.n_head_kv(il), true);
         }
     }
 
