@@ -83,7 +83,7 @@ def test_transfer_ratio_q8_index_reads_twice_the_components_for_about_the_bytes(
 
 def test_index_bytes():
     assert sparq_api.index_bytes("q8", "f16") == sparq_api.index_bytes("q8", "f32") == Fraction(34, 32)
-    assert [sparq_api.index_bytes("f16", t) for t in ("f32", "f16", "bf16", "q8_0", "q4_0")] == [4, 2, 2, 2, 2]
+    assert [sparq_api.index_bytes("f16", t) for t in ("f32", "f16", "bf16", "q8_0", "q4_0")] == [2, 2, 2, 2, 2]
 
 
 def test_one_transfer_ratio_and_a_cheap_import():

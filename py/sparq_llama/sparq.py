@@ -96,8 +96,8 @@ class SparqConfig:
         teacher-forced evaluation then equals step-by-step decoding.
     swa: also sparsify sliding-window layers (dense by default: their read is already bounded).
     min_n_kv: dense attention while the cache view holds fewer cells; None: llama.cpp's measured default.
-    index: the transposed key copy the approximate scores read: "f16" (K's float type, f16 for a quantized K
-        cache: 2 bytes a component) or "q8" (int8 with one f16 scale per 32 cells: 1.0625 bytes a component).
+    index: the transposed key copy the approximate scores read: "f16" (2 bytes a component, whatever the cache
+        type) or "q8" (int8 with one f16 scale per 32 cells: 1.0625 bytes a component).
         None: `DEFAULT_INDEX`, or "f16" with default_layout, which keeps no copy to quantize. Read back as the
         name held.
     select: how the k1 components are chosen: "q" (largest |q|, the paper) or "qsigma" (largest |q| times the
@@ -361,20 +361,19 @@ KV_TYPE_BYTES: dict[str, Fraction] = {
     "f32": Fraction(4), "f16": Fraction(2), "bf16": Fraction(2), "q8_0": Fraction(34, 32), "q5_1": Fraction(24, 32),
     "q5_0": Fraction(22, 32), "q4_1": Fraction(20, 32), "q4_0": Fraction(18, 32), "iq4_nl": Fraction(18, 32),
 }
-_FLOAT_KV_TYPES = ("f32", "f16", "bf16")
-Q8_INDEX_BYTES = Fraction(34, 32)  # int8 values and one f16 scale per 32 cells of a component row
+Q8_BLOCK = 32                      # cells of a component row that share one scale in the q8 index
+Q8_BLOCK_BYTES = 34                # their f16 scale and 32 int8 values
+Q8_INDEX_BYTES = Fraction(Q8_BLOCK_BYTES, Q8_BLOCK)
 
 
 def index_bytes(index: str, kv_type: str = "f16") -> Fraction:
-    """Bytes an index element (one key component of one cell in K^T) takes: the f16 index is K's float type (f16
-    where the K cache is quantized), the q8 index 34 bytes per 32 values."""
+    """Bytes an index element (one key component of one cell in K^T) takes: 2 for the f16 index (whatever the
+    cache type), 34/32 for the q8 index. kv_type is checked only."""
     if index not in INDEXES:
         raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))}, got {index!r}")
     if kv_type not in KV_TYPE_BYTES:
         raise ValueError(f"kv_type must be one of {', '.join(map(repr, KV_TYPE_BYTES))}, got {kv_type!r}")
-    if index == "q8":
-        return Q8_INDEX_BYTES
-    return KV_TYPE_BYTES[kv_type] if kv_type in _FLOAT_KV_TYPES else Fraction(2)
+    return Q8_INDEX_BYTES if index == "q8" else Fraction(2)
 
 
 def _transfer_bytes(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool, kv_type: str,
