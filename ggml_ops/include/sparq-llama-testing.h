@@ -146,7 +146,8 @@ struct centroid_bench_args {
 };
 SPARQ_API int sparq_llama_bench_centroid(const struct centroid_bench_args * args, char * err, size_t err_size);
 
-// Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
+// Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors (select
+// qsigma with key sums as a model keeps them),
 // one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
 // interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
 struct sparq_bench_args {
@@ -160,6 +161,7 @@ struct sparq_bench_args {
     double     * sparq_us; // [n_runs]
     double     * flash_us; // [n_runs]
     int64_t      n_seq;    // sequences (streams), each with its own n_kv cells; 0: 1
+    int          kt_type;  // the index's ggml_type (f16, q8_0, ...); -1: kv_type
 };
 SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
 

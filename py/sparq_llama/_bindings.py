@@ -358,7 +358,7 @@ class SparqBenchArgs(ctypes.Structure):
         [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv")] + \
         [("use_kt", ctypes.c_int), ("n_runs", ctypes.c_int), ("params", ctypes.POINTER(GgmlSparqParams)),
          ("sparq_us", ctypes.POINTER(ctypes.c_double)), ("flash_us", ctypes.POINTER(ctypes.c_double)),
-         ("n_seq", ctypes.c_int64)]
+         ("n_seq", ctypes.c_int64), ("kt_type", ctypes.c_int)]
 
 
 class SqueezeCalibArgs(ctypes.Structure):

@@ -82,13 +82,13 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
             snprintf(dense_below, sizeof(dense_below), "%d", params.min_n_kv);
         }
         const bool q8 = params.index == LLAMA_SPARQ_INDEX_Q8;
-        LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, select = %s, "
-                       "layout = %s, dense below n_kv = %s\n", __func__,
-                params.k1, params.k1 != 0 ? "" : q8 ? " (head_dim/2)" : " (head_dim/4)", params.k2,
+        LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
+                       "index = %s, select = %s, dense below n_kv = %s\n", __func__,
+                params.k1, params.k1 == 0 ? (q8 ? " (head_dim/2)" : " (head_dim/4)") : "", params.k2,
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
-                params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q",
-                params.default_layout ? "default (no K^T)" : q8 ? "K^T q8_0" : "K^T", dense_below);
+                params.default_layout ? "default (no K^T)" : "K^T", q8 ? "q8" : "f16",
+                params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q", dense_below);
     }
 
     cparams.sparq = params;
@@ -173,17 +173,18 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
     if (!std::isfinite(p->sparse_v_thresh) || p->sparse_v_thresh < 0.0f || p->sparse_v_thresh >= 1.0f) {
         return fail("sparse_v_thresh must be in [0, 1), got %g", (double) p->sparse_v_thresh);
     }
+    if (p->min_n_kv < -1) {
+        return fail("min_n_kv must be >= 0 (or -1: the measured default), got %d", p->min_n_kv);
+    }
     if (p->index < LLAMA_SPARQ_INDEX_F16 || p->index > LLAMA_SPARQ_INDEX_Q8) {
         return fail("index must be f16 (0) or q8 (1), got %d", p->index);
     }
     if (p->select < LLAMA_SPARQ_SELECT_Q || p->select > LLAMA_SPARQ_SELECT_QSIGMA) {
         return fail("select must be q (0) or qsigma (1), got %d", p->select);
     }
-    if (p->default_layout && p->index == LLAMA_SPARQ_INDEX_Q8) {
-        return "--sparq-default-layout keeps no index: use --sparq-index f16";
-    }
-    if (p->min_n_kv < -1) {
-        return fail("min_n_kv must be >= 0 (or -1: the measured default), got %d", p->min_n_kv);
+    if (p->default_layout && p->index != LLAMA_SPARQ_INDEX_F16) {
+        return "the q8 index quantizes the transposed K copy, which default_layout does not keep: use the f16 index "
+               "with default_layout";
     }
     if (ctx != nullptr && p->enabled && !ctx->get_cparams().flash_attn) {
         return "SparQ needs flash attention's row-major V cache; create the context with flash attention on "

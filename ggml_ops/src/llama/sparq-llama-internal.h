@@ -71,6 +71,11 @@ struct sparq_kv_state {
     }
 };
 
+// The tensors build_attn_sparq adds to a graph at most, for llama_context::graph_max_nodes (patch 0003).
+struct llama_cparams;
+struct llama_model;
+uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & model);
+
 // The index write of one layer for a set of blocks, as graph nodes (sparq-llama-kv.cpp); the ubatch writes and
 // the rebuild both use it. For each of ns streams (from stream s0) n_blk blocks of B = sparq_index_block(kt) cells:
 //   cells [B*n_blk*ns] I32: the flat cells (stream*kv_size + cell) to read from K, block by block

@@ -127,10 +127,10 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
 
         ggml_context * ctx = ctx_for(ggml_backend_buffer_get_type(layer.k->buffer));
         if (!params.default_layout) {
-            // q8: int8 blocks of 32 cells per component row (the row padded to whole blocks); f16: K's float type,
-            // f16 where K is quantized (the dequantized keys rounded once)
+            // q8: int8 blocks of 32 cells per component row (the row padded to whole blocks); f16: 2 bytes a
+            // component whatever the cache type (the dequantized keys rounded once)
             const bool      q8      = params.index == LLAMA_SPARQ_INDEX_Q8;
-            const ggml_type kt_type = q8 ? GGML_TYPE_Q8_0 : sparq_float_type(layer.k->type) ? layer.k->type : GGML_TYPE_F16;
+            const ggml_type kt_type = q8 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
             const int64_t   row_len = q8 ? GGML_PAD((int64_t) kv_size, ggml_blck_size(GGML_TYPE_Q8_0)) : kv_size;
             L.kt = ggml_new_tensor_3d(ctx, kt_type, row_len, hparams.n_embd_k_gqa(il), n_stream);
             ggml_format_name(L.kt, "sparq_kt_l%u", il);

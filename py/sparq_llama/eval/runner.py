@@ -178,6 +178,7 @@ def _run_example(engine: Engine, ex: _tasks.Example, data: dict[str, Any], cfg: 
         rec.update(task=ex.task, example=ex.id, length=ex.length, n_kv=ex.n_kv, setting=s.name,
                    family=s.family, transfer=s.transfer, seconds=round(time.perf_counter() - t0, 3),
                    k1=s.config.k1 if s.config else None, k2=s.config.k2 if s.config else None,
+                   index=s.config.index if s.config else None, select=s.config.select if s.config else None,
                    **{k: v for k, v in ex.meta.items() if k in ("depth", "answer", "work")})
         data["records"][f"{ex.id}|{s.name}"] = rec
     engine.apply(None)
