@@ -35,12 +35,12 @@ COMBO_IDS = [f"{i}-{s}-{t}" for i, s, t in COMBOS]
 
 
 def make_ctx(model, kv: str, cfg: SparqConfig | None = None, *, index: str = "f16", select: str = "q",
-             n_seq_max: int = 1) -> Ctx:
+             n_seq_max: int = 1, kv_unified: bool = False) -> Ctx:
     """A context (flash attention, N_THREADS) with K and V caches of type kv, SparQ applied when cfg is given."""
     p = lc.llama_context_default_params()
     p.n_ctx, p.n_batch, p.n_ubatch = N_CTX, 512, 512
     p.type_k = p.type_v = KV_TYPES[kv]
-    p.n_seq_max = n_seq_max
+    p.n_seq_max, p.kv_unified = n_seq_max, kv_unified
     p.n_threads = p.n_threads_batch = N_THREADS
     p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
     p.no_perf = True
@@ -76,65 +76,73 @@ def read(ctx: Ctx, il: int, what: int) -> np.ndarray | None:
 
 
 def occupied(ctx: Ctx) -> np.ndarray:
-    """Which cells of the (one-stream) cache hold a token, as the cache says: [kv_size] bool."""
+    """Which cells of each stream hold a token, as the cache says: [n_stream, kv_size] bool."""
     occ = read(ctx, LAYERS[0], 4)
     assert occ is not None
-    return occ[0, 0] > 0
+    return occ[0] > 0
+
+
+def held(ctx: Ctx) -> np.ndarray:
+    """Which cells of its stream each sequence holds: [n_seq_max, kv_size] bool."""
+    return read(ctx, LAYERS[0], 5)[0] > 0
 
 
 def check_index(ctx: Ctx, index: str, what: str) -> None:
-    """K^T of every checked layer against the cache's keys: the occupied cells (f16), or every block holding an
-    occupied cell (q8_0: the block quantized from the keys, empty cells as 0)."""
-    used = occupied(ctx)
-    assert used.any()
+    """K^T of every checked layer and stream against the cache's keys: the occupied cells (f16), or every block
+    holding an occupied cell (q8_0: the block quantized from the keys, empty cells as 0)."""
+    occ = occupied(ctx)
+    assert occ.any()
     for il in LAYERS:
-        k = read(ctx, il, 0)[0]                        # [kv_size, n_embd] (one stream), dequantized
-        kt = read(ctx, il, 1)
-        assert kt is not None, f"{what}: layer {il} has no index"
-        kt = kt[0]                                     # [n_embd, row_len]
-        kv_size, n_embd = k.shape
-        if index == "f16":
-            assert kt.shape == (n_embd, kv_size)
-            want = k.T.astype(np.float16).astype(np.float32)      # f16 K: exact; quantized K: rounded once
-            got = kt[:, used]
-            assert np.array_equal(got, want[:, used]), (
-                f"{what}: layer {il} f16 index differs from the keys by up to {np.abs(got - want[:, used]).max():.3g}")
-            continue
-        row_len = -(-kv_size // 32) * 32
-        assert kt.shape == (n_embd, row_len)
-        used_p = np.zeros(row_len, dtype=bool)
-        used_p[:kv_size] = used
-        x = np.zeros((n_embd, row_len), dtype=np.float32)
-        x[:, :kv_size] = k.T
-        x[:, ~used_p] = 0.0                            # empty cells count as 0
-        blocks = used_p.reshape(-1, 32).any(axis=1)    # the blocks that hold a token
-        xb = x.reshape(n_embd, -1, 32)[:, blocks]
-        got = kt.reshape(n_embd, -1, 32)[:, blocks]
-        d = np.abs(xb).max(axis=2, keepdims=True) / 127.0
-        # q8_0: q * f16(amax/127), q = round(x/d): within half a step (and the f16 rounding of d) of x
-        err = np.abs(got - xb)
-        bound = 0.5 * d * (1 + 2e-3) + np.abs(xb) * 2e-3 + 1e-7
-        assert (err <= bound).all(), (
-            f"{what}: layer {il} q8 index off the keys by {(err / np.maximum(d, 1e-30)).max():.3g} steps")
-        # the block's largest value is stored as +-127 steps: the scale is the block's own (empty cells as 0)
-        assert np.allclose(np.abs(got).max(axis=2, keepdims=True), 127 * d, rtol=2e-3, atol=1e-7), (
-            f"{what}: layer {il} q8 block scales differ from the keys'")
-        empty = ~used_p.reshape(-1, 32)[blocks]
-        assert (got[:, empty] == 0).all(), f"{what}: layer {il} q8 index holds values in empty cells"
+        k_all, kt_all = read(ctx, il, 0), read(ctx, il, 1)   # [n_stream, kv_size, n_embd], [n_stream, n_embd, row]
+        assert kt_all is not None, f"{what}: layer {il} has no index"
+        for s, used in enumerate(occ):
+            k, kt = k_all[s], kt_all[s]
+            where = f"{what}: layer {il} stream {s}"
+            kv_size, n_embd = k.shape
+            if index == "f16":
+                assert kt.shape == (n_embd, kv_size)
+                want = k.T.astype(np.float16).astype(np.float32)   # f16 K: exact; quantized K: rounded once
+                got = kt[:, used]
+                assert np.array_equal(got, want[:, used]), (
+                    f"{where}: the f16 index differs from the keys by up to {np.abs(got - want[:, used]).max():.3g}")
+                continue
+            row_len = -(-kv_size // 32) * 32
+            assert kt.shape == (n_embd, row_len)
+            used_p = np.zeros(row_len, dtype=bool)
+            used_p[:kv_size] = used
+            x = np.zeros((n_embd, row_len), dtype=np.float32)
+            x[:, :kv_size] = k.T
+            x[:, ~used_p] = 0.0                            # empty cells count as 0
+            blocks = used_p.reshape(-1, 32).any(axis=1)    # the blocks that hold a token
+            xb = x.reshape(n_embd, -1, 32)[:, blocks]
+            got = kt.reshape(n_embd, -1, 32)[:, blocks]
+            d = np.abs(xb).max(axis=2, keepdims=True) / 127.0
+            # q8_0: q * f16(amax/127), q = round(x/d): within half a step (and the f16 rounding of d) of x
+            err = np.abs(got - xb)
+            bound = 0.5 * d * (1 + 2e-3) + np.abs(xb) * 2e-3 + 1e-7
+            assert (err <= bound).all(), (
+                f"{where}: the q8 index is off the keys by {(err / np.maximum(d, 1e-30)).max():.3g} steps")
+            # the block's largest value is stored as +-127 steps: the scale is the block's own (empty cells as 0)
+            assert np.allclose(np.abs(got).max(axis=2, keepdims=True), 127 * d, rtol=2e-3, atol=1e-7), (
+                f"{where}: q8 block scales differ from the keys'")
+            empty = ~used_p.reshape(-1, 32)[blocks]
+            assert (got[:, empty] == 0).all(), f"{where}: the q8 index holds values in empty cells"
 
 
 def check_kstat(ctx: Ctx, what: str) -> None:
-    """The key statistics against sums over the cache's keys of the sequence's (the only one's) cells."""
-    used = occupied(ctx)
+    """The key statistics of every sequence against sums over the cache's keys of the cells it holds."""
+    cells = held(ctx)
     for il in LAYERS:
-        k = read(ctx, il, 0)[0][used].astype(np.float64)             # [n, n_embd]
-        st = read(ctx, il, 3)
-        assert st is not None, f"{what}: layer {il} keeps no key statistics"
-        st = st[0, 0].reshape(N_HEAD_KV, 2 * D + 1)                  # sequence 0
-        kh = k.reshape(-1, N_HEAD_KV, D)
-        want = np.concatenate([kh.sum(0), (kh ** 2).sum(0), np.full((N_HEAD_KV, 1), len(k))], axis=1)
-        err = np.abs(st - want) / np.abs(want).max(axis=1, keepdims=True)
-        assert err.max() <= 1e-5, f"{what}: layer {il} key statistics off by {err.max():.3g} of their scale"
+        k_all, st_all = read(ctx, il, 0), read(ctx, il, 3)
+        assert st_all is not None, f"{what}: layer {il} keeps no key statistics"
+        for q, mine in enumerate(cells):
+            k = k_all[q if len(k_all) > 1 else 0][mine].astype(np.float64)   # [n, n_embd]
+            st = st_all[0, q].reshape(N_HEAD_KV, 2 * D + 1)
+            kh = k.reshape(-1, N_HEAD_KV, D)
+            want = np.concatenate([kh.sum(0), (kh ** 2).sum(0), np.full((N_HEAD_KV, 1), len(k))], axis=1)
+            err = np.abs(st - want) / np.maximum(np.abs(want).max(axis=1, keepdims=True), 1e-30)
+            assert err.max() <= 1e-5, (
+                f"{what}: layer {il} sequence {q} key statistics off by {err.max():.3g} of their scale")
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +201,28 @@ def test_state_follows_the_cache(model, toks, index, select, kv):
         check(ctx, "after a state load")
         ctx.steps(toks[n1 + 3:n1 + 40], n1 + 3)      # decodes after the load
         check(ctx, "after a state load and decodes")
+
+
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["streams", "unified"])
+@pytest.mark.parametrize("index", ["f16", "q8"])
+def test_two_sequences_in_one_batch(model, toks, index, kv_unified):
+    """Both sequences decode in each batch: one stream each (a write per stream), or one shared stream, where the
+    two new cells fall in one q8 block or in two as the steps go on (graphs built for one block are not reused
+    then). The state is checked after each phase and after removing a sequence."""
+    cfg = dataclasses.replace(SPARSE, min_n_kv=N_CTX)
+    with make_ctx(model, "q8_0", cfg, index=index, select="qsigma", n_seq_max=2, kv_unified=kv_unified) as ctx:
+        ctx.prefill(toks[:150], seq=0)
+        ctx.prefill(toks[300:397], seq=1)
+        check_index(ctx, index, "after two prefills")
+        check_kstat(ctx, "after two prefills")
+        for i in range(40):
+            ctx.decode([(toks[150 + i], 150 + i, 0, True), (toks[397 + i], 97 + i, 1, True)])
+        check_index(ctx, index, "after decodes of both sequences in one batch")
+        check_kstat(ctx, "after decodes of both sequences in one batch")
+        assert lc.llama_memory_seq_rm(ctx.mem, 1, -1, -1)
+        ctx.decode([(toks[190], 190, 0, True)])
+        check_index(ctx, index, "after removing sequence 1 and a decode")
+        check_kstat(ctx, "after removing sequence 1 and a decode")
 
 
 def test_q8_index_is_refused_with_the_default_layout(model):

@@ -43,7 +43,8 @@ SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, c
 // SparQ's derived KV state against the cache it derives from. layer il; what: 0 the cache's K
 // [n_stream][kv_size][n_embd_k_gqa], 1 the index K^T [n_stream][n_embd_k_gqa][row_len], 2 the V sums
 // [n_seq_max][(d_v + 1)*n_head_kv], 3 the key statistics [n_seq_max][(2*d_k + 1)*n_head_kv], 4 the occupancy of
-// the cells of layer il's cache [n_stream][kv_size] (1: the cell holds a token). ne_out[0..2] gets the
+// the cells of layer il's cache [n_stream][kv_size] (1: the cell holds a token), 5 the cells each sequence holds
+// in its stream [n_seq_max][kv_size] (1: it does). ne_out[0..2] gets the
 // tensor's ne (fastest first); out may be NULL to ask for the shape only, else it holds n_out floats. Returns 0,
 // or 1 with a message in err (SparQ off, a layer without that piece, out too small).
 struct llama_context;

@@ -264,22 +264,24 @@ int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t w
     if (L == nullptr || !L->active) {
         return fail("layer " + std::to_string(il) + " has no SparQ state (SparQ off, or the layer is dense)");
     }
-    if (what == 4) {
-        // the cells' occupancy, per stream (sequence s owns stream s unless the cache is unified)
+    if (what == 4 || what == 5) {
+        // the cells' occupancy per stream, or which cells of its stream each sequence holds (sequence s owns
+        // stream s unless the cache is unified)
         const llama_kv_cache * kv = L_kv;
         ne_out[0] = kv->get_size();
-        ne_out[1] = kv->get_n_stream();
+        ne_out[1] = what == 4 ? kv->get_n_stream() : kv->get_n_seq_max();
         ne_out[2] = 1;
         if (out == nullptr) {
             return 0;
         }
         if (n_out < (size_t) (ne_out[0]*ne_out[1])) {
-            return fail("out is too small for the occupancy");
+            return fail("out is too small for the cells");
         }
         for (int64_t s = 0; s < ne_out[1]; ++s) {
             const auto & cells = kv->get_cells((llama_seq_id) s);
             for (int64_t c = 0; c < ne_out[0]; ++c) {
-                out[s*ne_out[0] + c] = cells.is_empty((uint32_t) c) ? 0.0f : 1.0f;
+                const bool in = what == 4 ? !cells.is_empty((uint32_t) c) : cells.seq_has((uint32_t) c, (llama_seq_id) s);
+                out[s*ne_out[0] + c] = in ? 1.0f : 0.0f;
             }
         }
         return 0;
