@@ -75,24 +75,24 @@ def read(ctx: Ctx, il: int, what: int) -> np.ndarray | None:
     return out.reshape(ne[2], ne[1], ne[0])
 
 
-def occupied(ctx: Ctx) -> np.ndarray:
+def occupied(ctx: Ctx, il: int = LAYERS[0]) -> np.ndarray:
     """Which cells of each stream hold a token, as the cache says: [n_stream, kv_size] bool."""
-    occ = read(ctx, LAYERS[0], 4)
+    occ = read(ctx, il, 4)
     assert occ is not None
     return occ[0] > 0
 
 
-def held(ctx: Ctx) -> np.ndarray:
+def held(ctx: Ctx, il: int = LAYERS[0]) -> np.ndarray:
     """Which cells of its stream each sequence holds: [n_seq_max, kv_size] bool."""
-    return read(ctx, LAYERS[0], 5)[0] > 0
+    return read(ctx, il, 5)[0] > 0
 
 
-def check_index(ctx: Ctx, index: str, what: str) -> None:
+def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYERS) -> None:
     """K^T of every checked layer and stream against the cache's keys: the occupied cells (f16), or every block
     holding an occupied cell (q8_0: the block quantized from the keys, empty cells as 0)."""
-    occ = occupied(ctx)
+    occ = occupied(ctx, layers[0])
     assert occ.any()
-    for il in LAYERS:
+    for il in layers:
         k_all, kt_all = read(ctx, il, 0), read(ctx, il, 1)   # [n_stream, kv_size, n_embd], [n_stream, n_embd, row]
         assert kt_all is not None, f"{what}: layer {il} has no index"
         for s, used in enumerate(occ):
@@ -129,17 +129,18 @@ def check_index(ctx: Ctx, index: str, what: str) -> None:
             assert (got[:, empty] == 0).all(), f"{where}: the q8 index holds values in empty cells"
 
 
-def check_kstat(ctx: Ctx, what: str) -> None:
+def check_kstat(ctx: Ctx, what: str, layers: tuple[int, ...] = LAYERS, n_head_kv: int = N_HEAD_KV,
+                d: int = D) -> None:
     """The key statistics of every sequence against sums over the cache's keys of the cells it holds."""
-    cells = held(ctx)
-    for il in LAYERS:
+    cells = held(ctx, layers[0])
+    for il in layers:
         k_all, st_all = read(ctx, il, 0), read(ctx, il, 3)
         assert st_all is not None, f"{what}: layer {il} keeps no key statistics"
         for q, mine in enumerate(cells):
             k = k_all[q if len(k_all) > 1 else 0][mine].astype(np.float64)   # [n, n_embd]
-            st = st_all[0, q].reshape(N_HEAD_KV, 2 * D + 1)
-            kh = k.reshape(-1, N_HEAD_KV, D)
-            want = np.concatenate([kh.sum(0), (kh ** 2).sum(0), np.full((N_HEAD_KV, 1), len(k))], axis=1)
+            st = st_all[0, q].reshape(n_head_kv, 2 * d + 1)
+            kh = k.reshape(-1, n_head_kv, d)
+            want = np.concatenate([kh.sum(0), (kh ** 2).sum(0), np.full((n_head_kv, 1), len(k))], axis=1)
             err = np.abs(st - want) / np.maximum(np.abs(want).max(axis=1, keepdims=True), 1e-30)
             assert err.max() <= 1e-5, (
                 f"{what}: layer {il} sequence {q} key statistics off by {err.max():.3g} of their scale")
