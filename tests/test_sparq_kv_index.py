@@ -328,3 +328,26 @@ def test_derived_state_rebuilt_or_followed(model, toks, index, select, kv):
         assert lc.llama_state_seq_set_data(ctx.ctx, state, len(state), 0) == len(state)
         got = ctx.steps(y, n)
     assert_logits_agree(got, want, "after a state load vs the context that saved it")
+
+
+@pytest.mark.parametrize("index", ["f16", "q8"])
+def test_sparq_prefill_equals_step_by_step_decode(model, toks, index):
+    """--sparq-prefill with qsigma: every row of a batch selects with the key statistics of its visible cells (the
+    batch's later tokens taken out again) and the index as the batch wrote it, as a decode step would.
+
+    Not bit for bit: the statistics are f32 running sums, and the sums of squares (k*k of an f16 key needs 22
+    bits) round differently when a batch adds its rows at once than when decode steps add one each; this model
+    turns that into logit differences of the size two dense kernels show (measured: at most 0.036 of the logit
+    scale with the f16 index, 0.054 with q8, where a block's scale also covers the batch's later cells of it;
+    the op's own statistics from K, without the running sums, give bit-identical rows), so the bound is
+    TOL_DENSE. The running sums themselves are checked against the cache's keys in test_state_follows_the_cache."""
+    p = toks[:160]
+    t0 = 160 - 24
+    cfg = dataclasses.replace(SPARSE, prefill=True)
+    with make_ctx(model, "f16", cfg, index=index, select="qsigma") as ctx:
+        forced = ctx.prefill(p, all_logits=True)
+    with make_ctx(model, "f16", cfg, index=index, select="qsigma") as ctx:
+        ctx.prefill(p[:t0])
+        stepped = ctx.steps(p[t0:], t0)
+    assert_logits_agree(forced[t0:], stepped, f"sparq_prefill batch rows vs step-by-step decode ({index} index)",
+                        tol=TOL_DENSE)
