@@ -13,6 +13,8 @@ be read without this file:
     sparq-1/8-sinks16     ... with 16 sink cells as well as the window
     sparq-1/8-swa         ... with sliding-window layers sparsified too (models that have them)
     sparq-1/8-k2-64/256   the same 1/8 budget with k2 = 64 or 256 (k1 by the recipe): is 128 the right split?
+    sparq-1/4-f16-q ...   the same ratio (1/4, 1/8) with the paper's index: f16 K^T, components of largest |q|
+                          (k1 by the recipe for f16 bytes): the index the defaults replaced
     exact                 the oracle: top-k2 of the true scores (reads all of K: FlexGen, >= 1/2 of dense)
     window                sinks + recent only at the same k2 (LM-Infinite: 16 sinks, k2 - 16 recent)
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from ..sparq import DEFAULT_INDEX, KV_TYPE_BYTES, SparqConfig, index_bytes, transfer_ratio
+from ..sparq import DEFAULT_INDEX, DEFAULT_SELECT, KV_TYPE_BYTES, SparqConfig, index_bytes, transfer_ratio
 
 K2 = 128
 WINDOW_BASELINE_SINKS = 16          # LM-Infinite keeps the first 16 positions (the paper's baseline)
@@ -32,7 +34,9 @@ TARGET_RATIOS = (Fraction(1, 2), Fraction(1, 4), Fraction(1, 8))
 HEADLINE = Fraction(1, 8)           # the ratio the issue's targets are stated at
 ABLATIONS = ("mean", "no-window", "sinks16", "swa")      # the defaults' ablations (full mode)
 BUDGET_K2 = (64, 256)               # the "k2" study: the 1/8 budget spent on fewer / more kept cells
-KNOWN_ABLATIONS = (*ABLATIONS, "k2")
+PAPER_INDEX = ("f16", "q")          # the "f16-q" comparison: (index, select) of the paper
+PAPER_INDEX_RATIOS = (Fraction(1, 4), Fraction(1, 8))
+KNOWN_ABLATIONS = (*ABLATIONS, "k2", "f16-q")
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def settings_for(n_kv: int, shape: ModelShape, *, ablations: tuple[str, ...] = A
     """The settings compared at a context of `n_kv` cells (SparQ reading `index`), and (name, reason) of the ones
     left out."""
     d = shape.head_dim
-    base = SparqConfig(enabled=True, k2=k2, prefill=True, min_n_kv=0, index=index)
+    base = SparqConfig(enabled=True, k2=k2, prefill=True, min_n_kv=0, index=index, select=DEFAULT_SELECT)
     out = [Setting("dense", None, 1.0, "dense")]
     skipped: list[tuple[str, str]] = []
     mean = shape.mean_auto
@@ -106,6 +110,15 @@ def settings_for(n_kv: int, shape: ModelShape, *, ablations: tuple[str, ...] = A
                            "sparq", target))
         if target == HEADLINE:
             headline_k1 = k1
+        if "f16-q" in ablations and target in PAPER_INDEX_RATIOS:
+            paper_index, paper_select = PAPER_INDEX
+            k1_paper = k1_for_ratio(target, n_kv, d, k2, mean, index=paper_index)
+            if k1_paper is None:
+                skipped.append((f"sparq-{label}-f16-q", f"unreachable with k2={k2}, d={d} and the f16 index"))
+            else:
+                out.append(Setting(f"sparq-{label}-f16-q", replace(base, k1=k1_paper, index=paper_index,
+                                                                   select=paper_select),
+                                   sparq_transfer(n_kv, shape, k1_paper, k2, mean, paper_index), "ablation", target))
     if headline_k1 is not None:
         k1, h = headline_k1, ratio_label(HEADLINE)
         if "mean" in ablations:
