@@ -286,7 +286,8 @@ def test_k2_covering_the_context_is_dense(model, toks, dense_greedy, index, sele
 
 @pytest.mark.parametrize("index,select,kv", COMBOS, ids=COMBO_IDS)
 def test_derived_state_rebuilt_or_followed(model, toks, index, select, kv):
-    """Small k2 (selection happens); each way of reaching the same cache must give the same logits."""
+    """Small k2 (selection happens); each way of reaching the same cache must give the same logits: a removal of
+    the decoded tokens, a hole in the middle, a context shift, a state load."""
     p, x, y = toks[:160], toks[160:210], toks[600:612]
     n = len(p) + len(x)
 
@@ -315,6 +316,29 @@ def test_derived_state_rebuilt_or_followed(model, toks, index, select, kv):
         set_sparq(ctx, SPARSE, index, select)      # built from the cache as it is now
         want = ctx.steps(y, n)
     assert_logits_agree(got, want, "after seq_rm in the middle vs SparQ enabled after it")
+
+    # a context shift (seq_rm of the older half, seq_add): the keys are rotated in place by the K-shift, which
+    # makes the index and the key statistics stale; oracle: the same shifted cache with SparQ switched off, a dense
+    # decode that applies the shift, the decode removed again, and SparQ switched on (built from the cache)
+    n_keep, n_discard = 4, (n - 4) // 2
+    pos = n - n_discard
+
+    def shifted(c: Ctx) -> Ctx:
+        c.prefill(p + x)
+        assert lc.llama_memory_can_shift(c.mem)
+        assert lc.llama_memory_seq_rm(c.mem, 0, n_keep, n_keep + n_discard)
+        lc.llama_memory_seq_add(c.mem, 0, n_keep + n_discard, n, -n_discard)
+        return c
+
+    with shifted(sparse()) as ctx:
+        got = ctx.steps(y, pos)
+    with shifted(sparse()) as ctx:
+        set_sparq(ctx, dataclasses.replace(SPARSE, enabled=False), index, select)
+        ctx.decode([(y[0], pos, 0, True)])
+        assert lc.llama_memory_seq_rm(ctx.mem, 0, pos, -1)
+        set_sparq(ctx, SPARSE, index, select)
+        want = ctx.steps(y, pos)
+    assert_logits_agree(got, want, "after a context shift vs SparQ state built from the shifted cache")
 
     # a sequence state saved and loaded into a fresh context that held other tokens
     with sparse() as ctx:
