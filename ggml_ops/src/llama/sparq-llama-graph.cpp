@@ -289,7 +289,8 @@ public:
             const int64_t b      = (k_idxs[t] % e.kv_size) / e.B;
             GGML_ASSERT(stream >= e.s0 && stream < e.s0 + e.ns);
             auto & list = blocks[stream - e.s0];
-            if (std::find(list.begin(), list.end(), b) == list.end()) {
+            // a ubatch writes each cell once, so cells (B = 1) are distinct; blocks of 32 repeat
+            if (e.B == 1 || std::find(list.begin(), list.end(), b) == list.end()) {
                 list.push_back(b);
             }
         }
