@@ -353,8 +353,9 @@ public:
     uint32_t kv_size   = 0;
     uint32_t n_seq_max = 0;
 
-    std::vector<ggml_tensor *> onehot;  // per stream: [n_used, n_seq_max] f32, cell c holds sequence s (or nullptr)
-    ggml_tensor * iota = nullptr;       // [max n_used] I32: 0, 1, 2, ...
+    // the used cells of every stream, stream by stream (cells 0..used_max_p1-1 of each): the sums read them
+    ggml_tensor * sum_cells = nullptr;  // [n_cells] I32: stream*kv_size + cell
+    ggml_tensor * onehot    = nullptr;  // [n_cells, n_seq_max] f32: the cell holds the sequence
 
     // the index blocks of every stream's used cells, per block size B: as sparq_index_write takes them
     struct index_entry {
@@ -366,26 +367,24 @@ public:
     void set_input(const llama_ubatch * ubatch) override {
         GGML_UNUSED(ubatch);
         const int64_t n_stream = (int64_t) cells->size();
-        for (int64_t s = 0; s < n_stream; ++s) {
-            ggml_tensor * oh = onehot[s];
-            if (oh == nullptr) {
-                continue;
-            }
-            GGML_ASSERT(ggml_backend_buffer_is_host(oh->buffer));
-            float * data = (float *) oh->data;
-            const int64_t n_used = oh->ne[0];
-            for (uint32_t q = 0; q < n_seq_max; ++q) {
-                for (int64_t c = 0; c < n_used; ++c) {
-                    data[q*n_used + c] = (*cells)[s].seq_has(c, q) ? 1.0f : 0.0f;
+        if (sum_cells) {
+            GGML_ASSERT(ggml_backend_buffer_is_host(sum_cells->buffer) && ggml_backend_buffer_is_host(onehot->buffer));
+            int32_t * cdata = (int32_t *) sum_cells->data;
+            float   * odata = (float *) onehot->data;
+            const int64_t n_cells = sum_cells->ne[0];
+            int64_t r = 0;
+            for (int64_t s = 0; s < n_stream; ++s) {
+                const auto & cs = (*cells)[s];
+                for (uint32_t c = 0; c < cs.used_max_p1(); ++c, ++r) {
+                    GGML_ASSERT(r < n_cells);
+                    cdata[r] = (int32_t) (s*kv_size + c);
+                    // a stream's cells hold only the sequences of that stream
+                    for (uint32_t q = 0; q < n_seq_max; ++q) {
+                        odata[q*n_cells + r] = cs.seq_has(c, q) ? 1.0f : 0.0f;
+                    }
                 }
             }
-        }
-        if (iota) {
-            GGML_ASSERT(ggml_backend_buffer_is_host(iota->buffer));
-            int32_t * data = (int32_t *) iota->data;
-            for (int64_t i = 0; i < iota->ne[0]; ++i) {
-                data[i] = (int32_t) i;
-            }
+            GGML_ASSERT(r == n_cells);
         }
         for (const auto & e : index) {
             GGML_ASSERT(ggml_backend_buffer_is_host(e.cells->buffer) && ggml_backend_buffer_is_host(e.blk->buffer));
@@ -415,8 +414,8 @@ public:
     }
 };
 
-// Per sequence and head the sums of x over the sequence's cells followed by their count: x [w*h, n_used] f32 (a
-// stream's cells 0..n_used-1), onehot [n_used, n_seq] -> [w + 1, h, n_seq]
+// Per sequence and head the sums of x over the sequence's cells followed by their count: x [w*h, n_cells] f32,
+// onehot [n_cells, n_seq] (the cell holds the sequence) -> [w + 1, h, n_seq]
 ggml_tensor * sparq_seq_sums(ggml_context * ctx, ggml_tensor * x, int64_t w, int64_t h, ggml_tensor * onehot) {
     const int64_t n_seq = onehot->ne[1];
     GGML_ASSERT(x->ne[0] == w*h && x->ne[1] == onehot->ne[0]);
@@ -448,9 +447,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
     inp->cells     = &v_cells;
     inp->kv_size   = get_size();
     inp->n_seq_max = n_seq_max;
-    inp->onehot.assign(n_stream, nullptr);
 
-    const uint32_t kv_size = get_size();
     std::vector<uint32_t> n_used(n_stream);
     uint32_t max_used = 0;
     for (uint32_t s = 0; s < n_stream; ++s) {
@@ -458,18 +455,17 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
         max_used  = std::max(max_used, n_used[s]);
     }
 
-    // the sums read every used cell of each stream, dequantized (get_rows of cells 0..n_used-1)
+    // the sums read every used cell of each stream, dequantized (get_rows), in one product per table
+    uint32_t n_sum_cells = 0;
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        n_sum_cells += n_used[s];
+    }
     const bool sums = (sparq->vsum_dirty && sparq->has_vsum()) || (sparq->kstat_dirty && sparq->has_kstat());
-    if (sums && max_used > 0) {
-        for (uint32_t s = 0; s < n_stream; ++s) {
-            if (n_used[s] == 0) {
-                continue;
-            }
-            inp->onehot[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_used[s], n_seq_max);
-            ggml_set_input(inp->onehot[s]);
-        }
-        inp->iota = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, max_used);
-        ggml_set_input(inp->iota);
+    if (sums && n_sum_cells > 0) {
+        inp->sum_cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_sum_cells);
+        inp->onehot    = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_sum_cells, n_seq_max);
+        ggml_set_input(inp->sum_cells);
+        ggml_set_input(inp->onehot);
     }
 
     // the index inputs, one set per block size: every stream's blocks up to its last used cell
@@ -508,34 +504,26 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
             n_work++;
         }
 
-        // per sequence sums over a stream's rows of x [n_embd_x, kv_size, n_stream] (d components a head, then
-        // with squares their squares too)
+        // per sequence sums over the used rows of x [n_embd_x, kv_size, n_stream] (d components a head, then with
+        // squares their squares too)
         auto rebuild_sums = [&](ggml_tensor * table, ggml_tensor * x, int64_t d, int64_t h, bool squares) {
-            const int64_t w = squares ? 2*d : d;
-            ggml_tensor * acc = nullptr;
-            for (uint32_t s = 0; s < n_stream; ++s) {
-                if (inp->onehot[s] == nullptr) {
-                    continue;
-                }
-                ggml_tensor * x_s = ggml_view_2d(ctx, x, x->ne[0], kv_size, x->nb[1], x->nb[2]*s);
-                ggml_tensor * r   = ggml_get_rows(ctx, x_s, ggml_view_1d(ctx, inp->iota, n_used[s], 0));
-                if (x->ne[0] != d*h) {
-                    r = ggml_view_2d(ctx, r, d*h, n_used[s], r->nb[1], 0); // V rows may be padded
-                }
-                if (squares) {
-                    // the keys and their squares, per head: [2d, h, n_used]
-                    ggml_tensor * r3 = ggml_reshape_3d(ctx, ggml_is_contiguous(r) ? r : ggml_cont(ctx, r), d, h, n_used[s]);
-                    r = ggml_reshape_2d(ctx, ggml_concat(ctx, r3, ggml_sqr(ctx, r3), 0), w*h, n_used[s]);
-                }
-                ggml_tensor * aug = sparq_seq_sums(ctx, r, w, h, inp->onehot[s]);
-                acc = acc ? ggml_add(ctx, acc, aug) : aug;
-            }
-            if (acc == nullptr) {
+            if (inp->sum_cells == nullptr) {
                 ggml_backend_tensor_memset(table, 0, 0, ggml_nbytes(table)); // no cells: all sums are 0
-            } else {
-                ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, acc, table->ne[0], n_seq_max), table));
-                n_work++;
+                return;
             }
+            const int64_t w = squares ? 2*d : d;
+            ggml_tensor * r = ggml_get_rows(ctx, ggml_reshape_2d(ctx, x, x->ne[0], x->ne[1]*x->ne[2]), inp->sum_cells);
+            if (x->ne[0] != d*h) {
+                r = ggml_view_2d(ctx, r, d*h, n_sum_cells, r->nb[1], 0); // V rows may be padded
+            }
+            if (squares) {
+                // the keys and their squares, per head: [2d, h, n_cells]
+                ggml_tensor * r3 = ggml_reshape_3d(ctx, ggml_is_contiguous(r) ? r : ggml_cont(ctx, r), d, h, n_sum_cells);
+                r = ggml_reshape_2d(ctx, ggml_concat(ctx, r3, ggml_sqr(ctx, r3), 0), w*h, n_sum_cells);
+            }
+            ggml_tensor * acc = sparq_seq_sums(ctx, r, w, h, inp->onehot);
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, acc, table->ne[0], n_seq_max), table));
+            n_work++;
         };
 
         if (sparq->vsum_dirty && L.vsum) {
