@@ -226,6 +226,20 @@ def test_two_sequences_in_one_batch(model, toks, index, kv_unified):
         check_kstat(ctx, "after removing sequence 1 and a decode")
 
 
+def test_rebuild_over_eight_streams(model, toks):
+    """One stream per sequence, 8 of them, each with a hole removed: the rebuild reads every stream's cells in one
+    product per table (the graph budget holds it) and each stream's index and each sequence's statistics match."""
+    cfg = dataclasses.replace(SPARSE, min_n_kv=N_CTX)
+    with make_ctx(model, "q4_0", cfg, index="q8", select="qsigma", n_seq_max=8) as ctx:
+        for q in range(8):
+            ctx.prefill(toks[q * 50:q * 50 + 40 + q], seq=q)
+        for q in range(8):
+            assert lc.llama_memory_seq_rm(ctx.mem, q, 10, 20)
+        ctx.decode([(toks[500 + q], 40 + q, q, True) for q in range(8)])
+        check_index(ctx, "q8", "8 streams after seq_rm in each and a decode")
+        check_kstat(ctx, "8 streams after seq_rm in each and a decode")
+
+
 def test_q8_index_is_refused_with_the_default_layout(model):
     with make_ctx(model, "f16") as ctx:
         p = dataclasses.replace(SPARSE, default_layout=True).to_c()
