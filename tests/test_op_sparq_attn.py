@@ -13,6 +13,8 @@ import pytest
 from sparq_llama import ops, reference
 
 TOL = {"f32": 2e-5, "f16": 2e-4, "bf16": 2e-4}  # abs+rel, on inputs already rounded to the KV type
+QUANT = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # llama.cpp's quantized KV cache types
+TOL.update({t: 2e-4 for t in QUANT})  # the op dequantizes exactly; f32 arithmetic after
 
 
 def make_case(rng: np.random.Generator, *, n_head_kv: int, group: int, n_q: int, n_kv: int, d: int, d_v: int,
@@ -47,8 +49,10 @@ def run_both(q, k, v, mask, kv_dtype, **kw):
     """(op, reference) outputs, [ns, n_head, n_q, d_v] each; the reference runs stream by stream."""
     qr = q.astype(np.float32).astype(np.float64)
     kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
-    op_only = {key: kw.pop(key) for key in ("layout", "n_threads", "backend") if key in kw}
+    op_only = {key: kw.pop(key) for key in ("layout", "n_threads", "backend", "kstat") if key in kw}
     got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, **op_only, **kw)
+    # the index the op scores from: K^T in f16 (or q8_0 blocks), or none with the default layout (K itself)
+    kw["index"] = None if op_only.get("layout") == "default" else kw.get("index", "f16")
     masks = [None] * q.shape[0] if mask is None else (
         [mask] * q.shape[0] if mask.ndim == 2 else list(mask))
     want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], masks[s], **kw) for s in range(q.shape[0])])
@@ -86,7 +90,12 @@ def _random_cases(n: int, seed: int = 0):
             mean=str(rng.choice(["auto", "on", "off"])), policy=str(rng.choice(["sparq", "sparq", "exact", "window"])),
             softcap=float(rng.choice([0.0, 0.0, 30.0])), sparse_v_thresh=float(rng.choice([0.0, 0.0, 0.01])),
             scale=None if rng.random() < 0.8 else float(rng.uniform(0.05, 0.2)),
+            select=str(rng.choice(["q", "qsigma"])), index=str(rng.choice(["f16", "q8"])),
         )
+        if case["layout"] == "default":
+            case["index"] = "f16"  # no index: the op gathers from K itself
+        if case["d"] % 32 == 0 and case["d_v"] % 32 == 0 and rng.random() < 0.35:
+            case["kv_dtype"] = str(rng.choice(QUANT))
         yield case
 
 
@@ -100,7 +109,7 @@ def case_inputs(case: dict):
                         n_kv=case["n_kv"], d=case["d"], d_v=case["d_v"], ns=case["ns"])
     mask = make_mask(rng, case["mask"], case["n_q"], case["n_kv"])
     kw = {key: case[key] for key in ("k1", "k2", "window", "sinks", "mean", "policy", "softcap",
-                                     "sparse_v_thresh", "scale", "layout")}
+                                     "sparse_v_thresh", "scale", "layout", "select", "index")}
     return q, k, v, mask, kw
 
 
@@ -163,6 +172,69 @@ def test_vsum_input_gives_the_same_mean_as_computing_it():
     assert np.abs(wrong - without).max() > 1e-3
 
 
+def key_sums(k: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """kstat [1, n_q, n_head_kv, 2d + 1] of keys [1, n_head_kv, n_kv, d] under a mask [n_q, n_kv]."""
+    _, n_head_kv, _, d = k.shape
+    out = np.zeros((1, mask.shape[0], n_head_kv, 2 * d + 1))
+    for t in range(mask.shape[0]):
+        for h in range(n_head_kv):
+            vis = k[0, h, mask[t]]
+            out[0, t, h] = np.concatenate([vis.sum(axis=0), (vis * vis).sum(axis=0), [mask[t].sum()]])
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0", "q4_0"])
+def test_kstat_input_gives_the_same_selection_as_computing_it(kv_dtype):
+    rng = np.random.default_rng(15)
+    q, k, v = make_case(rng, n_head_kv=2, group=4, n_q=3, n_kv=900, d=128, d_v=128)
+    k[..., :40] += rng.standard_normal(40) * 3.0   # a shared mean in some components: qsigma ranks them low
+    mask = make_mask(rng, "causal", 3, 900)
+    kstat = key_sums(ops.kv_round(k, kv_dtype), mask)
+    kw = dict(k1=16, k2=64, select="qsigma", kv_dtype=kv_dtype, n_threads=2)
+    with_sums = ops.sparq_attn(q, k, v, mask, kstat=kstat, **kw)
+    without = ops.sparq_attn(q, k, v, mask, **kw)
+    np.testing.assert_allclose(with_sums, without, rtol=1e-4, atol=1e-5)
+    got, want = run_both(q, k, v, mask, kv_dtype, kstat=kstat, k1=16, k2=64, select="qsigma", n_threads=2)
+    assert_close(got, want, kv_dtype, "kstat")
+    # the op does read them: sums that give every component the same spread choose I1 as select q does, and
+    # for one query head without the mean the temperature does not change the ranking: the result of select q
+    q1, k1_, v1 = make_case(rng, n_head_kv=2, group=1, n_q=3, n_kv=900, d=128, d_v=128)
+    k1_[..., :40] += rng.standard_normal(40) * 3.0
+    flat = key_sums(ops.kv_round(k1_, kv_dtype), mask)
+    flat[..., 128:256] = flat[..., :128] ** 2 / flat[..., 256:] + flat[..., 256:]  # variance 1 everywhere
+    kw1 = dict(kw, mean="off")
+    as_q = ops.sparq_attn(q1, k1_, v1, mask, kstat=flat, **kw1)
+    np.testing.assert_allclose(as_q, ops.sparq_attn(q1, k1_, v1, mask, **dict(kw1, select="q")), rtol=1e-4, atol=1e-5)
+    assert np.abs(as_q - ops.sparq_attn(q1, k1_, v1, mask, **kw1)).max() > 1e-3
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT)
+def test_quantized_cache_with_k2_covering_the_context_equals_dense_attention(kv_dtype):
+    rng = np.random.default_rng(8)
+    q, k, v = make_case(rng, n_head_kv=2, group=2, n_q=2, n_kv=300, d=64, d_v=64)
+    mask = make_mask(rng, "causal", 2, 300)
+    got = ops.sparq_attn(q, k, v, mask, k1=16, k2=300, kv_dtype=kv_dtype, index="q8", select="qsigma")
+    dense = reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], kv_dtype),
+                                 ops.kv_round(v[0], kv_dtype), mask)
+    assert_close(got[0], dense, kv_dtype, "k2 >= visible")
+
+
+def test_q8_index_scores_from_its_own_values():
+    # an index whose blocks hold one huge key: its block's other cells lose their precision, and the op's
+    # selection follows the quantized values (as the reference models them), not K's
+    rng = np.random.default_rng(21)
+    q, k, v = make_case(rng, n_head_kv=1, group=1, n_q=1, n_kv=512, d=64, d_v=64)
+    k[0, 0, 64] *= 200.0
+    kw = dict(k1=16, k2=32, mean="off", return_selection=True)
+    qr, kr, vr = q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], "f32"), ops.kv_round(v[0], "f32")
+    _, sel_q8 = reference.sparq_attn(qr, kr, vr, index="q8", **kw)
+    _, sel_f = reference.sparq_attn(qr, kr, vr, index="f16", **kw)
+    assert not np.array_equal(sel_q8[0][0], sel_f[0][0])
+    kw.pop("return_selection")
+    got = ops.sparq_attn(q, k, v, kv_dtype="f32", index="q8", **kw)
+    assert_close(got[0], reference.sparq_attn(qr, kr, vr, index="q8", **kw), "f32", "q8 index")
+
+
 def test_empty_rows_give_zeros():
     rng = np.random.default_rng(2)
     q, k, v = make_case(rng, n_head_kv=1, group=2, n_q=2, n_kv=100, d=64, d_v=64)
@@ -206,7 +278,13 @@ def test_bad_shapes_and_types_raise():
     with pytest.raises(ValueError, match="head dim"):
         ops.sparq_attn(q, k[..., :32], v, k1=8, k2=16)
     with pytest.raises(ValueError, match="kv_dtype"):
-        ops.sparq_attn(q, k, v, k1=8, k2=16, kv_dtype="q8_0")
+        ops.sparq_attn(q, k, v, k1=8, k2=16, kv_dtype="q4_k")
+    with pytest.raises(ValueError, match="select"):
+        ops.sparq_attn(q, k, v, k1=8, k2=16, select="sigma")
+    with pytest.raises(ValueError, match="index"):
+        ops.sparq_attn(q, k, v, k1=8, k2=16, index="q4")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        ops.sparq_attn(q[..., :48], k[..., :48], v, k1=8, k2=16, kv_dtype="q8_0")
     with pytest.raises(ValueError, match="mask"):
         ops.sparq_attn(q, k, v, np.ones((2, 50), dtype=bool), k1=8, k2=16)
     with pytest.raises(ValueError, match="policy"):
@@ -231,11 +309,13 @@ def test_window_and_sinks_follow_cell_positions(seed):
     kv_dtype = str(rng.choice(["f16", "f32"]))
     kw = dict(k1=d // 4, k2=int(rng.choice([16, 64])), sinks=int(rng.choice([0, 3])),
               policy=str(rng.choice(["sparq", "exact", "window"])), mean=str(rng.choice(["on", "off"])))
-    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, n_threads=2, pos=pos,
-                         layout=str(rng.choice(["kt", "default"])), **kw)
+    layout = str(rng.choice(["kt", "default"]))
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, n_threads=2, pos=pos, layout=layout, **kw)
     qr = q.astype(np.float32).astype(np.float64)
     kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
-    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], **kw) for s in range(ns)])
+    index = "f16" if layout == "kt" else None
+    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], index=index, **kw)
+                     for s in range(ns)])
     assert_close(got, want, kv_dtype, dict(seed=seed, **kw))
     # the positions matter: by position the window policy keeps other cells than in cell order
     wkw = dict(kw, policy="window", return_selection=True)

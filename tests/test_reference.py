@@ -87,8 +87,9 @@ def naive_softmax(x):
     return [a / z for a in e]
 
 
-def naive_sparq_selection(q, k, mask, k1, k2, window, sinks, scale=None):
-    """SparQ's I2 per (kv head, row), by loops: group-summed |q| -> I1, temperature, group-summed p_hat."""
+def naive_sparq_selection(q, k, mask, k1, k2, window, sinks, scale=None, select="q"):
+    """SparQ's I2 per (kv head, row), by loops: group-summed |q| (times the keys' spread for qsigma) -> I1,
+    temperature, group-summed p_hat."""
     n_head, n_q, d = q.shape
     n_head_kv, n_kv, _ = k.shape
     g = n_head // n_head_kv
@@ -102,11 +103,20 @@ def naive_sparq_selection(q, k, mask, k1, k2, window, sinks, scale=None):
                 rows.append(vis)
                 continue
             heads = range(h * g, (h + 1) * g)
-            a = [sum(abs(q[i, t, c]) for i in heads) for c in range(d)]
+            spread = [1.0] * d
+            if select == "qsigma":
+                for c in range(d):
+                    mean = sum(k[h, j, c] for j in vis) / len(vis)
+                    spread[c] = math.sqrt(sum((k[h, j, c] - mean) ** 2 for j in vis) / len(vis))
+            a = [spread[c] * sum(abs(q[i, t, c]) for i in heads) for c in range(d)]
             i1 = sorted(range(d), key=lambda c: (-a[c], c))[:k1]
             total = {j: 0.0 for j in vis}
             for i in heads:
-                rho = sum(abs(q[i, t, c]) for c in i1) / sum(abs(q[i, t, c]) for c in range(d))
+                if select == "qsigma":
+                    w = [(q[i, t, c] * spread[c]) ** 2 for c in range(d)]
+                else:
+                    w = [abs(q[i, t, c]) for c in range(d)]
+                rho = sum(w[c] for c in i1) / sum(w)
                 s_hat = [scale * sum(q[i, t, c] * k[h, j, c] for c in i1) / math.sqrt(rho) for j in vis]
                 for j, p in zip(vis, naive_softmax(s_hat)):
                     total[j] += p
@@ -115,6 +125,46 @@ def naive_sparq_selection(q, k, mask, k1, k2, window, sinks, scale=None):
             rows.append(sorted(forced | set(rest[:k2 - len(forced)])))
         sel.append(rows)
     return sel
+
+
+@pytest.mark.parametrize("n_head,n_head_kv", [(2, 2), (6, 2), (4, 1)])
+def test_qsigma_selection_matches_naive_loop(n_head, n_head_kv):
+    rng = np.random.default_rng(18)
+    n_q, n_kv, d, k1, k2 = 3, 30, 8, 3, 7
+    q, k, v = make_qkv(rng, n_head, n_head_kv, n_q, n_kv, d)
+    k[:, :, :3] += rng.standard_normal(3) * 4.0  # components every key shares: qsigma must rank them low
+    mask = holey_causal_mask(rng, n_q, n_kv, 0.2)
+    _, sel = sparq_attn(q, k, v, mask, k1=k1, k2=k2, window=1, sinks=0, mean="off", return_selection=True,
+                        select="qsigma")
+    assert as_lists(sel) == naive_sparq_selection(q, k, mask, k1, k2, 1, 0, select="qsigma")
+    assert as_lists(sel) != naive_sparq_selection(q, k, mask, k1, k2, 1, 0, select="q")
+
+
+def test_q8_0_quantizer_matches_ggml_reference_bytes():
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+    from sparq_llama.index import q8_0_bytes, q8_0_dequantize, q8_0_quantize
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_t(3, size=(7, 256)) * rng.uniform(0.01, 100, size=(7, 1))).astype(np.float32)
+    x[3, :32] = 0.0  # an all-zero block: scale 0, values 0
+    ours = q8_0_bytes(*q8_0_quantize(x))
+    np.testing.assert_array_equal(ours, quantize(x, gguf.GGMLQuantizationType.Q8_0))
+    back = q8_0_dequantize(*q8_0_quantize(x))
+    step = np.abs(x).reshape(7, 8, 32).max(axis=-1).repeat(32, axis=-1) / 127  # half a step, plus the f16 scale's
+    assert np.all(np.abs(back - x) <= 0.6 * step)                             # rounding times up to 127
+
+
+def test_q8_index_quantizes_component_rows_over_cells():
+    from sparq_llama.index import q8_index_values
+
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((70, 16))
+    keys[40, 2] = 500.0  # one large value: only its own block (cells 32..63) of component 2 loses precision
+    got = q8_index_values(keys)
+    err = np.abs(got - keys)
+    assert err[32:64, 2].max() > 0.5 and err[:32, 2].max() < 0.05 and err[64:, 2].max() < 0.05
+    assert err[:, 3].max() < 0.05
 
 
 def as_lists(selection):

@@ -45,7 +45,7 @@ enum llama_sparq_policy {
 
 // The index the approximate scores read: the transposed key copy (K^T), one row of cells per key component.
 enum llama_sparq_index {
-    LLAMA_SPARQ_INDEX_F16 = 0, // K^T in K's float type (f16 where the K cache is quantized): 2 bytes a component
+    LLAMA_SPARQ_INDEX_F16 = 0, // K^T in f16: 2 bytes a component
     LLAMA_SPARQ_INDEX_Q8  = 1, // K^T in int8, one f16 scale per component and 32 cells: 1.0625 bytes a component,
                                // so twice the components for the bytes of the f16 index
 };

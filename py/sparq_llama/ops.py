@@ -30,11 +30,14 @@ from ._bindings import (
     VsumRowsEvalArgs,
 )
 from ._system import devices
+from .index import INDEXES, Q8_BLOCK, SELECTS, q8_0_bytes, q8_0_quantize
 from .sparq import MEAN_MODES, POLICIES
 from .squeeze import GROUPS, INITS, Clusters
 
-# ggml_type values (ggml.h)
+# ggml_type values (ggml.h): the float types, and the quantized KV cache types llama.cpp offers (-ctk/-ctv)
 _GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
+_QUANT_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
+_Q8_0 = 8
 _MEAN = {name: i for i, name in enumerate(MEAN_MODES)}      # enum ggml_sparq_mean
 _POLICY = {name: i for i, name in enumerate(POLICIES)}      # enum ggml_sparq_policy
 _GROUP = {name: i for i, name in enumerate(GROUPS)}         # enum ggml_centroid_group
@@ -42,11 +45,17 @@ _GROUP = {name: i for i, name in enumerate(GROUPS)}         # enum ggml_centroid
 
 def _params(*, k1: int, k2: int, window: int | None = None, sinks: int = 0, mean: str = "auto",
             policy: str = "sparq", scale: float | None = None, softcap: float = 0.0,
-            sparse_v_thresh: float = 0.0) -> GgmlSparqParams:
+            sparse_v_thresh: float = 0.0, select: str = "q") -> GgmlSparqParams:
     """The C params struct; None means the op's default (window k2/4, scale 1/sqrt(d))."""
     return GgmlSparqParams(k1=int(k1), k2=int(k2), window=-1 if window is None else int(window), sinks=int(sinks),
                            mean=_MEAN[mean], policy=_POLICY[policy], scale=0.0 if scale is None else float(scale),
-                           softcap=float(softcap), sparse_v_thresh=float(sparse_v_thresh))
+                           softcap=float(softcap), sparse_v_thresh=float(sparse_v_thresh),
+                           select=SELECTS.index(select))
+
+
+def _kv_type(kv_dtype: str) -> int:
+    """The ggml_type of a KV dtype name."""
+    return _GGML_TYPES[kv_dtype] if kv_dtype in _GGML_TYPES else _QUANT_TYPES[kv_dtype]
 
 
 def _device_name(backend: str) -> bytes | None:
@@ -70,8 +79,23 @@ def _call(entry: C.CFunction, args: ctypes.Structure) -> None:
         raise ValueError(err.value.decode())
 
 
+def _gguf_quant(kv_dtype: str):
+    """gguf's numpy implementation of a ggml quantization type (bit-exact with ggml's reference quantizers)."""
+    import gguf  # the test extra: only quantized KV caches need it
+
+    return gguf.GGMLQuantizationType[kv_dtype.upper()]
+
+
 def _to_kv(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """x as a C-contiguous array of the KV type's bits (bf16 rounded to nearest even)."""
+    """x as a C-contiguous array of the KV type's bits (bf16 rounded to nearest even; quantized types as ggml's
+    blocks along the last axis)."""
+    if kv_dtype in _QUANT_TYPES:
+        from gguf.quants import quantize
+
+        if x.shape[-1] % 32 != 0:
+            raise ValueError(f"{kv_dtype} stores rows in blocks of 32 values: the head dims must be multiples of 32, "
+                             f"got {x.shape[-1]}")
+        return np.ascontiguousarray(quantize(np.ascontiguousarray(x, dtype=np.float32), _gguf_quant(kv_dtype)))
     if kv_dtype == "f32":
         return np.ascontiguousarray(x, dtype=np.float32)
     if kv_dtype == "f16":
@@ -84,6 +108,10 @@ def _to_kv(x: np.ndarray, kv_dtype: str) -> np.ndarray:
 def kv_round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     """x rounded to the KV type and back to float64: what the op actually sees (for exact comparisons)."""
     y = _to_kv(x, kv_dtype)
+    if kv_dtype in _QUANT_TYPES:
+        from gguf.quants import dequantize
+
+        return dequantize(y, _gguf_quant(kv_dtype)).astype(np.float64)
     if kv_dtype == "bf16":
         return (y.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
     return y.astype(np.float64)
@@ -104,19 +132,30 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                k1: int, k2: int, window: int | None = None, sinks: int = 0,
                mean: Literal["auto", "on", "off"] = "auto", scale: float | None = None, softcap: float = 0.0,
                policy: Literal["sparq", "exact", "window"] = "sparq", sparse_v_thresh: float = 0.0,
-               vsum: np.ndarray | None = None, kv_dtype: Literal["f16", "bf16", "f32"] = "f16",
+               vsum: np.ndarray | None = None, kv_dtype: str = "f16", v_dtype: str | None = None,
                layout: Literal["kt", "default"] = "kt", n_threads: int | None = None,
-               backend: str = "cpu", pos: np.ndarray | None = None) -> np.ndarray:
-    """ggml_sparq_attn on our library; arguments as `reference.sparq_attn` (pos included), plus:
+               backend: str = "cpu", pos: np.ndarray | None = None, select: str = "q", index: str = "f16",
+               kstat: np.ndarray | None = None) -> np.ndarray:
+    """ggml_sparq_attn on our library; arguments as `reference.sparq_attn` (pos, select and index included), plus:
 
-    kv_dtype: type K, K^T and V are stored in; layout: "kt" passes the transposed key copy, "default"
-    lets the op gather from row-major K; n_threads: CPU threads (None: all cores); backend: "cpu",
-    "cuda" (the first CUDA device) or "cuda:N" (`sparq_llama.devices()` lists them); vsum: per-row running sums
-    [ns, n_q, n_head_kv, d_v + 1] (None: computed).
+    kv_dtype: type K is stored in (f32, f16, bf16, or a quantized cache type: q8_0, q4_0, q4_1, q5_0, q5_1);
+    v_dtype: V's (None: kv_dtype); layout: "kt" passes the index (K^T in f16, or in q8_0 blocks with index="q8"), "default" lets the op gather from row-major K; n_threads: CPU threads (None:
+    all cores); backend: "cpu", "cuda" (the first CUDA device) or "cuda:N" (`sparq_llama.devices()` lists them);
+    vsum: per-row running sums [ns, n_q, n_head_kv, d_v + 1] (None: computed); kstat: per-row key sums
+    [ns, n_q, n_head_kv, 2d + 1] (sum of k, of k^2, count; None: the op computes them for select="qsigma").
+    The op sees K and V as the types hold them: compare with the reference on `kv_round`ed arrays.
     Bad arguments raise ValueError with the op's own message. Returns float64 in the input's layout.
     """
-    if kv_dtype not in _GGML_TYPES:
-        raise ValueError(f"kv_dtype must be one of {sorted(_GGML_TYPES)}, got {kv_dtype!r}")
+    v_dtype = kv_dtype if v_dtype is None else v_dtype
+    for name, dtype in (("kv_dtype", kv_dtype), ("v_dtype", v_dtype)):
+        if dtype not in _GGML_TYPES and dtype not in _QUANT_TYPES:
+            raise ValueError(f"{name} must be one of {sorted(_GGML_TYPES) + sorted(_QUANT_TYPES)}, got {dtype!r}")
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    if index not in INDEXES:
+        raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
+    if index == "q8" and layout == "default":
+        raise ValueError("index='q8' is a transposed key copy; layout='default' keeps none")
     if layout not in ("kt", "default"):
         raise ValueError(f"layout must be 'kt' or 'default', got {layout!r}")
     if mean not in MEAN_MODES:
@@ -139,25 +178,37 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
 
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     k_dev = _to_kv(k, kv_dtype)
-    kt_dev = _to_kv(np.swapaxes(k, -1, -2), kv_dtype) if layout == "kt" else None
-    v_dev = _to_kv(v, kv_dtype)
+    v_dev = _to_kv(v, v_dtype)
+    # the index holds the keys as K does (dequantized), transposed
+    kt_src = np.swapaxes(kv_round(k, kv_dtype), -1, -2)
+    kt_type = _GGML_TYPES["f16"]
+    kt_dev = None
+    if layout == "kt" and index == "q8":
+        kt_type = _Q8_0
+        kt_pad = np.pad(kt_src, [(0, 0)] * (kt_src.ndim - 1) + [(0, -n_kv % Q8_BLOCK)])
+        kt_dev = np.ascontiguousarray(q8_0_bytes(*q8_0_quantize(kt_pad)))
+    elif layout == "kt":
+        kt_dev = _to_kv(kt_src, "f16")
     mask_dev, mask_ns = _mask_f16(mask, n_q, n_kv)
     vsum_dev = None if vsum is None else np.ascontiguousarray(vsum, dtype=np.float32)
     if vsum_dev is not None and vsum_dev.shape != (ns, n_q, n_head_kv, d_v + 1):
         raise ValueError(f"vsum must be [ns, n_q, n_head_kv, d_v + 1] = {(ns, n_q, n_head_kv, d_v + 1)}")
+    kstat_dev = None if kstat is None else np.ascontiguousarray(kstat, dtype=np.float32)
+    if kstat_dev is not None and kstat_dev.shape != (ns, n_q, n_head_kv, 2 * d + 1):
+        raise ValueError(f"kstat must be [ns, n_q, n_head_kv, 2d + 1] = {(ns, n_q, n_head_kv, 2 * d + 1)}")
     pos_dev = None
     if pos is not None:
         pos_dev = np.ascontiguousarray(np.broadcast_to(np.asarray(pos), (ns, n_kv)), dtype=np.int32)
     out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
 
     params = _params(k1=k1, k2=k2, window=window, sinks=sinks, mean=mean, policy=policy, scale=scale,
-                     softcap=softcap, sparse_v_thresh=sparse_v_thresh)
+                     softcap=softcap, sparse_v_thresh=sparse_v_thresh, select=select)
     ptr = lambda a: None if a is None else a.ctypes.data
     args = SparqEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                         k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
+                         k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
                          mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
-                         pos=ptr(pos_dev))
+                         pos=ptr(pos_dev), kstat=ptr(kstat_dev))
     _call(C.sparq_llama_eval_sparq_attn, args)
     y = np.swapaxes(out, 1, 2).astype(np.float64)  # [ns, n_head, n_q, d_v]
     return y[0] if single else y
@@ -203,7 +254,7 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
     sparq_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
     args = SparqBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                          k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                          k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
                           sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq))
     _call(C.sparq_llama_bench_attn, args)
@@ -288,7 +339,7 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
                                 softcap=float(softcap), var_weight=float(var_weight))
     ptr = lambda a: None if a is None else a.ctypes.data
     args = CentroidEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                            k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head,
+                            k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, d_v=d_v, n_q=n_q, n_head=n_head,
                             n_head_kv=n_head_kv, n_kv=n_kv, ns=ns, mask_ns=mask_ns, n_cent=cent.shape[2],
                             n_coarse=0 if coarse_dev is None else coarse_dev.shape[2], q=ptr(q32), k=ptr(k_dev),
                             v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
@@ -362,7 +413,7 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
     flash_us = (ctypes.c_double * n_runs)()
     kept = ctypes.c_double(0.0)
     args = CentroidBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                             k_type=_GGML_TYPES[kv_dtype], kt_type=_GGML_TYPES[kv_dtype], v_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                             k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                              n_prefix=n_prefix, n_clusters=n_clusters, keep=float(keep), n_runs=n_runs,
                              centroid_us=centroid_us, flash_us=flash_us, kept_out=ctypes.pointer(kept))
     _call(C.sparq_llama_bench_centroid, args)

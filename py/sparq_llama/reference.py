@@ -5,9 +5,11 @@ for one stream: per KV head h and query row t, with G the query heads that read 
 sigma the kq scale (default 1/sqrt(d)) and V_t the visible cells of row t:
 
 1. |V_t| <= k2: exact attention over V_t, no mean reallocation, whatever the policy.
-2. ``policy="sparq"``: a = sum_g |q_g|; I1 = the k1 largest a (ties: lower component index);
-   s_hat_g = q_g[I1] . K[V_t, I1]; p_hat_g = softmax_{V_t}(sigma * s_hat_g / sqrt(rho_g)) with
-   rho_g = ||q_g[I1]||_1 / ||q_g||_1.
+2. ``policy="sparq"``: a = sum_g |q_g| (``select="q"``) or a_i = spread_i * sum_g |q_g,i| (``"qsigma"``,
+   spread = the std of the visible keys per component); I1 = the k1 largest a (ties: lower component
+   index); s_hat_g = q_g[I1] . Kx[V_t, I1] with Kx the index's keys (K in f16, or K^T in q8_0 blocks);
+   p_hat_g = softmax_{V_t}(sigma * s_hat_g / sqrt(rho_g)) with rho_g = ||q_g[I1]||_1 / ||q_g||_1 (q) or
+   sum_I1 (q_g,i spread_i)^2 / sum_i (q_g,i spread_i)^2 (qsigma).
 3. I2 = last ``window`` visible cells  U  first ``sinks`` visible cells  U  top of sum_g p_hat_g over the
    rest, up to k2 cells in all; ties go to the lower cell index.
    ``policy="exact"`` ranks by the true probabilities instead (reads all of K: the FlexGen baseline);
@@ -38,6 +40,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 # The transfer model and the enum names live in the numpy-free settings module (one implementation).
+from .index import INDEXES, SELECTS, q8_index_values
 from .sparq import MEAN_MODES, POLICIES, _as_int, transfer_ratio
 from .sparq import _finite_float as _as_float
 
@@ -144,14 +147,35 @@ def _top_cells(score: F64, cells: I64, m: int) -> I64:
     return cells[order[:m]]
 
 
-def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float) -> F64:
-    """SparQ's approximate probabilities p_hat [G, n] over the keys kt [n, d] (no softcap)."""
+def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None = None) -> F64:
+    """SparQ's approximate probabilities p_hat [G, n] over the index keys kt [n, d] (no softcap). rho, the
+    temperature's share, is that of |q_g| on I1 (select q), or with the keys' spread [d] of the score's variance,
+    sum_I1 (q_g,i spread_i)^2 / sum_i (q_g,i spread_i)^2 (select qsigma)."""
     s_hat = qg[:, i1] @ kt[:, i1].T
-    l1_full = np.abs(qg).sum(axis=1)
-    l1_part = np.abs(qg[:, i1]).sum(axis=1)
-    rho = np.divide(l1_part, l1_full, out=np.ones_like(l1_full), where=l1_full > 0)
-    rho = np.where(rho > 0, rho, 1.0)  # s_hat == 0 there: p_hat uniform for any temperature
+    weight = np.abs(qg) if spread is None else (qg * spread) ** 2
+    full = weight.sum(axis=1)
+    part = weight[:, i1].sum(axis=1)
+    rho = np.divide(part, full, out=np.ones_like(full), where=full > 0)
+    rho = np.where(rho > 0, rho, 1.0)  # s_hat's spread is 0 there: p_hat uniform for any temperature
     return _softmax(sigma * s_hat / np.sqrt(rho)[:, None])
+
+
+def _index_keys(keys: F64, index: str | None) -> F64:
+    """The keys [n, d] as the index holds them: rounded to f16, K^T in q8_0 blocks of 32 cells, or (None: no
+    index, the scores gather from K) the keys themselves."""
+    if index is None:
+        return keys
+    return q8_index_values(keys) if index == "q8" else keys.astype(np.float16).astype(np.float64)
+
+
+def _components(qg: F64, keys: F64, k1: int, select: str) -> tuple[I64, F64 | None]:
+    """I1 for one group [G, d] over its visible keys [n, d], and the keys' spread (std per component) for qsigma."""
+    weight = np.abs(qg).sum(axis=0)
+    spread = None
+    if select == "qsigma":
+        spread = keys.std(axis=0)
+        weight = weight * spread
+    return _top_components(weight, k1), spread
 
 
 def _select(policy: str, vis: I64, rank_score: F64 | None, k2: int, window: int, sinks: int,
@@ -205,8 +229,8 @@ def dense_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
 def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None = None, *,
                k1: int, k2: int, window: int | None = None, sinks: int = 0, mean: str = "auto",
                scale: float | None = None, softcap: float = 0.0, policy: str = "sparq",
-               sparse_v_thresh: float = 0.0, pos: ArrayLike | None = None, return_selection: bool = False
-               ) -> F64 | tuple[F64, list[list[I64]]]:
+               sparse_v_thresh: float = 0.0, pos: ArrayLike | None = None, return_selection: bool = False,
+               select: str = "q", index: str | None = None) -> F64 | tuple[F64, list[list[I64]]]:
     """SparQ attention in float64 (the oracle), with the `exact` and `window` selection policies.
 
     Shapes as in `dense_attn`. Parameters:
@@ -225,6 +249,11 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
         smallest / largest positions (ties: lower / higher cell), as in a KV cache whose holes were refilled.
         None: cell order is position order.
       return_selection: also return I2 as sorted int64 arrays, indexed [kv_head][query_row].
+      select: "q" (I1 = top-k1 of sum_g |q_g|, the paper) or "qsigma" (of sigma_i * sum_g |q_g,i|, sigma the std
+        of the row's visible keys per component; rho becomes the share of the score's variance).
+      index: what the approximate scores read: "f16" (the keys rounded to f16) or "q8" (each component row of K^T,
+        over all n_kv cells, in q8_0 blocks of 32 cells: `sparq_llama.index.q8_index_values`), or None (no index:
+        the scores read K itself, as the op's default layout does).
 
     Rows are independent; a row with at most k2 visible cells gets exact attention over them (no mean
     reallocation), and a row with none gets zeros. Returns [n_head, n_q, d_v] (and the selection).
@@ -252,6 +281,10 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if mean not in MEAN_MODES:
         raise ValueError(f"mean must be one of {MEAN_MODES}, got {mean!r}")
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    if index is not None and index not in INDEXES:
+        raise ValueError(f"index must be one of {INDEXES} or None, got {index!r}")
     theta = _as_float("sparse_v_thresh", sparse_v_thresh)
     if not 0 <= theta < 1:
         raise ValueError(f"sparse_v_thresh must be in [0, 1) (0 disables Sparse-V), got {sparse_v_thresh!r}")
@@ -264,6 +297,7 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
         cell_pos = cell_pos.astype(np.int64)
 
     group = n_head // n_head_kv
+    k_index = np.stack([_index_keys(k[h], index) for h in range(n_head_kv)])
     out = np.zeros((n_head, n_q, d_v))
     selection: list[list[I64]] = [[np.zeros(0, dtype=np.int64) for _ in range(n_q)] for _ in range(n_head_kv)]
 
@@ -283,8 +317,8 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
                 continue
 
             if policy == "sparq":
-                i1 = _top_components(np.abs(qg).sum(axis=0), k1)
-                p_alpha = _approx_probs(qg, k_vis, i1, sigma)             # p_hat over V_t
+                i1, spread = _components(qg, k_vis, k1, select)
+                p_alpha = _approx_probs(qg, k_index[h, vis], i1, sigma, spread)  # p_hat over V_t
             else:
                 p_alpha = _softmax(_exact_logits(qg, k_vis, sigma, cap))  # true p over V_t
             i2 = _select(policy, vis, p_alpha.sum(axis=0), k2, window, sinks, cell_pos)
@@ -310,11 +344,17 @@ def exact_top_cells(q_group: ArrayLike, keys: ArrayLike, k2: int, *, scale: floa
     return _top_cells(score, np.arange(kt.shape[0], dtype=np.int64), k2)
 
 
-def approx_top_cells(q_group: ArrayLike, keys: ArrayLike, k1: int, k2: int, *, scale: float) -> I64:
-    """The k2 cells of keys [n, d] with the largest approximate probability p_hat (from the k1 components of
-    largest sum_g |q_g|) summed over the group's queries q_group [G, d] (ties: the lower cell), in rank order:
-    SparQ's ranking (step 2 and the scored part of step 3 of the module doc), no window or sinks."""
+def approx_top_cells(q_group: ArrayLike, keys: ArrayLike, k1: int, k2: int, *, scale: float, select: str = "q",
+                     index: str | None = None) -> I64:
+    """The k2 cells of keys [n, d] with the largest approximate probability p_hat (from the k1 components chosen by
+    `select`, scored from `index`'s keys) summed over the group's queries q_group [G, d] (ties: the lower cell), in
+    rank order: SparQ's ranking (step 2 and the scored part of step 3 of the module doc), no window or sinks."""
     qg = np.asarray(q_group, dtype=np.float64)
     kt = np.asarray(keys, dtype=np.float64)
-    i1 = _top_components(np.abs(qg).sum(axis=0), k1)
-    return _top_cells(_approx_probs(qg, kt, i1, scale).sum(axis=0), np.arange(kt.shape[0], dtype=np.int64), k2)
+    if select not in SELECTS or (index is not None and index not in INDEXES):
+        raise ValueError(f"select must be one of {SELECTS} and index one of {INDEXES} or None, got {select!r}, "
+                         f"{index!r}")
+    i1, spread = _components(qg, kt, k1, select)
+    k_index = _index_keys(kt, index)
+    probs = _approx_probs(qg, k_index, i1, scale, spread)
+    return _top_cells(probs.sum(axis=0), np.arange(kt.shape[0], dtype=np.int64), k2)

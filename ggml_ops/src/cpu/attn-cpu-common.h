@@ -12,12 +12,21 @@ namespace attn_cpu {
 
 inline size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
 
-// A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`.
+// A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`. Quantized
+// types (n a multiple of their block) are dequantized as ggml defines them.
 inline const float * load_f32(const void * src, ggml_type type, int64_t n, float * buf) {
     switch (type) {
         case GGML_TYPE_F32:  return static_cast<const float *>(src);
         case GGML_TYPE_F16:  ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t *>(src), buf, n); return buf;
         case GGML_TYPE_BF16: ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t *>(src), buf, n); return buf;
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q4_1:
+        case GGML_TYPE_Q5_0:
+        case GGML_TYPE_Q5_1:
+            GGML_ASSERT(n % ggml_blck_size(type) == 0);
+            ggml_get_type_traits(type)->to_float(src, buf, n);
+            return buf;
         default: GGML_ABORT("unsupported K/V type %s", ggml_type_name(type));
     }
 }

@@ -35,6 +35,7 @@ constexpr int64_t k_chunk_min = 256;
 constexpr int64_t k_wave_bytes = 8 << 20;  // scratch budget for the scores of one wave of rows
 constexpr int64_t k_kt_sub   = 32;   // phase A converts K^T rows to f32 in sub-blocks of this many cells
                                      // (32 and 64 measured fastest of 32..2048 on a 2-core AVX-512 machine)
+static_assert(k_kt_sub % 32 == 0 && k_chunk_min % k_kt_sub == 0, "sub-blocks hold whole q8_0 index blocks");
 constexpr int64_t k_kt_block = 8;    // K^T components accumulated per pass over the scores (loop below is for 8)
 constexpr int32_t k_prefetch_rows = 8;  // phase C: K rows of I2 requested this far ahead
 constexpr uint16_t k_f16_neg_inf = 0xFC00;
@@ -137,7 +138,7 @@ float max_f32(const float * x, int64_t n) {
 }
 
 struct sparq_ctx {
-    const ggml_tensor *q, *k, *kt, *v, *mask, *vsum, *pos;
+    const ggml_tensor *q, *k, *kt, *v, *mask, *vsum, *pos, *kstat;
     ggml_tensor * dst;
     ggml_sparq_op_params p;
     sparq_shape s;
@@ -188,15 +189,56 @@ struct sparq_ctx {
     }
 };
 
+// sigma_i of the row's visible keys: from the running sums (kstat: S1, S2, n) or, without them, from K itself
+void key_sigma(const sparq_ctx & c, int64_t h, int64_t t, int64_t st, int ith, float * sigma) {
+    const int64_t d = c.s.d;
+    double s1[k_max_head_dim], s2[k_max_head_dim], n = 0.0;
+    if (c.kstat) {
+        const float * ks = (const float *) ((const char *) c.kstat->data + h * c.kstat->nb[1] + t * c.kstat->nb[2] +
+                                            st * c.kstat->nb[3]);
+        for (int64_t i = 0; i < d; ++i) {
+            s1[i] = ks[i];
+            s2[i] = ks[d + i];
+        }
+        n = ks[2 * d];
+    } else {
+        std::fill(s1, s1 + d, 0.0);
+        std::fill(s2, s2 + d, 0.0);
+        const uint16_t * m = c.mask_row(t, st);
+        float * tmp = c.thread(ith) + c.l.tmp;
+        for (int64_t j = 0; j < c.s.n_kv; ++j) {
+            if (m && m[j] == k_f16_neg_inf) {
+                continue;
+            }
+            const float * krow = load_f32(c.k_row(j, h, st), c.k->type, d, tmp);
+            for (int64_t i = 0; i < d; ++i) {
+                s1[i] += krow[i];
+                s2[i] += (double) krow[i] * krow[i];
+            }
+            n += 1.0;
+        }
+    }
+    for (int64_t i = 0; i < d; ++i) {
+        const double mean = n > 0.0 ? s1[i] / n : 0.0;
+        const double var  = n > 0.0 ? s2[i] / n - mean * mean : 0.0;
+        sigma[i] = (float) sqrt(var > 0.0 ? var : 0.0);
+    }
+}
+
 // Phase 0: I1 and the query components scaled by scale / sqrt(rho_g).
-void phase_query(const sparq_ctx & c, int64_t w, int64_t r) {
+void phase_query(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
     int64_t h, t, st;
     c.row_coords(r, h, t, st);
     float * rs = c.row(w);
     int32_t * i1 = (int32_t *) (rs + c.l.i1);
     float * qs = rs + c.l.qs;
     const int64_t d = c.s.d, k1 = c.p.k1;
+    const bool qsigma = c.p.select == GGML_SPARQ_SELECT_QSIGMA;
 
+    float sigma[k_max_head_dim];
+    if (qsigma) {
+        key_sigma(c, h, t, st, ith, sigma);
+    }
     float absum[k_max_head_dim];
     int32_t order[k_max_head_dim];
     std::fill(absum, absum + d, 0.0f);
@@ -204,6 +246,11 @@ void phase_query(const sparq_ctx & c, int64_t w, int64_t r) {
         const float * qg = c.q_row(h * c.s.group + g, t, st);
         for (int64_t i = 0; i < d; ++i) {
             absum[i] += fabsf(qg[i]);
+        }
+    }
+    if (qsigma) {
+        for (int64_t i = 0; i < d; ++i) {
+            absum[i] *= sigma[i];
         }
     }
     for (int64_t i = 0; i < d; ++i) {
@@ -215,16 +262,20 @@ void phase_query(const sparq_ctx & c, int64_t w, int64_t r) {
     std::sort(order, order + k1);
     std::copy(order, order + k1, i1);
 
+    // rho_g: the share of |q_g| on I1 (q), or of the score's variance sum_i (q_i sigma_i)^2 (qsigma)
     for (int64_t g = 0; g < c.s.group; ++g) {
         const float * qg = c.q_row(h * c.s.group + g, t, st);
-        double l1_all = 0.0, l1_sel = 0.0;
+        auto weight = [&](int64_t i) {
+            return qsigma ? (double) qg[i] * qg[i] * sigma[i] * sigma[i] : (double) fabsf(qg[i]);
+        };
+        double all = 0.0, sel = 0.0;
         for (int64_t i = 0; i < d; ++i) {
-            l1_all += fabsf(qg[i]);
+            all += weight(i);
         }
         for (int64_t i = 0; i < k1; ++i) {
-            l1_sel += fabsf(qg[i1[i]]);
+            sel += weight(i1[i]);
         }
-        const double rho = l1_all > 0.0 ? l1_sel / l1_all : 1.0;
+        const double rho = all > 0.0 ? sel / all : 1.0;
         const float factor = (float) (c.p.scale / sqrt(rho > 0.0 ? rho : 1.0));
         for (int64_t i = 0; i < k1; ++i) {
             qs[g * k1 + i] = qg[i1[i]] * factor;
@@ -248,7 +299,9 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
         // r rows of K^T: score[j] += q_i * KT[i, j]. Components outer, cells inner: each K^T row is read
         // as one long sequential run (the hardware prefetcher streams it), k_kt_block rows side by side,
         // converted to f32 in small sub-blocks that stay in L1; the chunk's scores stay in L2.
-        const size_t ts = ggml_type_size(c.kt->type);
+        // a q8_0 index converts whole blocks of 32 cells (its rows are padded to them)
+        const ggml_type kt_type = c.kt->type;
+        const int64_t kt_blck = ggml_blck_size(kt_type);
         for (int64_t g = 0; g < G; ++g) {
             std::fill(e + g * n_kv + j0, e + g * n_kv + j1, 0.0f);
         }
@@ -262,7 +315,8 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
                 const int64_t nb = std::min(k_kt_sub, j1 - b0);
                 const float * x[k_kt_block];
                 for (int64_t u = 0; u < k_kt_block; ++u) {
-                    x[u] = u < m ? load_f32(rows[u] + b0 * ts, c.kt->type, nb, tmp + u * k_kt_sub) : x[0];
+                    x[u] = u < m ? load_f32(rows[u] + ggml_row_size(kt_type, b0), kt_type,
+                                            (nb + kt_blck - 1) / kt_blck * kt_blck, tmp + u * k_kt_sub) : x[0];
                 }
                 for (int64_t g = 0; g < G; ++g) {
                     float qv[k_kt_block];
@@ -624,7 +678,7 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     const int ith = params->ith, nth = params->nth;
     sparq_ctx c;
     c.q = dst->src[0]; c.k = dst->src[1]; c.kt = dst->src[2]; c.v = dst->src[3];
-    c.mask = dst->src[4]; c.vsum = dst->src[5]; c.pos = dst->src[6];
+    c.mask = dst->src[4]; c.vsum = dst->src[5]; c.pos = dst->src[6]; c.kstat = dst->src[7];
     c.dst = dst;
     c.p = ggml_sparq_get_op_params(dst);
     c.s = make_shape(dst, nth);
@@ -648,7 +702,7 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     for (int64_t r0 = 0; r0 < c.s.n_rows; r0 += c.s.wave) {
         const int64_t n_w = std::min(c.s.wave, c.s.n_rows - r0);
         if (sparq_scores) {
-            tasks.run(n_w, [&](int64_t w) { phase_query(c, w, r0 + w); });
+            tasks.run(n_w, [&](int64_t w) { phase_query(c, w, r0 + w, ith); });
             ggml_barrier(params->threadpool);
         }
         if (c.needs_scores()) {
