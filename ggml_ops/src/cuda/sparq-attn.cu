@@ -18,6 +18,11 @@
 // Both selection families give the same I2 and alpha_g. Launch sizes depend on shapes only (CUDA graphs stay on);
 // no host round trip. Shared device code: sparq-attn-common.cuh.
 //
+// Types: kernel A is instantiated for the type it reads (the index's: f32, f16, bf16 or q8_0, whatever K's type; or
+// K's for the gather and exact scores); kernel LV for K and V of one float type, or kv_any where K or V is quantized
+// or their types differ (run-time types, each value dequantized as ggml defines it); kernel Q reads K (select qsigma
+// without kstat) through the run-time type too.
+//
 // Testing switch: SPARQ_CUDA_SELECT=auto|cluster|sweep (read once per process; unset or empty: auto) forces the
 // selection kernel, so that the op tests cover both families on every shape:
 //   auto     the choice of sparq_cuda_get_best_select_kernel (the default);
