@@ -212,11 +212,13 @@ def test_window_and_sinks_follow_cell_positions(seed):
     kv_dtype = str(rng.choice(["f16", "f32"]))
     kw = dict(k1=d // 4, k2=int(rng.choice([16, 64, 128])), sinks=int(rng.choice([0, 3])),
               policy=str(rng.choice(["sparq", "exact", "window"])), mean=str(rng.choice(["on", "off"])))
-    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, pos=pos, backend="cuda",
-                         layout=str(rng.choice(["kt", "default"])), **kw)
+    layout = str(rng.choice(["kt", "default"]))
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, pos=pos, backend="cuda", layout=layout, **kw)
     qr = q.astype(np.float32).astype(np.float64)
     kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
-    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], **kw) for s in range(ns)])
+    index = "f16" if layout == "kt" else None  # the op's f16 index, or K itself
+    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], index=index, **kw)
+                     for s in range(ns)])
     assert_close(got, want, kv_dtype, dict(seed=seed, **kw))
 
 
