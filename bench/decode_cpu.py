@@ -19,7 +19,8 @@ per depth: decode tokens/s, each k1's speedup over dense, and two model predicti
 Writes bench/results/decode_cpu.json (machine, commit, commands, llama-bench's raw JSON, derived table)
 and bench/results/decode_cpu.png (speedup vs depth: measured points per k1, the model curves).
 
-    .venv/bin/python bench/decode_cpu.py [--depths 0,2048,4096,8192] [--k1 8,16] [--k2 128] [--threads 2]
+    .venv/bin/python bench/decode_cpu.py [--depths 0,2048,4096,8192] [--k1 0] [--k2 128] [--threads 2]
+    .venv/bin/python bench/decode_cpu.py --cache-type q8_0      # both runs with q8_0 K and V caches
     .venv/bin/python bench/decode_cpu.py --min-kv-crossover   # short depths, SparQ forced on: where it starts to pay
     .venv/bin/python bench/decode_cpu.py --from-json bench/results/decode_cpu.json   # plot again
 
@@ -44,7 +45,7 @@ from typing import Any
 
 from record import RESULTS, provenance
 from sparq_llama import models
-from sparq_llama.sparq import transfer_ratio
+from sparq_llama.sparq import DEFAULT_INDEX, DEFAULT_SELECT, INDEXES, SELECTS, transfer_ratio
 
 log = logging.getLogger("decode_cpu")
 HEAD_DIM = {"smollm2": 64, "gemma3": 256}  # attention head size of the models in sparq_llama.models
@@ -90,9 +91,11 @@ def _csv(values: list[int]) -> str:
 def bench_commands(exe: Path, model_path: Path, args: argparse.Namespace) -> list[list[str]]:
     """The dense command and the SparQ command (all k1 values)."""
     common = [str(exe), "-m", str(model_path), "-p", "0", "-n", str(args.n_gen), "-d", _csv(args.depths),
-              "-fa", "1", "-t", str(args.threads), "-r", str(args.reps), "-o", "json", "--progress"]
+              "-fa", "1", "-t", str(args.threads), "-r", str(args.reps), "-o", "json", "--progress",
+              "-ctk", args.cache_type, "-ctv", args.cache_type]
     dense = [*common, "-sparq", "0"]
-    sparq = [*common, "-sparq", "1", "-k1", _csv(args.k1), "-k2", str(args.k2)]
+    sparq = [*common, "-sparq", "1", "-k1", _csv(args.k1), "-k2", str(args.k2), "-sparq-index", args.index,
+             "-sparq-select", args.select]
     if args.min_kv is not None:
         sparq += ["-sparq-min-kv", str(args.min_kv)]
     return [dense, sparq]
@@ -122,9 +125,10 @@ def run_llama_bench(cmd: list[str]) -> list[Row]:
 # Deriving the table
 
 
-def attention_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool) -> float:
-    """Dense / SparQ KV transfer of one attention step; 1 where SparQ keeps every cell (n_kv <= k2)."""
-    return 1.0 if n_kv <= k2 else transfer_ratio(n_kv, head_dim, k1, k2, mean=mean)
+def attention_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool, index: str = "f16",
+                    kv_type: str = "f16") -> float:
+    """Dense / SparQ KV bytes of one attention step; 1 where SparQ keeps every cell (n_kv <= k2)."""
+    return 1.0 if n_kv <= k2 else transfer_ratio(n_kv, head_dim, k1, k2, mean=mean, index=index, kv_type=kv_type)
 
 
 def _is_sparq(row: Row) -> bool:
@@ -140,7 +144,8 @@ def _samples(rows: list[Row]) -> list[float]:
     return out
 
 
-def group_rows(raw: list[Row], head_dim: int) -> tuple[dict[int, list[float]], dict[tuple[int, int], list[float]]]:
+def group_rows(raw: list[Row], head_dim: int, index: str = "f16"
+               ) -> tuple[dict[int, list[float]], dict[tuple[int, int], list[float]]]:
     """Decode tokens/s samples: dense by depth, SparQ by (k1, depth). Prompt-only rows are skipped."""
     dense: dict[int, list[Row]] = {}
     sparq: dict[tuple[int, int], list[Row]] = {}
@@ -149,7 +154,7 @@ def group_rows(raw: list[Row], head_dim: int) -> tuple[dict[int, list[float]], d
             continue
         depth = int(r.get("n_depth", 0))
         if _is_sparq(r):
-            k1 = int(r.get("k1") or 0) or head_dim // 4   # 0: llama.cpp's default, head_dim / 4
+            k1 = int(r.get("k1") or 0) or (head_dim // 2 if index == "q8" else head_dim // 4)  # 0: the default
             sparq.setdefault((k1, depth), []).append(r)
         else:
             dense.setdefault(depth, []).append(r)
@@ -188,7 +193,8 @@ def _mean_sd(ts: list[float]) -> tuple[float, float]:
 def derive(raw: list[Row], params: dict[str, Any]) -> dict[str, Any]:
     """The derived table: one row per (k1, depth) with dense and SparQ tokens/s, speedup, model ratios."""
     head_dim, k2, mean = params["head_dim"], params["k2"], params["mean"]
-    dense, sparq = group_rows(raw, head_dim)
+    index, kv_type = params.get("index", "f16"), params.get("cache_type", "f16")
+    dense, sparq = group_rows(raw, head_dim, index)
     fit = fit_dense(dense)
     table = []
     for (k1, depth), ts in sorted(sparq.items()):
@@ -197,7 +203,7 @@ def derive(raw: list[Row], params: dict[str, Any]) -> dict[str, Any]:
             continue
         d_ts, d_sd = _mean_sd(dense[depth])
         s_ts, s_sd = _mean_sd(ts)
-        ratio = attention_ratio(depth, head_dim, k1, k2, mean)
+        ratio = attention_ratio(depth, head_dim, k1, k2, mean, index, kv_type)
         table.append({"depth": depth, "k1": k1, "k2": k2, "dense_ts": d_ts, "dense_sd": d_sd, "sparq_ts": s_ts,
                       "sparq_sd": s_sd, "speedup": s_ts / d_ts, "theory_attention": ratio,
                       "theory_e2e": e2e_speedup(fit, depth, ratio)})
@@ -244,7 +250,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
                for r in rows]
         ax.errorbar([r["depth"] for r in rows], [r["speedup"] for r in rows], yerr=err, fmt="o-", color=color,
                     capsize=3, label=f"measured, k1={k1}")
-        ratios = [attention_ratio(d, p["head_dim"], k1, p["k2"], p["mean"]) for d in grid]
+        ratios = [attention_ratio(d, p["head_dim"], k1, p["k2"], p["mean"], p.get("index", "f16"),
+                                  p.get("cache_type", "f16")) for d in grid]
         ax.plot(grid, ratios, "--", color=color, alpha=0.7, label=f"attention transfer ratio, k1={k1}")
         if fit is not None:
             ax.plot(grid, [e2e_speedup(fit, d, r) for d, r in zip(grid, ratios)], ":", color=color,
@@ -253,7 +260,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     ax.set_xlabel(f"context depth (KV cells before the {p['n_gen']} generated tokens)")
     ax.set_ylabel("decode speedup over dense (×)")
     m = result.get("machine", {})
-    ax.set_title(f"SparQ decode, {p['model']} (d={p['head_dim']}, k2={p['k2']}), {p['threads']} threads\n"
+    ax.set_title(f"SparQ decode, {p['model']} (d={p['head_dim']}, k2={p['k2']}, {p.get('index', 'f16')} index, "
+                 f"{p.get('cache_type', 'f16')} cache), {p['threads']} threads\n"
                  f"{m.get('cpu', '')}, {m.get('usable_cores', '?')} cores", fontsize=10)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -286,8 +294,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mean", action="store_true",
                     help="the model has mean-value reallocation on (MHA); off for GQA models like SmolLM2")
     ap.add_argument("--depths", type=_ints, default=[0, 2048, 4096, 8192], help="context depths (-d)")
-    ap.add_argument("--k1", type=_ints, default=[8, 16], help="SparQ k1 values")
+    ap.add_argument("--k1", type=_ints, default=[0], help="SparQ k1 values (0: the library's default for the index)")
     ap.add_argument("--k2", type=int, default=128, help="SparQ k2")
+    ap.add_argument("--index", choices=INDEXES, default=DEFAULT_INDEX, help="SparQ's key index (-sparq-index)")
+    ap.add_argument("--select", choices=SELECTS, default=DEFAULT_SELECT, help="SparQ's selection (-sparq-select)")
+    ap.add_argument("--cache-type", default="f16", choices=("f16", "q8_0", "q4_0"),
+                    help="K and V cache type (-ctk/-ctv), dense and SparQ alike; not f16: results named "
+                         "decode_cpu_<type>.json")
     ap.add_argument("--min-kv", type=int, default=None,
                     help="SparQ dense below this many cells (-sparq-min-kv; default: the library's measured default)")
     ap.add_argument("--n-gen", type=int, default=64, help="tokens generated per measurement (-n)")
@@ -303,12 +316,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="do not run anything: derive and plot again from this earlier result")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
+    if args.cache_type != "f16" and args.out == RESULTS / "decode_cpu.json":
+        args.out, args.png = RESULTS / f"decode_cpu_{args.cache_type}.json", RESULTS / f"decode_cpu_{args.cache_type}.png"
     if args.min_kv_crossover:
         args.depths, args.k1, args.min_kv, args.n_gen = [256, 512, 1024, 2048], [16], 0, 32
         args.out, args.png = RESULTS / "decode_cpu_min_kv.json", RESULTS / "decode_cpu_min_kv.png"
-    if any(d < 0 for d in args.depths) or any(k < 1 for k in args.k1) or min(args.k2, args.n_gen, args.threads,
+    if any(d < 0 for d in args.depths) or any(k < 0 for k in args.k1) or min(args.k2, args.n_gen, args.threads,
                                                                               args.reps) < 1:
-        ap.error("depths must be >= 0; k1, k2, n-gen, threads and reps >= 1")
+        ap.error("depths and k1 must be >= 0; k2, n-gen, threads and reps >= 1")
     return args
 
 
@@ -323,7 +338,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs.append({"command": " ".join(cmd), "seconds": round(time.monotonic() - t, 1), "output": output})
     params = {"model": name, "model_file": model_path.name, "head_dim": head_dim, "mean": args.mean,
               "depths": args.depths, "k1": args.k1, "k2": args.k2, "n_gen": args.n_gen, "threads": args.threads,
-              "reps": args.reps}
+              "reps": args.reps, "index": args.index, "select": args.select, "cache_type": args.cache_type}
     return {**provenance("decode_cpu_min_kv" if args.min_kv_crossover else "decode_cpu"), "params": params,
             "llama_bench": runs}
 

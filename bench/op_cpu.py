@@ -44,7 +44,7 @@ def main() -> int:
         sparq_us, flash_us = ops.bench_attn(**sh, n_kv=n_kv, k1=k1, k2=k2, n_runs=args.runs, n_threads=threads,
                                             layout=args.layout)
         speedup = float(np.median(flash_us) / np.median(sparq_us))
-        theory = transfer_ratio(n_kv, sh["d"], k1, k2, mean=sh["n_head"] == sh["n_head_kv"])
+        theory = transfer_ratio(n_kv, sh["d"], k1, k2, mean=sh["n_head"] == sh["n_head_kv"], index="f16")  # f16 K^T
         rows.append({"shape": shape, **sh, "n_kv": n_kv, "threads": threads, "k1": k1, "k2": k2,
                      "layout": args.layout, "kv_type": "f16", "sparq_us": sparq_us.tolist(),
                      "flash_us": flash_us.tolist(), "sparq_median_us": float(np.median(sparq_us)),

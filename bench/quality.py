@@ -21,13 +21,15 @@ from pathlib import Path
 
 import sparq_llama  # noqa: F401  (before llama_cpp)
 from record import RESULTS, provenance
-from sparq_llama.eval import EvalConfig, report, run
+from sparq_llama.eval import PRESETS, EvalConfig, report, run
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", help="smollm2 / gemma3 (repeatable; default: both)")
-    ap.add_argument("--mode", default="full", choices=("quick", "full", "budget", "long"))
+    ap.add_argument("--mode", default="full", choices=tuple(PRESETS),
+                    help="full: every setting; index: the index and selection against the paper's (1/4, 1/8); "
+                         "budget: k2 at 1/8; long: 16k retrieval; quick: the test suite's")
     ap.add_argument("--quick", dest="mode", action="store_const", const="quick", help="same as --mode quick")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--fresh", action="store_true", help="discard earlier partial results")

@@ -23,11 +23,15 @@ def _parse(stdout: str, k1: int, k2: int) -> dict:
     m = re.search(r"^decode speedup \(SparQ / dense\): ([\d.]+)x$", stdout, re.MULTILINE)
     assert m, stdout
     out["speedup"] = float(m.group(1))
-    m = re.search(r"^transfer ratio \(.*n_kv=(\d+), d=(\d+), k1=(\d+), k2=(\d+), mean (on|off)\): ([\d.]+)x$",
-                  stdout, re.MULTILINE)
+    m = re.search(r"^transfer ratio \(.*n_kv=(\d+), d=(\d+), k1=(\d+), k2=(\d+), mean (on|off), index (f16|q8)\): "
+                  r"([\d.]+)x$", stdout, re.MULTILINE)
     assert m, stdout
     out["ratio_args"] = (int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5) == "on")
-    out["ratio"] = float(m.group(6))
+    out["index"] = m.group(6)
+    out["ratio"] = float(m.group(7))
+    m = re.search(r"^SparQ: k1 (\d+), k2 (\d+), index (f16|q8), select (q|qsigma)$", stdout, re.MULTILINE)
+    assert m, stdout
+    out["settings"] = (int(m.group(1)), int(m.group(2)), m.group(3), m.group(4))
     return out
 
 
@@ -46,6 +50,12 @@ def test_report_shows_both_runs_speedup_and_transfer_ratio():
     assert parsed["speedup"] == 1.25
     assert parsed["ratio_args"] == (6000, 64, 16, 128, False)
     assert parsed["dense"]["text"].strip() == "to be" and parsed["sparq"]["text"].strip() == "or not"
+    q8 = DemoResult(prompt_tokens=6000, shape=AttentionShape(64, 9, 3), k1=32, k2=128, n_threads=2, dense=dense,
+                    sparq=sparq, index="q8", select="qsigma")
+    assert q8.transfer_ratio == pytest.approx(transfer_ratio(6000, 64, 32, 128, mean=False, index="q8"))
+    parsed = _parse(report(DemoConfig(), q8), 32, 128)
+    assert parsed["settings"] == (32, 128, "q8", "qsigma") and parsed["index"] == "q8"
+    assert parsed["ratio"] == pytest.approx(q8.transfer_ratio, abs=0.006)
 
 
 def test_demo_runs_dense_and_sparq_side_by_side(smollm2_path):
@@ -78,3 +88,16 @@ def test_demo_rejects_a_prompt_longer_than_the_context():
 def test_demo_rejects_a_zero_k2():
     res = run([shutil.which("sparq-llama"), "demo", "--k2", "0"], timeout=120)
     assert res.returncode == 1 and "must be >= 1" in res.stderr and "k2=0" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--sparq-index", "q4"), ("--sparq-select", "sigma")])
+def test_demo_rejects_an_unknown_index_or_select(flag, value):
+    res = run([shutil.which("sparq-llama"), "demo", flag, value], timeout=120)
+    assert res.returncode == 2 and f"argument {flag}: invalid choice: '{value}'" in res.stderr, res.stderr
+
+
+def test_demo_config_checks_index_and_select():
+    with pytest.raises(ValueError, match="index must be one of f16, q8"):
+        DemoConfig(index="q4").check()
+    with pytest.raises(ValueError, match="select must be one of q, qsigma"):
+        DemoConfig(select="sigma").check()

@@ -7,6 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 from sparq_llama import SparqConfig, transfer_ratio
+from sparq_llama import sparq as sparq_api
 from sparq_llama.eval import ModelShape, k1_for_ratio, settings_for
 from sparq_llama.eval.report import targets
 from sparq_llama.eval.stats import summarize
@@ -20,10 +21,11 @@ MHA = ModelShape(head_dim=128, n_head=32, n_head_kv=32)
 @pytest.mark.parametrize("shape", [SMOL, GEMMA, MHA])
 @pytest.mark.parametrize("n_kv", [1024, 1792, 2048, 4000, 8192, 32768])
 @pytest.mark.parametrize("target", [Fraction(1, 2), Fraction(1, 4), Fraction(1, 8)])
-def test_k1_recipe_is_the_largest_r_within_the_target(shape, n_kv, target):
+@pytest.mark.parametrize("index", ["f16", "q8"])
+def test_k1_recipe_is_the_largest_r_within_the_target(shape, n_kv, target, index):
     mean = shape.mean_auto
-    k1 = k1_for_ratio(target, n_kv, shape.head_dim, 128, mean)
-    ratio = lambda r: 1 / transfer_ratio(n_kv, shape.head_dim, r, 128, mean=mean)
+    k1 = k1_for_ratio(target, n_kv, shape.head_dim, 128, mean, index=index)
+    ratio = lambda r: 1 / transfer_ratio(n_kv, shape.head_dim, r, 128, mean=mean, index=index)
     if k1 is None:
         assert ratio(1) > target       # even r = 1 moves more than the target
         return
@@ -34,11 +36,30 @@ def test_k1_recipe_is_the_largest_r_within_the_target(shape, n_kv, target):
 
 def test_k1_recipe_known_values():
     # SmolLM2 (d=64, GQA: no mean) at 2048 cells: (2048*128/8 + 16 - 2*128*64 - 128) / 2048 -> 7
-    assert k1_for_ratio(Fraction(1, 8), 2048, 64) == 7
-    assert k1_for_ratio(Fraction(1, 2), 2048, 64) == 55
-    assert k1_for_ratio(Fraction(1, 8), 1024, 64) is None          # k2 = 128 rows alone are 1/8 of dense
+    assert k1_for_ratio(Fraction(1, 8), 2048, 64, index="f16") == 7
+    assert k1_for_ratio(Fraction(1, 2), 2048, 64, index="f16") == 55
+    assert k1_for_ratio(Fraction(1, 8), 1024, 64, index="f16") is None     # k2 = 128 rows alone are 1/8 of dense
     # the paper's Llama-2 microbenchmark point: S=4096, r=32, k=128 is ~1/6.4 of dense
-    assert k1_for_ratio(Fraction(1, 6), 4096, 128, mean=True) == 34
+    assert k1_for_ratio(Fraction(1, 6), 4096, 128, mean=True, index="f16") == 34
+    # the q8 index, 34 bytes per 32 components: ((2*2048*64 + 128)*2/8 - (2*128*64 + 128)*2) / (2048*34/32)
+    # = 32544 / 2176 -> 14, twice f16's 7 at the same bytes
+    assert k1_for_ratio(Fraction(1, 8), 2048, 64, index="q8") == 14
+    assert k1_for_ratio(Fraction(1, 8), 1024, 64, index="q8") is None
+    # a q8_0 cache with the f16 index: the K^T components cost 2 bytes against the cache's 34/32
+    assert k1_for_ratio(Fraction(1, 8), 2048, 64, index="f16", kv_type="q8_0") == 4
+    assert k1_for_ratio(Fraction(1, 8), 2048, 64) == k1_for_ratio(Fraction(1, 8), 2048, 64,
+                                                                   index=sparq_api.DEFAULT_INDEX)
+
+
+def test_settings_carry_the_index():
+    settings, _ = settings_for(2048, SMOL, index="q8")
+    by = {s.name: s for s in settings}
+    assert all(s.config.index == "q8" for s in settings[1:])
+    assert by["sparq-1/8"].config.k1 == 14
+    assert by["sparq-1/8"].transfer == pytest.approx(1 / transfer_ratio(2048, 64, 14, 128, mean=False, index="q8"))
+    assert by["sparq-1/8"].transfer <= 1 / 8
+    default, _ = settings_for(2048, SMOL)
+    assert all(s.config.index == sparq_api.DEFAULT_INDEX for s in default[1:])
 
 
 def test_settings_cover_the_comparison():

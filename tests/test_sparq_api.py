@@ -8,6 +8,7 @@ import ctypes
 import dataclasses
 import pickle
 import re
+from fractions import Fraction
 
 import pytest
 import sparq_llama
@@ -27,14 +28,15 @@ SMALL = dict(n_ctx=256, n_threads=1, verbose=False)
                                      (100, 256, 64, 16), (1, 1, 1, 1)])
 @pytest.mark.parametrize("mean", [True, False])
 def test_transfer_ratio_is_the_design_formula(s, d, r, k, mean):
+    # the f16 index on an f16 cache: every element 2 bytes, so the ratio of elements
     dense = 2 * s * d + 2 * d
     sparse = s * r + 2 * k * d + (4 * d if mean else 2 * d)
-    assert sparq_llama.transfer_ratio(s, d, r, k, mean=mean) == pytest.approx(dense / sparse, rel=1e-15)
+    assert sparq_llama.transfer_ratio(s, d, r, k, mean=mean, index="f16") == pytest.approx(dense / sparse, rel=1e-15)
 
 
 def test_transfer_ratio_known_values_and_errors():
-    assert sparq_llama.transfer_ratio(65536, 128, 32, 128) == pytest.approx(7.87515, abs=1e-5)
-    assert sparq_llama.transfer_ratio(1024, 64, 16, 64) == pytest.approx(131200 / 24832)
+    assert sparq_llama.transfer_ratio(65536, 128, 32, 128, index="f16") == pytest.approx(7.87515, abs=1e-5)
+    assert sparq_llama.transfer_ratio(1024, 64, 16, 64, index="f16") == pytest.approx(131200 / 24832)
     for bad in [(0, 128, 32, 128), (1024, 0, 32, 128), (1024, 128, 0, 128), (1024, 128, 32, -1)]:
         with pytest.raises(ValueError, match="must all be >= 1"):
             sparq_llama.transfer_ratio(*bad)
@@ -42,6 +44,46 @@ def test_transfer_ratio_known_values_and_errors():
         sparq_llama.transfer_ratio(1024, 128, 32, 12.5)
     with pytest.raises(ValueError, match="mean must be True or False"):
         sparq_llama.transfer_ratio(1024, 128, 32, 128, mean="on")
+    with pytest.raises(ValueError, match="index must be one of 'f16', 'q8'"):
+        sparq_llama.transfer_ratio(1024, 128, 32, 128, index="q4")
+    with pytest.raises(ValueError, match="kv_type must be one of"):
+        sparq_llama.transfer_ratio(1024, 128, 32, 128, kv_type="q3_k")
+
+
+# (n_kv, d, k1, k2, mean, kv_type, index) -> (dense bytes, SparQ bytes), worked out by hand:
+# dense = (2*S*d + 2*d) * b_kv; SparQ = S*k1*b_index + (2*k2*d + 4*d or 2*d) * b_kv
+HAND_BYTES = [
+    # f16 cache, q8 index (34 bytes per 32 values): 65536*64*34/32 = 4456448; (2*128*128 + 4*128)*2 = 66560
+    ((65536, 128, 64, 128, True, "f16", "q8"), (33554944, 4523008)),
+    # q8_0 cache and q8 index: (2*1024*64 + 128)*34/32 = 139400; (1024*16 + 2*64*64 + 256)*34/32 = 26384
+    ((1024, 64, 16, 64, True, "q8_0", "q8"), (139400, 26384)),
+    # q8_0 cache, f16 index (K^T in f16 for a quantized K): 2048*8*2 = 32768; (2*32*64 + 2*64)*34/32 = 4488
+    ((2048, 64, 8, 32, False, "q8_0", "f16"), (278664, 37256)),
+    # f32 cache, f16 index (K^T in f16 whatever the cache, 2 bytes): 100*10*2 + (2*16*32 + 4*32)*4 = 6608
+    ((100, 32, 10, 16, True, "f32", "f16"), (25856, 6608)),
+]
+
+
+@pytest.mark.parametrize("args,want", HAND_BYTES)
+def test_transfer_bytes_by_hand(args, want):
+    s, d, r, k, mean, kv_type, index = args
+    got = sparq_api.transfer_bytes(s, d, r, k, mean, kv_type=kv_type, index=index)
+    assert got == pytest.approx(want, rel=1e-15)
+    assert sparq_llama.transfer_ratio(s, d, r, k, mean, kv_type=kv_type, index=index) == pytest.approx(
+        want[0] / want[1], rel=1e-15)
+
+
+def test_transfer_ratio_q8_index_reads_twice_the_components_for_about_the_bytes():
+    f16 = sparq_llama.transfer_ratio(8192, 64, 16, 128, mean=False, index="f16")
+    q8 = sparq_llama.transfer_ratio(8192, 64, 32, 128, mean=False, index="q8")
+    assert f16 == pytest.approx(2097408 / 295168) and q8 == pytest.approx(2097408 / 311552)
+    assert sparq_llama.transfer_ratio(8192, 64, 16, 128) == sparq_llama.transfer_ratio(
+        8192, 64, 16, 128, index=sparq_api.DEFAULT_INDEX)
+
+
+def test_index_bytes():
+    assert sparq_api.index_bytes("q8", "f16") == sparq_api.index_bytes("q8", "f32") == Fraction(34, 32)
+    assert [sparq_api.index_bytes("f16", t) for t in ("f32", "f16", "bf16", "q8_0", "q4_0")] == [2, 2, 2, 2, 2]
 
 
 def test_one_transfer_ratio_and_a_cheap_import():
@@ -63,7 +105,8 @@ def test_config_defaults_and_immutability():
     cfg = SparqConfig()
     assert dataclasses.asdict(cfg) == dict(enabled=True, k1=None, k2=128, window=None, sinks=0, mean="auto",
                                            policy="sparq", sparse_v_thresh=0.0, default_layout=False,
-                                           prefill=False, swa=False, min_n_kv=None)
+                                           prefill=False, swa=False, min_n_kv=None,
+                                           index=sparq_api.DEFAULT_INDEX, select=sparq_api.DEFAULT_SELECT)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.k2 = 64  # type: ignore[misc]
 
@@ -83,6 +126,10 @@ def test_config_defaults_and_immutability():
     (dict(policy="topk"), "policy must be one of 'sparq', 'exact', 'window'"),
     (dict(sparse_v_thresh="0.1"), "sparse_v_thresh must be a number"),
     (dict(sparse_v_thresh=float("nan")), "sparse_v_thresh must be finite"),
+    (dict(index="q4"), "index must be one of 'f16', 'q8'"),
+    (dict(index=1), "index must be one of"),
+    (dict(select="sigma"), "select must be one of 'q', 'qsigma'"),
+    (dict(select=None), "select must be one of"),
 ])
 def test_config_rejects_bad_types_and_names(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -116,7 +163,8 @@ def test_ctypes_struct_mirrors_the_header():
 
 def test_header_enums_match_the_names():
     text = HEADER.read_text()
-    for prefix, names in (("LLAMA_SPARQ_MEAN_", sparq_api.MEAN_MODES), ("LLAMA_SPARQ_POLICY_", sparq_api.POLICIES)):
+    for prefix, names in (("LLAMA_SPARQ_MEAN_", sparq_api.MEAN_MODES), ("LLAMA_SPARQ_POLICY_", sparq_api.POLICIES),
+                          ("LLAMA_SPARQ_INDEX_", sparq_api.INDEXES), ("LLAMA_SPARQ_SELECT_", sparq_api.SELECTS)):
         values = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(prefix + r"(\w+)\s*=\s*(\d+)", text)}
         assert values == {name: i for i, name in enumerate(names)}
 
@@ -127,13 +175,43 @@ def test_header_enums_match_the_names():
     SparqConfig(k1=8, k2=64, window=8, sinks=4, mean="on", policy="exact", sparse_v_thresh=0.1,
                 default_layout=True, prefill=True, swa=True, min_n_kv=0),
     SparqConfig(k1=1, k2=1, window=0, mean="off", policy="window", sparse_v_thresh=1e-3, min_n_kv=4096),
+    SparqConfig(k1=32, index="q8", select="qsigma"),
+    SparqConfig(index="f16", select="q"),
 ])
 def test_config_c_struct_round_trip(cfg):
     p = cfg.to_c()
     assert (p.k1, p.window, p.min_n_kv) == (cfg.k1 or 0, -1 if cfg.window is None else cfg.window,
                                            -1 if cfg.min_n_kv is None else cfg.min_n_kv)
     assert p.mean == sparq_api.MEAN_MODES.index(cfg.mean) and p.policy == sparq_api.POLICIES.index(cfg.policy)
+    assert (p.index, p.select) == (sparq_api.INDEXES.index(cfg.index), sparq_api.SELECTS.index(cfg.select))
     assert SparqConfig.from_c(p) == cfg  # float32 sparse_v_thresh reads back as the decimal given
+
+
+def test_from_c_rejects_unknown_index_and_select():
+    for name, value in (("index", 2), ("select", -1)):
+        p = SparqConfig().to_c()
+        setattr(p, name, value)
+        with pytest.raises(ValueError, match=rf"llama_sparq_params.{name} = {value} is not a known value"):
+            SparqConfig.from_c(p)
+
+
+def test_default_layout_without_an_index_takes_f16():
+    assert SparqConfig().index == sparq_api.DEFAULT_INDEX
+    assert SparqConfig(default_layout=True).index == "f16"
+    assert SparqConfig(default_layout=True, index="q8").index == "q8"       # given: kept (C refuses it)
+    held = SparqConfig(index="q8")
+    assert sparq_api.config_from_kwargs({"sparq_default_layout": True}, held).index == "f16"
+    assert sparq_api.config_from_kwargs({"default_layout": True}, held).index == "f16"
+    assert sparq_api.config_from_kwargs({"default_layout": True, "index": "q8"}, held).index == "q8"
+    assert sparq_api.config_from_kwargs({"default_layout": False}, held).index == "q8"
+    assert sparq_api.config_from_kwargs({"k2": 64}, held).index == "q8"
+
+
+def test_to_kwargs_round_trips_index_and_select():
+    cfg = SparqConfig(k1=32, index="q8", select="qsigma")
+    kwargs = sparq_api.to_kwargs(cfg)
+    assert (kwargs["index"], kwargs["select"]) == ("q8", "qsigma")
+    assert sparq_api.config_from_kwargs(kwargs, SparqConfig(enabled=False), field_names=False) == cfg
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,16 +230,28 @@ def test_c_defaults_are_the_python_defaults_disabled():
     (SparqConfig(sinks=-1), "sinks"),
     (SparqConfig(sparse_v_thresh=1.5), "sparse_v_thresh|Sparse-V|thresh"),
     (SparqConfig(sparse_v_thresh=-0.1), "sparse_v_thresh|Sparse-V|thresh"),
+    (SparqConfig(default_layout=True, index="q8"), "q8 index .* default_layout"),
 ])
 def test_c_check_rejects_bad_values(cfg, match):
     with pytest.raises(ValueError, match=match):
         sparq_api.check(cfg)
 
 
+@pytest.mark.parametrize("name,value,match", [("index", 2, "index must be f16 \\(0\\) or q8 \\(1\\), got 2"),
+                                              ("index", -1, "index must be"),
+                                              ("select", 2, "select must be q \\(0\\) or qsigma \\(1\\), got 2")])
+def test_c_check_rejects_unknown_enum_values(name, value, match):
+    p = SparqConfig().to_c()
+    setattr(p, name, value)
+    msg = sparq_api._api().llama_sparq_check(None, ctypes.byref(p))
+    assert msg is not None and re.search(match, msg.decode()), msg
+
+
 def test_c_check_accepts_good_values():
     for cfg in (SparqConfig(), SparqConfig(enabled=False),
                 SparqConfig(k1=8, k2=32, window=28, sinks=4, sparse_v_thresh=0.5, min_n_kv=0),
-                SparqConfig(k2=1, window=0, policy="window", mean="on", default_layout=True, prefill=True)):
+                SparqConfig(k2=1, window=0, policy="window", mean="on", default_layout=True, prefill=True),
+                SparqConfig(k1=32, index="q8", select="qsigma"), SparqConfig(default_layout=True, select="qsigma")):
         sparq_api.check(cfg)
 
 
@@ -180,6 +270,27 @@ def test_kwargs_round_trip_through_llama_get_sparq(smollm2_path):
                                         sparse_v_thresh=0.01, default_layout=True, prefill=True, swa=True,
                                         min_n_kv=0)
         assert llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    finally:
+        llm.close()
+
+
+def test_index_and_select_reach_llama_get_sparq(smollm2_path):
+    # the settings only: with these short contexts every decode stays below min_n_kv (dense)
+    llm = Llama(str(smollm2_path), sparq=True, k1=32, index="q8", select="qsigma", **SMALL)
+    try:
+        assert llm.sparq == SparqConfig(k1=32, index="q8", select="qsigma")
+        p = sparq_api._api().llama_get_sparq(llm.ctx)
+        assert (p.index, p.select) == (1, 1)
+        assert llm.set_sparq(select="q").select == "q" and llm.sparq.index == "q8"
+        assert llm.set_sparq(default_layout=True) == SparqConfig(k1=32, default_layout=True, index="f16")
+        with pytest.raises(ValueError, match="default_layout"):
+            llm.set_sparq(index="q8")
+        assert llm.sparq.index == "f16"
+    finally:
+        llm.close()
+    llm = Llama(str(smollm2_path), sparq=True, sparq_default_layout=True, **SMALL)
+    try:
+        assert (llm.sparq.index, llm.sparq.select) == ("f16", sparq_api.DEFAULT_SELECT)
     finally:
         llm.close()
 
@@ -223,6 +334,9 @@ def test_sparq_false_stores_the_values_given(smollm2_path):
     (dict(sparq=True, k2=16, sparq_window=16, sparq_sinks=1), "window|sinks"),
     (dict(sparq=True, sparse_v_thresh=1.5), "thresh|Sparse-V"),
     (dict(sparq=True, flash_attn=False), "SparQ needs flash attention"),
+    (dict(sparq=True, index="q4"), "index must be one of 'f16', 'q8'"),
+    (dict(sparq=True, select="sigma"), "select must be one of 'q', 'qsigma'"),
+    (dict(sparq=True, sparq_default_layout=True, index="q8"), "default_layout"),
 ])
 def test_bad_kwargs_fail_before_the_model_is_loaded(tmp_path, kwargs, match):
     missing = tmp_path / "no-such-model.gguf"  # loading it would fail with "Model path does not exist"

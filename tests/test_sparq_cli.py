@@ -2,9 +2,11 @@
 llama-bench's sweep columns. Decode correctness is in test_sparq_decode.py."""
 import json
 import re
+import subprocess
 
 import pytest
 from conftest import run
+from sparq_llama import sparq as sparq_api
 
 GEN = ["-p", "The capital of France is", "-n", "8", "--temp", "0", "-no-cnv", "-t", "2", "-c", "512"]
 
@@ -14,9 +16,24 @@ def test_help_lists_the_flags_with_defaults():
     assert res.returncode == 0, res.stderr
     text = res.stdout
     for flag in ["--sparq", "--k1", "--k2", "--sparq-window", "--sparq-sinks", "--sparq-mean", "--sparq-policy",
-                 "--sparq-default-layout", "--sparq-prefill", "--sparse-v-thresh", "--sparq-swa", "--sparq-min-kv"]:
+                 "--sparq-default-layout", "--sparq-prefill", "--sparse-v-thresh", "--sparq-swa", "--sparq-min-kv",
+                 "--sparq-index", "--sparq-select"]:
         assert re.search(rf"(^|\s|,){re.escape(flag)}(\s|,|=|$)", text, re.MULTILINE), f"{flag} missing from --help"
     assert re.search(r"--k2 N.*\n?.*default: 128", text)
+    # the defaults shown are the library's (llama_sparq_default_params)
+    lib = sparq_api.c_defaults()
+    index = _help_entry(text, "--sparq-index {f16,q8}")
+    assert f"(default: {lib.index}; f16 with --sparq-default-layout)" in index, index
+    assert f"(default: {lib.select})" in _help_entry(text, "--sparq-select {q,qsigma}")
+    assert "0 = by the index: head_dim/4 with f16, head_dim/2 with q8" in _help_entry(text, "--k1 N")
+
+
+def _help_entry(text: str, head: str) -> str:
+    """One option's --help entry (its first line and the indented ones after it), whitespace collapsed."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(head))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i][:1].isspace()), len(lines))
+    return " ".join(" ".join(lines[start:end]).split())
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -27,6 +44,12 @@ def test_help_lists_the_flags_with_defaults():
     (["--sparq", "--sparq-mean", "sometimes"], "expected auto, on or off"),
     (["--sparq", "--sparse-v-thresh", "1.5"], "[0, 1)"),
     (["--sparq", "--k2", "64", "--sparq-window", "60", "--sparq-sinks", "8"], "must not exceed k2"),
+    (["--sparq-index", "q8"], "--sparq-index has no effect without --sparq"),
+    (["--sparq-select", "qsigma"], "--sparq-select has no effect without --sparq"),
+    (["--sparq", "--sparq-index", "q4"], "\"--sparq-index\": unknown value 'q4', expected f16 or q8"),
+    (["--sparq", "--sparq-index", "F16"], "\"--sparq-index\": unknown value 'F16', expected f16 or q8"),
+    (["--sparq", "--sparq-select", "sigma"], "\"--sparq-select\": unknown value 'sigma', expected q or qsigma"),
+    (["--sparq", "--sparq-default-layout", "--sparq-index", "q8"], "which default_layout does not keep"),
 ])
 def test_bad_flags_fail_before_loading(args, message):
     res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
@@ -51,8 +74,29 @@ def test_flags_reach_the_context_and_generation_runs(smollm2_path):
     assert res.returncode == 0, res.stderr[-2000:]
     log = res.stdout + res.stderr
     assert ("SparQ on: k1 = 8, k2 = 64, window = 8, sinks = 4, policy = exact, layout = default (no K^T), "
-            "dense below n_kv = 0") in log
+            "index = f16, select = q, dense below n_kv = 0") in log
     assert "Paris" in res.stdout
+
+
+@pytest.mark.parametrize("tool", ["llama-completion", "llama-cli"])
+def test_index_and_select_reach_the_context(smollm2_path, tool):
+    # the settings only: the prompt stays below the default min_n_kv, so every step decodes densely
+    args = ["-m", str(smollm2_path), "-t", "2", "-c", "512", "-v", "--sparq", "--sparq-index", "q8",
+            "--sparq-select", "qsigma"]
+    if tool == "llama-cli":
+        res = run([tool, *args, "-p", "Hi", "-n", "2", "-st"], timeout=120, stdin=subprocess.DEVNULL)
+    else:
+        res = run([tool, *args, "-p", "The capital of France is", "-n", "2", "--temp", "0", "-no-cnv"], timeout=120)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-2000:]
+    assert "SparQ on: k1 = 0 (head_dim/2), k2 = 128" in log and "index = q8, select = qsigma" in log, log[-2000:]
+
+
+def test_default_layout_without_an_index_takes_f16(smollm2_path):
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-v", "--sparq", "--sparq-default-layout",
+               "--sparq-select", "qsigma"], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "layout = default (no K^T), index = f16, select = qsigma" in res.stdout + res.stderr
 
 
 def test_default_dense_threshold_is_per_backend(smollm2_path):
@@ -82,3 +126,56 @@ def test_llama_bench_sweep_columns(smollm2_path):
 def test_llama_bench_rejects_bad_sweep_values(smollm2_path):
     res = run(["llama-bench", "-m", str(smollm2_path), "-sparq", "1", "-k2", "0"], timeout=60)
     assert res.returncode != 0
+
+
+def test_llama_bench_index_and_select_columns(smollm2_path):
+    # the settings only: -n 2 after no prompt stays below the default min_n_kv (dense decodes)
+    base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-sparq", "1",
+            "-k1", "16", "-sparq-index", "f16,q8", "-sparq-select", "qsigma"]
+    res = run([*base, "-o", "json"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout)
+    got = [(r["k1"], r["sparq_index"], r["sparq_select"]) for r in rows]
+    assert got == [(16, "f16", "qsigma"), (16, "q8", "qsigma")]
+    md = run(base, timeout=300)
+    assert md.returncode == 0, md.stderr[-2000:]
+    lines = md.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model"))
+    names = [c.strip() for c in lines[header].split("|")]
+    assert names[-8:-3] == ["sparq", "k1", "k2", "index", "select"]  # then test, t/s
+    body = [[c.strip() for c in line.split("|")] for line in lines[header + 2:] if line.startswith("|")]
+    assert [row[-5:-3] for row in body] == [["f16", "qsigma"], ["q8", "qsigma"]]
+
+
+def test_llama_bench_default_layout_takes_the_f16_index(smollm2_path):
+    base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-sparq", "1"]
+    res = run([*base, "-sparq-layout", "kt,default", "-o", "json"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    default = sparq_api.c_defaults().index
+    assert [(r["sparq_layout"], r["sparq_index"], r["sparq_select"]) for r in json.loads(res.stdout)] == [
+        ("kt", default, sparq_api.c_defaults().select), ("default", "f16", sparq_api.c_defaults().select)]
+    res = run([*base, "-sparq-layout", "default", "-sparq-index", "q8"], timeout=120)
+    assert res.returncode != 0 and "which default_layout does not keep" in res.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [("-sparq-index", "q4"), ("-sparq-select", "sigma")])
+def test_llama_bench_rejects_bad_index_and_select(smollm2_path, flag, value):
+    res = run(["llama-bench", "-m", str(smollm2_path), "-sparq", "1", flag, value], timeout=60)
+    assert res.returncode != 0
+    assert f"error: {flag}: unknown value '{value}'" in res.stderr
+    assert f"invalid parameter for argument: {flag}" in res.stderr
+    help_text = run(["llama-bench", "--help"], timeout=60).stdout
+    assert flag in help_text
+
+
+def test_batched_bench_reports_index_and_select(smollm2_path):
+    args = ["llama-batched-bench", "-m", str(smollm2_path), "-c", "256", "-t", "2", "-npp", "8", "-ntg", "2",
+            "-npl", "1", "--sparq", "--sparq-index", "q8", "--sparq-select", "qsigma"]
+    res = run(args, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "sparq = 1, k1 = 0, k2 = 128, sparq_index = q8, sparq_select = qsigma" in res.stdout + res.stderr
+    res = run([*args, "--output-format", "jsonl"], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    row = json.loads(next(line for line in (res.stdout + res.stderr).splitlines() if line.startswith("{")))
+    got = (row["sparq"], row["k1"], row["k2"], row["sparq_index"], row["sparq_select"])
+    assert got == (True, 0, 128, "q8", "qsigma")

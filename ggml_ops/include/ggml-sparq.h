@@ -4,7 +4,7 @@
 //   1. |V_t| <= k2: exact attention over V_t.
 //   2. I1 = the k1 largest components of sum_g |q_g| (select q) or of sigma_i * sum_g |q_g,i| (select qsigma,
 //      sigma_i the std of component i over the row's visible keys); approximate scores s_g = q_g[I1] . K^T[I1, :]
-//      (K^T as the index stores it: K's float type, or int8 with one scale per component and 32 cells),
+//      (K^T as the index stores it: a float type, or int8 with one scale per component and 32 cells),
 //      p_g = softmax(scale * s_g / sqrt(rho_g)), rho_g = |q_g[I1]|_1 / |q_g|_1 (q) or
 //      sum_{I1} (q_g,i sigma_i)^2 / sum_i (q_g,i sigma_i)^2 (qsigma: the share of the score's variance).
 //   3. I2 = window (last visible) + sinks (first visible) + top of sum_g p_g (ties: lower cell index).

@@ -39,6 +39,18 @@ struct sparq_eval_args {
 // 0 on success; otherwise 1 with a message in err (never aborts on bad arguments).
 SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, char * err, size_t err_size);
 
+// One of a context's per-layer KV tensors copied to host as f32 (quantized types dequantized), for the tests of
+// SparQ's derived KV state against the cache it derives from. layer il; what: 0 the cache's K
+// [n_stream][kv_size][n_embd_k_gqa], 1 the index K^T [n_stream][n_embd_k_gqa][row_len], 2 the V sums
+// [n_seq_max][(d_v + 1)*n_head_kv], 3 the key statistics [n_seq_max][(2*d_k + 1)*n_head_kv], 4 the occupancy of
+// the cells of layer il's cache [n_stream][kv_size] (1: the cell holds a token), 5 the cells each sequence holds
+// in its stream [n_seq_max][kv_size] (1: it does). ne_out[0..2] gets the
+// tensor's ne (fastest first); out may be NULL to ask for the shape only, else it holds n_out floats. Returns 0,
+// or 1 with a message in err (SparQ off, a layer without that piece, out too small).
+struct llama_context;
+SPARQ_API int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out,
+                                         size_t n_out, int64_t * ne_out, char * err, size_t err_size);
+
 // One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows): table [n_seq][(d_v + 1)*n_head_kv] f32,
 // v [n_tokens][n_head_kv][v_ld] f32 (the op sees the first d_v of each v_ld components: a strided view),
 // idx [n_tokens] i32, v_type a ggml_type (f32, f16, bf16); out [n_tokens][(d_v + 1)*n_head_kv] f32.
@@ -135,7 +147,8 @@ struct centroid_bench_args {
 };
 SPARQ_API int sparq_llama_bench_centroid(const struct centroid_bench_args * args, char * err, size_t err_size);
 
-// Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors,
+// Microbenchmark: ggml_sparq_attn vs ggml_flash_attn_ext (F32 precision) on the same random tensors (select
+// qsigma with key sums as a model keeps them),
 // one decode query per sequence (n_q = 1; n_seq streams of n_kv cells each, all visible), n_runs
 // interleaved timed runs after a warm-up; times in microseconds. 0 on success, else 1 with a message in err.
 struct sparq_bench_args {
@@ -149,6 +162,7 @@ struct sparq_bench_args {
     double     * sparq_us; // [n_runs]
     double     * flash_us; // [n_runs]
     int64_t      n_seq;    // sequences (streams), each with its own n_kv cells; 0: 1
+    int          kt_type;  // the index's ggml_type (f16, q8_0, ...); -1: kv_type
 };
 SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
 

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <cstdio>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <utility>
 
@@ -252,14 +253,29 @@ struct random_pool {
         ggml_fp32_to_fp16_row(f32.data(), f16.data(), (int64_t) f32.size());
         ggml_fp32_to_bf16_row(f32.data(), bf16.data(), (int64_t) f32.size());
     }
+    mutable std::map<ggml_type, std::vector<uint8_t>> quant;  // the f32 pool in a quantized type, made on first use
+
     const void * data(ggml_type type) const {
-        return type == GGML_TYPE_F32 ? (const void *) f32.data() : type == GGML_TYPE_F16 ? (const void *) f16.data()
-                                                                                          : (const void *) bf16.data();
+        switch (type) {
+            case GGML_TYPE_F32:  return f32.data();
+            case GGML_TYPE_F16:  return f16.data();
+            case GGML_TYPE_BF16: return bf16.data();
+            default: break;
+        }
+        auto & q = quant[type];
+        if (q.empty()) {
+            const int64_t n_per_row = 1024;
+            q.resize(ggml_row_size(type, (int64_t) f32.size()));
+            ggml_quantize_chunk(type, f32.data(), q.data(), 0, (int64_t) f32.size() / n_per_row, n_per_row, nullptr);
+        }
+        return q.data();
     }
 };
 
+// t filled with tiles of the pool (in t's type) from random offsets
 void fill_random(ggml_tensor * t, const random_pool & pool, std::mt19937 & rng) {
-    const size_t ts = ggml_type_size(t->type), n = pool.f32.size(), total = ggml_nbytes(t);
+    const size_t blck = ggml_blck_size(t->type), ts = ggml_type_size(t->type);
+    const size_t n = pool.f32.size() / blck, total = ggml_nbytes(t);  // n: the pool's blocks
     const char * src = (const char *) pool.data(t->type);
     const size_t tile = (n / 2) * ts;
     for (size_t off = 0; off < total; off += tile) {
@@ -286,6 +302,7 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
         return fail(err, err_size, "params, sparq_us, flash_us and n_runs >= 1 are required");
     }
     const auto kv_type = (ggml_type) a->kv_type;
+    const auto kt_type = a->kt_type < 0 ? kv_type : (ggml_type) a->kt_type;
     ggml_backend_dev_t dev = nullptr;
     std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
     if (!backend) {
@@ -297,7 +314,8 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     const int64_t d = a->d, n_kv = a->n_kv, ns = std::max<int64_t>(1, a->n_seq);
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, ns);
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
-    ggml_tensor * kt   = a->use_kt ? ggml_new_tensor_4d(c, kv_type, n_kv, d, a->n_head_kv, ns) : nullptr;
+    const int64_t n_kt = kt_type == GGML_TYPE_Q8_0 ? GGML_PAD(n_kv, 32) : n_kv;
+    ggml_tensor * kt   = a->use_kt ? ggml_new_tensor_4d(c, kt_type, n_kt, d, a->n_head_kv, ns) : nullptr;
     ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
     ggml_tensor * mask = ggml_new_tensor_4d(c, GGML_TYPE_F16, n_kv, 1, 1, 1);
     ggml_tensor * vsum = ggml_new_tensor_4d(c, GGML_TYPE_F32, d + 1, a->n_head_kv, 1, ns);
@@ -305,6 +323,12 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * sparq = ggml_sparq_attn(c, q, k, kt, v, mask, vsum, *a->params);
+    // select qsigma reads the running key sums, as in a model (without them it would read all of K)
+    ggml_tensor * kstat = nullptr;
+    if (a->params->select == GGML_SPARQ_SELECT_QSIGMA) {
+        kstat = ggml_new_tensor_4d(c, GGML_TYPE_F32, 2*d + 1, a->n_head_kv, 1, ns);
+        ggml_sparq_attn_set_kstat(sparq, kstat);
+    }
     const float scale = a->params->scale > 0.0f ? a->params->scale : 1.0f / sqrtf((float) d);
     ggml_tensor * flash = ggml_flash_attn_ext(c, q, k, v, mask, scale, 0.0f, 0.0f);
     ggml_prec_set_acc(flash, GGML_PREC_F32);  // as llama.cpp does for its attention
@@ -336,6 +360,19 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
         vs[i * (d + 1) + d] = (float) n_kv;
     }
     ggml_backend_tensor_set(vsum, vs.data(), 0, vs.size() * sizeof(float));
+    if (kstat) {
+        // spreads 0.5..1.5 over the components: sum 0, sum of squares n*s^2, count n
+        std::vector<float> ks((2*d + 1) * a->n_head_kv * ns, 0.0f);
+        std::uniform_real_distribution<float> spread(0.5f, 1.5f);
+        for (int64_t i = 0; i < a->n_head_kv * ns; ++i) {
+            for (int64_t c_i = 0; c_i < d; ++c_i) {
+                const float s_i = spread(rng);
+                ks[i * (2*d + 1) + d + c_i] = (float) n_kv * s_i * s_i;
+            }
+            ks[i * (2*d + 1) + 2*d] = (float) n_kv;
+        }
+        ggml_backend_tensor_set(kstat, ks.data(), 0, ks.size() * sizeof(float));
+    }
 
     // warm-up, then interleaved timed runs so drift hits both ops alike
     ggml_backend_graph_compute(backend.get(), g_sparq);

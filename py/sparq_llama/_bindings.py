@@ -358,7 +358,7 @@ class SparqBenchArgs(ctypes.Structure):
         [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_kv")] + \
         [("use_kt", ctypes.c_int), ("n_runs", ctypes.c_int), ("params", ctypes.POINTER(GgmlSparqParams)),
          ("sparq_us", ctypes.POINTER(ctypes.c_double)), ("flash_us", ctypes.POINTER(ctypes.c_double)),
-         ("n_seq", ctypes.c_int64)]
+         ("n_seq", ctypes.c_int64), ("kt_type", ctypes.c_int)]
 
 
 class SqueezeCalibArgs(ctypes.Structure):
@@ -381,6 +381,15 @@ def _entry(args_type: type[ctypes.Structure]) -> list[Any]:
 @c_function(libllama, _entry(SparqEvalArgs), ctypes.c_int)
 def sparq_llama_eval_sparq_attn(args: Any, err: Any, err_size: int, /) -> int:
     """One ggml_sparq_attn graph over host arrays."""
+
+
+# SPARQ_API int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out,
+#                                          size_t n_out, int64_t * ne_out, char * err, size_t err_size);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t,
+                       ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int)
+def sparq_llama_read_kv_tensor(ctx: int | None, il: int, what: int, out: Any, n_out: int, ne_out: Any, err: Any,
+                               err_size: int, /) -> int:
+    """A layer's K (0), index K^T (1), V sums (2) or key statistics (3) as f32 host floats (tests)."""
 
 
 # SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);

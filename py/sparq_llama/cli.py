@@ -59,6 +59,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from .demo import DemoConfig
     from .models import MODELS
+    from .sparq import DEFAULT_INDEX, INDEXES, SELECTS
 
     ap = argparse.ArgumentParser(prog="sparq-llama", description="sparq-llama: llama.cpp with sparse attention.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -83,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--k1", type=int, default=d.k1,
                       help="SparQ: query components for the approximate scores (default: %(default)s)")
     demo.add_argument("--k2", type=int, default=d.k2, help="SparQ: KV cells kept per step (default: %(default)s)")
+    demo.add_argument("--sparq-index", dest="index", choices=INDEXES, default=d.index,
+                      help=f"SparQ: the key index the approximate scores read (default: {DEFAULT_INDEX})")
+    demo.add_argument("--sparq-select", dest="select", choices=SELECTS, default=d.select,
+                      help="SparQ: the k1 components by largest |q| or |q| times the keys' spread "
+                           "(default: %(default)s)")
     demo.set_defaults(func=_cmd_demo)
 
     from .eval import ALL_TASKS, PRESETS

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from . import models, texts
 from .shape import AttentionShape, attention_shape
-from .sparq import transfer_ratio
+from .sparq import DEFAULT_INDEX, DEFAULT_SELECT, INDEXES, SELECTS, transfer_ratio
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,10 @@ class DemoConfig:
     n_ctx: int = 8192               # must hold prompt + generation
     n_threads: int | None = None    # None: all cores
     seed: int = 1234
-    k1: int | None = 16             # query components for SparQ's approximate scores; None: head_dim/4
+    k1: int | None = 16             # query components for SparQ's approximate scores; None: by the index
     k2: int = 128                   # KV cells kept per head and decode step
+    index: str | None = None        # SparQ's key index, "f16" or "q8"; None: the library's default
+    select: str = DEFAULT_SELECT    # how the k1 components are chosen, "q" or "qsigma"
 
     def check(self) -> None:
         """ValueError if the settings cannot work (before anything is loaded)."""
@@ -38,6 +40,10 @@ class DemoConfig:
                              f"> n_ctx = {self.n_ctx}")
         if (self.k1 is not None and self.k1 < 1) or self.k2 < 1:
             raise ValueError(f"k1 and k2 must be >= 1, got k1={self.k1}, k2={self.k2}")
+        if self.index is not None and self.index not in INDEXES:
+            raise ValueError(f"index must be one of {', '.join(INDEXES)}, got {self.index!r}")
+        if self.select not in SELECTS:
+            raise ValueError(f"select must be one of {', '.join(SELECTS)}, got {self.select!r}")
 
 
 @dataclass
@@ -65,6 +71,8 @@ class DemoResult:
     dense: RunResult
     sparq: RunResult
     prompt_tail: str = ""           # the last lines of the prompt, to read the continuations against
+    index: str = DEFAULT_INDEX      # the SparQ run's key index and selection, as llama.cpp held them
+    select: str = DEFAULT_SELECT
 
     @property
     def speedup(self) -> float:
@@ -73,9 +81,10 @@ class DemoResult:
 
     @property
     def transfer_ratio(self) -> float:
-        """Dense / SparQ KV elements read per decode step at n_kv = prompt length (mean reallocation off
-        for GQA, as SparQ does by default)."""
-        return transfer_ratio(self.prompt_tokens, self.shape.head_dim, self.k1, self.k2, mean=not self.shape.gqa)
+        """Dense / SparQ KV bytes read per decode step at n_kv = prompt length, with the run's index (mean
+        reallocation off for GQA, as SparQ does by default)."""
+        return transfer_ratio(self.prompt_tokens, self.shape.head_dim, self.k1, self.k2, mean=not self.shape.gqa,
+                              index=self.index)
 
     @property
     def agreeing_tokens(self) -> int:
@@ -157,22 +166,25 @@ def run(cfg: DemoConfig) -> DemoResult:
     # Dense first; the SparQ settings are stored now and switched on later with set_sparq. Flash attention
     # in both runs: SparQ needs it, and the dense baseline is then llama.cpp's fastest path.
     llm = Llama(str(path), n_ctx=cfg.n_ctx, n_batch=512, flash_attn=True, seed=cfg.seed,
-                n_threads=n_threads, verbose=False, sparq=False, k1=cfg.k1, k2=cfg.k2)
+                n_threads=n_threads, verbose=False, sparq=False, k1=cfg.k1, k2=cfg.k2, index=cfg.index,
+                select=cfg.select)
     try:
         shape = attention_shape(llm)
-        k1 = cfg.k1 if cfg.k1 is not None else shape.head_dim // 4
+        index = llm.sparq.index
+        k1 = cfg.k1 if cfg.k1 is not None else shape.head_dim // (2 if index == "q8" else 4)
         prompt = build_prompt(llm, cfg)
         tail = llm.detokenize(prompt[-48:], prev_tokens=prompt[:-48]).decode("utf-8", errors="replace")
 
         llm.set_sparq(enabled=False)
         dense = generate(llm, prompt, cfg.max_tokens, "dense")
-        llm.set_sparq(enabled=True, k1=k1, k2=cfg.k2)
-        sparq = generate(llm, prompt, cfg.max_tokens, f"SparQ k1={k1} k2={cfg.k2}")
+        held = llm.set_sparq(enabled=True, k1=k1, k2=cfg.k2)
+        sparq = generate(llm, prompt, cfg.max_tokens, f"SparQ k1={k1} k2={cfg.k2} index={held.index} "
+                                                      f"select={held.select}")
         llm.set_sparq(enabled=False)
     finally:
         llm.close()
     return DemoResult(prompt_tokens=len(prompt), shape=shape, k1=k1, k2=cfg.k2, n_threads=n_threads,
-                      dense=dense, sparq=sparq, prompt_tail=tail)
+                      dense=dense, sparq=sparq, prompt_tail=tail, index=held.index, select=held.select)
 
 
 def _indent(text: str) -> str:
@@ -187,6 +199,7 @@ def report(cfg: DemoConfig, res: DemoResult) -> str:
         (f"model {cfg.model} ({s.n_head} q / {s.n_head_kv} kv heads, head_dim {s.head_dim}), "
          f"{res.n_threads} threads, greedy"),
         f"prompt: {res.prompt_tokens} tokens of {cfg.text}",
+        f"SparQ: k1 {res.k1}, k2 {res.k2}, index {res.index}, select {res.select}",
         "",
         f"{'':24s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'generated':>10s}",
     ]
@@ -196,8 +209,8 @@ def report(cfg: DemoConfig, res: DemoResult) -> str:
     lines += [
         "",
         f"decode speedup (SparQ / dense): {res.speedup:.2f}x",
-        (f"transfer ratio (dense / SparQ KV reads per step at n_kv={res.prompt_tokens}, d={s.head_dim}, "
-         f"k1={res.k1}, k2={res.k2}, mean {mean}): {res.transfer_ratio:.2f}x"),
+        (f"transfer ratio (dense / SparQ KV bytes read per step at n_kv={res.prompt_tokens}, d={s.head_dim}, "
+         f"k1={res.k1}, k2={res.k2}, mean {mean}, index {res.index}): {res.transfer_ratio:.2f}x"),
         f"first {res.agreeing_tokens} of {res.dense.generated_tokens} generated tokens identical",
     ]
     lines += ["", "--- end of the prompt ---", _indent("\n".join(res.prompt_tail.splitlines()[-4:]))]

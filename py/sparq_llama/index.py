@@ -10,21 +10,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["INDEXES", "SELECTS", "Q8_BLOCK", "Q8_BLOCK_BYTES", "index_bytes_per_value", "q8_0_quantize",
-           "q8_0_dequantize", "q8_0_bytes", "q8_index_values"]
+from .sparq import INDEXES, Q8_BLOCK, Q8_BLOCK_BYTES, SELECTS
 
-INDEXES = ("f16", "q8")     # index = enum llama_sparq_index
-SELECTS = ("q", "qsigma")   # index = enum llama_sparq_select / ggml_sparq_select
-
-Q8_BLOCK = 32               # cells per scale
-Q8_BLOCK_BYTES = 34         # f16 scale + 32 int8
-
-
-def index_bytes_per_value(index: str) -> float:
-    """Bytes the index holds per key component and cell: 2 (f16) or 34/32 (q8)."""
-    if index not in INDEXES:
-        raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
-    return 2.0 if index == "f16" else Q8_BLOCK_BYTES / Q8_BLOCK
+__all__ = ["INDEXES", "SELECTS", "Q8_BLOCK", "Q8_BLOCK_BYTES", "q8_0_quantize", "q8_0_dequantize", "q8_0_bytes",
+           "q8_index_values"]
 
 
 def q8_0_quantize(x: NDArray) -> tuple[NDArray[np.float16], NDArray[np.int8]]:

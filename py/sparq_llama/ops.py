@@ -139,7 +139,8 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     """ggml_sparq_attn on our library; arguments as `reference.sparq_attn` (pos, select and index included), plus:
 
     kv_dtype: type K is stored in (f32, f16, bf16, or a quantized cache type: q8_0, q4_0, q4_1, q5_0, q5_1);
-    v_dtype: V's (None: kv_dtype); layout: "kt" passes the index (K^T in f16, or in q8_0 blocks with index="q8"), "default" lets the op gather from row-major K; n_threads: CPU threads (None:
+    v_dtype: V's (None: kv_dtype); layout: "kt" passes the index (K^T in f16, or in q8_0 blocks with index="q8"),
+    "default" lets the op gather from row-major K; n_threads: CPU threads (None:
     all cores); backend: "cpu", "cuda" (the first CUDA device) or "cuda:N" (`sparq_llama.devices()` lists them);
     vsum: per-row running sums [ns, n_q, n_head_kv, d_v + 1] (None: computed); kstat: per-row key sums
     [ns, n_q, n_head_kv, 2d + 1] (sum of k, of k^2, count; None: the op computes them for select="qsigma").
@@ -205,7 +206,8 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
                      softcap=softcap, sparse_v_thresh=sparse_v_thresh, select=select)
     ptr = lambda a: None if a is None else a.ctypes.data
     args = SparqEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                         k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, d_v=d_v, n_q=n_q, n_head=n_head, n_head_kv=n_head_kv,
+                         k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, d_v=d_v, n_q=n_q,
+                         n_head=n_head, n_head_kv=n_head_kv,
                          n_kv=n_kv, ns=ns, mask_ns=mask_ns, q=ptr(q32), k=ptr(k_dev), kt=ptr(kt_dev), v=ptr(v_dev),
                          mask=ptr(mask_dev), vsum=ptr(vsum_dev), params=ctypes.pointer(params), out=ptr(out),
                          pos=ptr(pos_dev), kstat=ptr(kstat_dev))
@@ -247,16 +249,22 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,
                n_threads: int | None = None, kv_dtype: str = "f16", layout: str = "kt", mean: str = "auto",
-               backend: str = "cpu", n_seq: int = 1) -> tuple[np.ndarray, np.ndarray]:
+               backend: str = "cpu", n_seq: int = 1, index: str = "f16", select: str = "q"
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Decode-step times (µs) of ggml_sparq_attn and ggml_flash_attn_ext on the same random cache of
-    `n_seq` sequences of `n_kv` cells, `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us)."""
-    params = _params(k1=k1, k2=k2, mean=mean)
+    `n_seq` sequences of `n_kv` cells, `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us).
+    kv_dtype: K and V's type (float or quantized); index: f16 or q8 (with layout "kt"); select q or qsigma (the
+    op then reads key sums, as in a model)."""
+    if index not in INDEXES or select not in SELECTS:
+        raise ValueError(f"index must be one of {INDEXES} and select one of {SELECTS}, got {index!r}, {select!r}")
+    params = _params(k1=k1, k2=k2, mean=mean, select=select)
     sparq_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
     args = SparqBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                          k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                          kv_type=_kv_type(kv_dtype), d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
-                          sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq))
+                          sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq),
+                          kt_type=_Q8_0 if index == "q8" else _GGML_TYPES["f16"])
     _call(C.sparq_llama_bench_attn, args)
     return np.array(sparq_us[:]), np.array(flash_us[:])
 
@@ -339,7 +347,7 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
                                 softcap=float(softcap), var_weight=float(var_weight))
     ptr = lambda a: None if a is None else a.ctypes.data
     args = CentroidEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                            k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, d_v=d_v, n_q=n_q, n_head=n_head,
+                            kv_type=_GGML_TYPES[kv_dtype], d=d, d_v=d_v, n_q=n_q, n_head=n_head,
                             n_head_kv=n_head_kv, n_kv=n_kv, ns=ns, mask_ns=mask_ns, n_cent=cent.shape[2],
                             n_coarse=0 if coarse_dev is None else coarse_dev.shape[2], q=ptr(q32), k=ptr(k_dev),
                             v=ptr(v_dev), mask=ptr(mask_dev), cent=ptr(cent), cell=ptr(cell),
@@ -413,7 +421,7 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
     flash_us = (ctypes.c_double * n_runs)()
     kept = ctypes.c_double(0.0)
     args = CentroidBenchArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
-                             k_type=_kv_type(kv_dtype), kt_type=kt_type, v_type=_kv_type(v_dtype), d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
+                             kv_type=_GGML_TYPES[kv_dtype], d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                              n_prefix=n_prefix, n_clusters=n_clusters, keep=float(keep), n_runs=n_runs,
                              centroid_us=centroid_us, flash_us=flash_us, kept_out=ctypes.pointer(kept))
     _call(C.sparq_llama_bench_centroid, args)

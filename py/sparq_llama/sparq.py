@@ -4,6 +4,7 @@
     llm = Llama(path, sparq=True, k1=16, k2=64)          # flash attention is switched on for SparQ
     llm.set_sparq(k2=128)                                  # at run time; effective at the next decode
     llm.set_sparq(SparqConfig(k2=32, policy="exact"))
+    llm.set_sparq(index="q8", select="qsigma")             # the int8 key index, components by |q|·σ
     print(llm.sparq)                                       # what the C side holds (llama_get_sparq)
 
 `SparqConfig` mirrors `struct llama_sparq_params` (ggml_ops/include/sparq-llama.h) with Python values:
@@ -22,6 +23,7 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -29,9 +31,14 @@ from . import _bindings as C
 from ._bindings import LlamaSparqParams
 
 __all__ = [
+    "DEFAULT_INDEX",
+    "DEFAULT_SELECT",
+    "INDEXES",
+    "KV_TYPE_BYTES",
     "KWARG_FIELDS",
     "MEAN_MODES",
     "POLICIES",
+    "SELECTS",
     "LlamaSparqParams",
     "SparqConfig",
     "apply",
@@ -39,16 +46,27 @@ __all__ = [
     "c_defaults",
     "check",
     "config_from_kwargs",
+    "index_bytes",
     "read",
     "to_kwargs",
+    "transfer_bytes",
     "transfer_ratio",
 ]
 
 MEAN_MODES = ("auto", "on", "off")           # index = enum llama_sparq_mean / ggml_sparq_mean
 POLICIES = ("sparq", "exact", "window")      # index = enum llama_sparq_policy / ggml_sparq_policy
+INDEXES = ("f16", "q8")                      # index = enum llama_sparq_index
+SELECTS = ("q", "qsigma")                    # index = enum llama_sparq_select
 
 MeanMode = Literal["auto", "on", "off"]
 Policy = Literal["sparq", "exact", "window"]
+Index = Literal["f16", "q8"]
+Select = Literal["q", "qsigma"]
+
+# llama_sparq_default_params()'s index and selection, which SparqConfig, Llama and the transfer model default to
+# (test_sparq_api checks that they agree with the library's)
+DEFAULT_INDEX: Index = "f16"
+DEFAULT_SELECT: Select = "q"
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -63,7 +81,8 @@ class SparqConfig:
 
     enabled: SparQ on (True here, since a config is usually made to turn it on; llama.cpp's default is off).
         False: dense attention everywhere and no derived state kept (the other values are still stored).
-    k1: query components used for the approximate scores (r in the paper); None: head_dim / 4.
+    k1: query components used for the approximate scores (r in the paper); None: by the index, about 1/8 of
+        dense attention's bytes: head_dim / 4 with the f16 index, head_dim / 2 with the q8 index.
     k2: cells kept per KV head and query row (k in the paper).
     window: most recent visible cells always kept; None: k2 / 4.
     sinks: first visible cells always kept.
@@ -77,6 +96,12 @@ class SparqConfig:
         teacher-forced evaluation then equals step-by-step decoding.
     swa: also sparsify sliding-window layers (dense by default: their read is already bounded).
     min_n_kv: dense attention while the cache view holds fewer cells; None: llama.cpp's measured default.
+    index: the transposed key copy the approximate scores read: "f16" (2 bytes a component, whatever the cache
+        type) or "q8" (int8 with one f16 scale per 32 cells: 1.0625 bytes a component).
+        None: `DEFAULT_INDEX`, or "f16" with default_layout, which keeps no copy to quantize. Read back as the
+        name held.
+    select: how the k1 components are chosen: "q" (largest |q|, the paper) or "qsigma" (largest |q| times the
+        spread of the keys' component).
     """
 
     enabled: bool = True
@@ -91,6 +116,8 @@ class SparqConfig:
     prefill: bool = False
     swa: bool = False
     min_n_kv: int | None = None
+    index: Index | None = None
+    select: Select = DEFAULT_SELECT
 
     def __post_init__(self) -> None:
         for name in ("enabled", "default_layout", "prefill", "swa"):
@@ -109,6 +136,13 @@ class SparqConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {self.policy!r}")
         set_(self, "sparse_v_thresh", _finite_float("sparse_v_thresh", self.sparse_v_thresh))
+        if self.index is None:
+            set_(self, "index", "f16" if self.default_layout else DEFAULT_INDEX)
+        if self.index not in INDEXES:
+            raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))} (or None for the default), "
+                             f"got {self.index!r}")
+        if self.select not in SELECTS:
+            raise ValueError(f"select must be one of {', '.join(map(repr, SELECTS))}, got {self.select!r}")
 
     def to_c(self) -> LlamaSparqParams:
         """The C struct (None -> 0 for k1, -1 for window and min_n_kv; enums -> their values)."""
@@ -117,19 +151,21 @@ class SparqConfig:
             window=-1 if self.window is None else self.window, sinks=self.sinks,
             mean=MEAN_MODES.index(self.mean), policy=POLICIES.index(self.policy),
             sparse_v_thresh=self.sparse_v_thresh, default_layout=self.default_layout, prefill=self.prefill,
-            swa=self.swa, min_n_kv=-1 if self.min_n_kv is None else self.min_n_kv)
+            swa=self.swa, min_n_kv=-1 if self.min_n_kv is None else self.min_n_kv,
+            index=INDEXES.index(self.index), select=SELECTS.index(self.select))  # type: ignore[arg-type]
 
     @classmethod
     def from_c(cls, p: LlamaSparqParams) -> SparqConfig:
         """The config a C struct holds (0 / negative "auto" encodings -> None)."""
-        for name, names in (("mean", MEAN_MODES), ("policy", POLICIES)):
+        for name, names in (("mean", MEAN_MODES), ("policy", POLICIES), ("index", INDEXES), ("select", SELECTS)):
             if not 0 <= getattr(p, name) < len(names):
                 raise ValueError(f"llama_sparq_params.{name} = {getattr(p, name)} is not a known value")
         return cls(enabled=bool(p.enabled), k1=None if p.k1 == 0 else int(p.k1), k2=int(p.k2),
                    window=None if p.window < 0 else int(p.window), sinks=int(p.sinks),
                    mean=MEAN_MODES[p.mean], policy=POLICIES[p.policy],  # type: ignore[arg-type]
                    sparse_v_thresh=_shortest_f32(p.sparse_v_thresh), default_layout=bool(p.default_layout),
-                   prefill=bool(p.prefill), swa=bool(p.swa), min_n_kv=None if p.min_n_kv < 0 else int(p.min_n_kv))
+                   prefill=bool(p.prefill), swa=bool(p.swa), min_n_kv=None if p.min_n_kv < 0 else int(p.min_n_kv),
+                   index=INDEXES[p.index], select=SELECTS[p.select])  # type: ignore[arg-type]
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -189,7 +225,7 @@ KWARG_FIELDS: dict[str, str] = {
     "sparq": "enabled", "k1": "k1", "k2": "k2", "sparq_window": "window", "sparq_sinks": "sinks",
     "sparq_mean": "mean", "sparq_policy": "policy", "sparse_v_thresh": "sparse_v_thresh",
     "sparq_default_layout": "default_layout", "sparq_prefill": "prefill", "sparq_swa": "swa",
-    "sparq_min_n_kv": "min_n_kv",
+    "sparq_min_n_kv": "min_n_kv", "index": "index", "select": "select",
 }
 _FIELDS = tuple(f.name for f in fields(SparqConfig))
 
@@ -207,7 +243,8 @@ def config_from_kwargs(kwargs: Mapping[str, Any], base: SparqConfig, *, owner: s
                        field_names: bool = True) -> SparqConfig:
     """`base` with the settings named in kwargs (constructor names, and field names if field_names).
 
-    TypeError for an unknown name or one field named twice; ValueError for a bad value.
+    TypeError for an unknown name or one field named twice; ValueError for a bad value. Turning default_layout
+    on without naming the index takes the f16 index (that layout keeps no key copy to quantize).
     """
     known = set(KWARG_FIELDS) | (set(_FIELDS) if field_names else set())
     unknown = [k for k in kwargs if k not in known]
@@ -220,6 +257,8 @@ def config_from_kwargs(kwargs: Mapping[str, Any], base: SparqConfig, *, owner: s
         if field in changes:
             raise TypeError(f"{owner}() got {given_as[field]!r} and {key!r}, which both set {field!r}")
         changes[field], given_as[field] = value, key
+    if changes.get("default_layout") is True and "index" not in changes:
+        changes["index"] = "f16"
     return replace(base, **changes)
 
 
@@ -316,8 +355,51 @@ def transfer_elements(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = T
     return dense, sparq
 
 
-def transfer_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True) -> float:
-    """Dense / SparQ elements moved per KV head and decode step (`transfer_elements`)."""
-    dense, sparq = transfer_elements(n_kv, head_dim, k1, k2, mean)
-    return dense / sparq
+# Bytes a cache element takes, by llama.cpp's cache type name (-ctk / -ctv); a block type's block bytes over its 32
+# values.
+KV_TYPE_BYTES: dict[str, Fraction] = {
+    "f32": Fraction(4), "f16": Fraction(2), "bf16": Fraction(2), "q8_0": Fraction(34, 32), "q5_1": Fraction(24, 32),
+    "q5_0": Fraction(22, 32), "q4_1": Fraction(20, 32), "q4_0": Fraction(18, 32), "iq4_nl": Fraction(18, 32),
+}
+Q8_BLOCK = 32                      # cells of a component row that share one scale in the q8 index
+Q8_BLOCK_BYTES = 34                # their f16 scale and 32 int8 values
+Q8_INDEX_BYTES = Fraction(Q8_BLOCK_BYTES, Q8_BLOCK)
 
+
+def index_bytes(index: str, kv_type: str = "f16") -> Fraction:
+    """Bytes an index element (one key component of one cell in K^T) takes: 2 for the f16 index (whatever the
+    cache type), 34/32 for the q8 index. kv_type is checked only."""
+    if index not in INDEXES:
+        raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))}, got {index!r}")
+    if kv_type not in KV_TYPE_BYTES:
+        raise ValueError(f"kv_type must be one of {', '.join(map(repr, KV_TYPE_BYTES))}, got {kv_type!r}")
+    return Q8_INDEX_BYTES if index == "q8" else Fraction(2)
+
+
+def _transfer_bytes(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool, kv_type: str,
+                    index: str) -> tuple[Fraction, Fraction]:
+    dense, sparq = transfer_elements(n_kv, head_dim, k1, k2, mean)
+    b_idx = index_bytes(index, kv_type)  # checks both names
+    b_kv = KV_TYPE_BYTES[kv_type]
+    s, r = _as_int("n_kv", n_kv), _as_int("k1", k1)
+    return dense * b_kv, s * r * b_idx + (sparq - s * r) * b_kv
+
+
+def transfer_bytes(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True, *, kv_type: str = "f16",
+                   index: str = DEFAULT_INDEX) -> tuple[float, float]:
+    """(dense, SparQ) bytes moved per KV head and decode step: `transfer_elements` with the k1 rows of K^T at the
+    index's width (`index_bytes`) and every other element (K and V rows, the new k and v, the running V sum) at
+    the cache type's (`KV_TYPE_BYTES`).
+
+    dense = (2*S*d + 2*d) * b_kv; sparq = S*r*b_index + (2*k*d + 4*d) * b_kv (2*d without mean reallocation).
+    """
+    dense, sparq = _transfer_bytes(n_kv, head_dim, k1, k2, mean, kv_type, index)
+    return float(dense), float(sparq)
+
+
+def transfer_ratio(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True, *, kv_type: str = "f16",
+                   index: str = DEFAULT_INDEX) -> float:
+    """Dense / SparQ bytes moved per KV head and decode step (`transfer_bytes`). With the f16 index on an f16
+    cache this is the paper's ratio of elements."""
+    dense, sparq = _transfer_bytes(n_kv, head_dim, k1, k2, mean, kv_type, index)
+    return float(dense / sparq)

@@ -3,14 +3,35 @@
 
 #include "ggml-cpu.h"
 #include "ggml-cpu/ggml-cpu-impl.h"
+#include "ggml-cpu/simd-mappings.h"
 #include "ggml-impl.h"
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace attn_cpu {
 
 inline size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
+
+// ggml's q8_0 block: an f16 scale d and 32 int8 values, each worth d * q
+constexpr int64_t k_q8_0_block = 32;
+constexpr size_t  k_q8_0_bytes = 2 + k_q8_0_block;
+
+// n values (a multiple of 32) of q8_0 blocks as f32. Inline here, so that it is compiled for the CPU backend's
+// instruction set: the SparQ index streams through it (ggml-base's dequantizer is built for the baseline ISA)
+inline void q8_0_to_f32(const void * src, float * y, int64_t n) {
+    const uint8_t * b = static_cast<const uint8_t *>(src);
+    for (int64_t i = 0; i < n; i += k_q8_0_block, b += k_q8_0_bytes) {
+        ggml_fp16_t d16;
+        memcpy(&d16, b, sizeof(d16));
+        const float d = GGML_CPU_FP16_TO_FP32(d16);
+        const int8_t * qs = reinterpret_cast<const int8_t *>(b + 2);
+        for (int64_t j = 0; j < k_q8_0_block; ++j) {
+            y[i + j] = d * (float) qs[j];
+        }
+    }
+}
 
 // A row of n values of type `type` as f32: the source itself for f32, else converted into `buf`. Quantized
 // types (n a multiple of their block) are dequantized as ggml defines them.
@@ -20,6 +41,9 @@ inline const float * load_f32(const void * src, ggml_type type, int64_t n, float
         case GGML_TYPE_F16:  ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t *>(src), buf, n); return buf;
         case GGML_TYPE_BF16: ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t *>(src), buf, n); return buf;
         case GGML_TYPE_Q8_0:
+            GGML_ASSERT(n % k_q8_0_block == 0);
+            q8_0_to_f32(src, buf, n);
+            return buf;
         case GGML_TYPE_Q4_0:
         case GGML_TYPE_Q4_1:
         case GGML_TYPE_Q5_0:

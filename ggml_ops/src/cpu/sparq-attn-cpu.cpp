@@ -17,6 +17,7 @@
 
 #include "ggml-cpu.h"
 #include "ggml-cpu/ggml-cpu-impl.h"
+#include "ggml-cpu/simd-mappings.h"
 #include "ggml-cpu/vec.h"
 #include "ggml-impl.h"
 
@@ -299,9 +300,11 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
         // r rows of K^T: score[j] += q_i * KT[i, j]. Components outer, cells inner: each K^T row is read
         // as one long sequential run (the hardware prefetcher streams it), k_kt_block rows side by side,
         // converted to f32 in small sub-blocks that stay in L1; the chunk's scores stay in L2.
-        // a q8_0 index converts whole blocks of 32 cells (its rows are padded to them)
+        // A q8_0 index: a sub-block is one q8_0 block; its int8 values are converted as they are and the block's
+        // scale goes into the query coefficient (one multiply per block and component, not per cell).
         const ggml_type kt_type = c.kt->type;
-        const int64_t kt_blck = ggml_blck_size(kt_type);
+        const bool kt_q8 = kt_type == GGML_TYPE_Q8_0;
+        static_assert(k_kt_sub == attn_cpu::k_q8_0_block, "a sub-block is one q8_0 block");
         for (int64_t g = 0; g < G; ++g) {
             std::fill(e + g * n_kv + j0, e + g * n_kv + j1, 0.0f);
         }
@@ -314,14 +317,31 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
             for (int64_t b0 = j0; b0 < j1; b0 += k_kt_sub) {
                 const int64_t nb = std::min(k_kt_sub, j1 - b0);
                 const float * x[k_kt_block];
+                float xs[k_kt_block];  // the sub-block's scale per row
                 for (int64_t u = 0; u < k_kt_block; ++u) {
-                    x[u] = u < m ? load_f32(rows[u] + ggml_row_size(kt_type, b0), kt_type,
-                                            (nb + kt_blck - 1) / kt_blck * kt_blck, tmp + u * k_kt_sub) : x[0];
+                    if (u >= m) {
+                        x[u] = x[0];
+                        xs[u] = 0.0f;
+                    } else if (kt_q8) {
+                        const uint8_t * blk = (const uint8_t *) rows[u] + (b0 / k_kt_sub) * attn_cpu::k_q8_0_bytes;
+                        ggml_fp16_t d16;
+                        memcpy(&d16, blk, sizeof(d16));
+                        xs[u] = GGML_CPU_FP16_TO_FP32(d16);
+                        float * xu = tmp + u * k_kt_sub;
+                        const int8_t * qv = (const int8_t *) (blk + sizeof(d16));
+                        for (int64_t j = 0; j < k_kt_sub; ++j) {
+                            xu[j] = (float) qv[j];
+                        }
+                        x[u] = xu;
+                    } else {
+                        x[u] = load_f32(rows[u] + ggml_row_size(kt_type, b0), kt_type, nb, tmp + u * k_kt_sub);
+                        xs[u] = 1.0f;
+                    }
                 }
                 for (int64_t g = 0; g < G; ++g) {
                     float qv[k_kt_block];
                     for (int64_t u = 0; u < k_kt_block; ++u) {
-                        qv[u] = u < m ? qs[g * k1 + i + u] : 0.0f;
+                        qv[u] = qs[g * k1 + i + std::min(u, m - 1)] * xs[u];
                     }
                     float * eg = e + g * n_kv + b0;
                     const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];

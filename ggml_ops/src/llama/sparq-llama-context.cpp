@@ -1,5 +1,6 @@
 // SparQ settings of a llama_context: the C API (sparq-llama.h) and llama_context::set_sparq.
 #include "sparq-llama-internal.h"
+#include "sparq-llama-testing.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -9,6 +10,7 @@
 #include "llama-model.h"
 
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -79,12 +81,14 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
         } else {
             snprintf(dense_below, sizeof(dense_below), "%d", params.min_n_kv);
         }
+        const bool q8 = params.index == LLAMA_SPARQ_INDEX_Q8;
         LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
-                       "dense below n_kv = %s\n", __func__,
-                params.k1, params.k1 == 0 ? " (head_dim/4)" : "", params.k2,
+                       "index = %s, select = %s, dense below n_kv = %s\n", __func__,
+                params.k1, params.k1 == 0 ? (q8 ? " (head_dim/2)" : " (head_dim/4)") : "", params.k2,
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
-                params.default_layout ? "default (no K^T)" : "K^T", dense_below);
+                params.default_layout ? "default (no K^T)" : "K^T", q8 ? "q8" : "f16",
+                params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q", dense_below);
     }
 
     cparams.sparq = params;
@@ -99,6 +103,13 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
     gf_res_prev_active = nullptr;
 
     return 0;
+}
+
+// The graph's tensor budget (llama_context::graph_max_nodes) grows by what build_attn_sparq adds per layer at
+// most: the index write (up to 9 tensors), the cache read-backs (7), the V-sum and key-statistics upkeep (up to 11
+// each) and the op with its views (about 15), rounded up. Every view and reshape takes a tensor of the budget.
+uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & model) {
+    return cparams.sparq.enabled ? 64u*model.hparams.n_layer() : 0u;
 }
 
 const llama_sparq_params & llama_context::get_sparq() const {
@@ -138,7 +149,7 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
         return "params is NULL";
     }
     if (p->k1 < 0) {
-        return fail("k1 must be >= 0 (0: head_dim/4), got %d", p->k1);
+        return fail("k1 must be >= 0 (0: head_dim/4, head_dim/2 with the q8 index), got %d", p->k1);
     }
     if (p->k2 < 1) {
         return fail("k2 must be >= 1, got %d", p->k2);
@@ -164,6 +175,16 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
     }
     if (p->min_n_kv < -1) {
         return fail("min_n_kv must be >= 0 (or -1: the measured default), got %d", p->min_n_kv);
+    }
+    if (p->index < LLAMA_SPARQ_INDEX_F16 || p->index > LLAMA_SPARQ_INDEX_Q8) {
+        return fail("index must be f16 (0) or q8 (1), got %d", p->index);
+    }
+    if (p->select < LLAMA_SPARQ_SELECT_Q || p->select > LLAMA_SPARQ_SELECT_QSIGMA) {
+        return fail("select must be q (0) or qsigma (1), got %d", p->select);
+    }
+    if (p->default_layout && p->index != LLAMA_SPARQ_INDEX_F16) {
+        return "the q8 index quantizes the transposed K copy, which default_layout does not keep: use the f16 index "
+               "with default_layout";
     }
     if (ctx != nullptr && p->enabled && !ctx->get_cparams().flash_attn) {
         return "SparQ needs flash attention's row-major V cache; create the context with flash attention on "
@@ -209,4 +230,89 @@ void llama_context::sparq_sync() {
     if (cparams.sparq.enabled && memory) {
         memory_update(false);
     }
+}
+
+//
+// testing: the derived KV state as host arrays
+//
+
+int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out, size_t n_out,
+                               int64_t * ne_out, char * err, size_t err_size) {
+    auto fail = [&](const std::string & msg) {
+        if (err && err_size > 0) {
+            snprintf(err, err_size, "%s", msg.c_str());
+        }
+        return 1;
+    };
+    if (ctx == nullptr || ne_out == nullptr) {
+        return fail("ctx and ne_out must not be NULL");
+    }
+    std::vector<llama_kv_cache *> caches;
+    std::string msg;
+    if (!sparq_caches(ctx->get_memory(), true, caches, msg)) {
+        return fail(msg);
+    }
+    const sparq_kv_layer * L = nullptr;
+    const llama_kv_cache * L_kv = nullptr;
+    for (auto * kv : caches) {
+        if (const sparq_kv_layer * l = kv->sparq_layer(il)) {
+            L    = l;
+            L_kv = kv;
+            break;
+        }
+    }
+    if (L == nullptr || !L->active) {
+        return fail("layer " + std::to_string(il) + " has no SparQ state (SparQ off, or the layer is dense)");
+    }
+    if (what == 4 || what == 5) {
+        // the cells' occupancy per stream, or which cells of its stream each sequence holds (sequence s owns
+        // stream s unless the cache is unified)
+        const llama_kv_cache * kv = L_kv;
+        ne_out[0] = kv->get_size();
+        ne_out[1] = what == 4 ? kv->get_n_stream() : kv->get_n_seq_max();
+        ne_out[2] = 1;
+        if (out == nullptr) {
+            return 0;
+        }
+        if (n_out < (size_t) (ne_out[0]*ne_out[1])) {
+            return fail("out is too small for the cells");
+        }
+        for (int64_t s = 0; s < ne_out[1]; ++s) {
+            const auto & cells = kv->get_cells((llama_seq_id) s);
+            for (int64_t c = 0; c < ne_out[0]; ++c) {
+                const bool in = what == 4 ? !cells.is_empty((uint32_t) c) : cells.seq_has((uint32_t) c, (llama_seq_id) s);
+                out[s*ne_out[0] + c] = in ? 1.0f : 0.0f;
+            }
+        }
+        return 0;
+    }
+    const ggml_tensor * t = what == 0 ? L->k : what == 1 ? L->kt : what == 2 ? L->vsum : what == 3 ? L->kstat : nullptr;
+    if (t == nullptr) {
+        return fail("layer " + std::to_string(il) + " keeps no tensor " + std::to_string(what));
+    }
+    GGML_ASSERT(ggml_is_contiguous(t) && t->ne[3] == 1);
+    for (int i = 0; i < 3; ++i) {
+        ne_out[i] = t->ne[i];
+    }
+    if (out == nullptr) {
+        return 0;
+    }
+    if (n_out < (size_t) ggml_nelements(t)) {
+        return fail("out holds " + std::to_string(n_out) + " floats, the tensor " + std::to_string(ggml_nelements(t)));
+    }
+    std::vector<uint8_t> raw(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    const auto * traits = ggml_get_type_traits(t->type);
+    const int64_t n_rows = ggml_nrows(t);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const uint8_t * row = raw.data() + r*t->nb[1];
+        float * dst = out + r*t->ne[0];
+        if (t->type == GGML_TYPE_F32) {
+            memcpy(dst, row, t->ne[0]*sizeof(float));
+        } else {
+            GGML_ASSERT(traits->to_float != nullptr);
+            traits->to_float(row, dst, t->ne[0]);
+        }
+    }
+    return 0;
 }

@@ -1,6 +1,7 @@
 // SparQ in llama.cpp's attention graph: llm_graph_context::build_attn_sparq, called by both build_attn
 // variants (plain and sliding-window caches) after the new K and V rows are stored.
-//   - every ubatch: write the new keys into K^T and add the new values into the per-sequence V sums;
+//   - every ubatch: recompute the index (K^T) blocks the new keys fall in from K, add the new values into the
+//     per-sequence V sums and the new keys into the key statistics (select qsigma);
 //   - decode ubatches (one token per sequence), or every ubatch with --sparq-prefill, once the cache view
 //     holds at least min_n_kv cells: ggml_sparq_attn instead of flash attention.
 //   - a prepared prefix (sparq-squeeze-state.cpp): ggml_centroid_attn for every ubatch, before SparQ.
@@ -12,11 +13,47 @@
 #include "llama-graph.h"
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-memory-hybrid.h"
 
 #include <algorithm>
 #include <map>
 
 namespace {
+
+// The context of `kv` within a graph's memory context (plain, sliding-window pair or hybrid), or nullptr.
+const llama_kv_cache_context * sparq_kv_context(const llama_memory_context_i * mctx, const llama_kv_cache * kv) {
+    const llama_kv_cache_context * found[2] = { nullptr, nullptr };
+    if (const auto * c = dynamic_cast<const llama_kv_cache_context *>(mctx)) {
+        found[0] = c;
+    } else if (const auto * c = dynamic_cast<const llama_kv_cache_iswa_context *>(mctx)) {
+        found[0] = c->get_base();
+        found[1] = c->get_swa();
+    } else if (const auto * c = dynamic_cast<const llama_memory_hybrid_context *>(mctx)) {
+        found[0] = c->get_attn();
+    }
+    for (const auto * c : found) {
+        if (c && c->get_kv() == kv) {
+            return c;
+        }
+    }
+    return nullptr;
+}
+
+// Index blocks of B cells a ubatch writes, per stream of its slot: the most over its streams (the graph's shape)
+int64_t sparq_n_index_blocks(const llama_kv_cache::slot_info & sinfo, int64_t B) {
+    int64_t n_blk = 0;
+    for (const auto & idxs : sinfo.idxs) {
+        std::vector<int64_t> blocks;
+        blocks.reserve(idxs.size());
+        for (const auto c : idxs) {
+            blocks.push_back((int64_t) c/B);
+        }
+        std::sort(blocks.begin(), blocks.end());
+        n_blk = std::max<int64_t>(n_blk, std::unique(blocks.begin(), blocks.end()) - blocks.begin());
+    }
+    return n_blk;
+}
 
 // Per-graph inputs shared by all layers, created on first use and filled from the ubatch.
 class sparq_graph_input : public llm_graph_input_i {
@@ -41,15 +78,69 @@ public:
         return true;
     }
 
-    // K^T scatter indices, one set per (cache, key width): derived from the cache's own k_idxs input, which
-    // is set before this input (inputs are set in the order they were added)
-    struct kt_entry {
-        ggml_tensor * k_idxs;   // [n_tokens] I64: stream*kv_size + cell
-        int64_t       n_embd;   // n_embd_k_gqa
+    // The cells this ubatch writes, per cache, derived from the cache's own k_idxs input (stream*kv_size + cell,
+    // stream by stream), which is set before this input (inputs are set in the order they were added):
+    //   tok_cells [n_tokens] I32: each token's cell, to read the keys and values back as the cache holds them;
+    //   cells, mask, blk: the index blocks the writes touch, as sparq_index_write takes them (B = 1: the cells).
+    struct cache_entry {
+        const llama_kv_cache * kv;
+        ggml_tensor * k_idxs;     // [n_tokens] I64
         int64_t       kv_size;
-        ggml_tensor * kt_idxs;  // [n_tokens*n_embd] I64
+        uint32_t      s0;         // the slot's first stream
+        int64_t       ns;         // its streams
+        ggml_tensor * tok_cells = nullptr;
+        int64_t       B = 0, n_blk = 0;
+        ggml_tensor * cells = nullptr;   // [B*n_blk*ns] I32
+        ggml_tensor * mask  = nullptr;   // [B*n_blk*ns] f32 (B > 1)
+        ggml_tensor * blk   = nullptr;   // [n_blk, 1, ns] I64
     };
-    std::vector<kt_entry> kt;
+    std::vector<cache_entry> caches;
+
+    cache_entry & get_cache(const llama_kv_cache * kv, ggml_tensor * k_idxs, const llama_kv_cache::slot_info & sinfo) {
+        for (auto & e : caches) {
+            if (e.kv == kv) {
+                GGML_ASSERT(e.k_idxs == k_idxs);
+                return e;
+            }
+        }
+        cache_entry e = {};
+        e.kv      = kv;
+        e.k_idxs  = k_idxs;
+        e.kv_size = kv->get_size();
+        e.s0      = sinfo.s0;
+        e.ns      = sinfo.s1 - sinfo.s0 + 1;
+        caches.push_back(e);
+        return caches.back();
+    }
+
+    ggml_tensor * get_tok_cells(ggml_context * ctx, cache_entry & e) {
+        if (e.tok_cells == nullptr) {
+            e.tok_cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_tokens);
+            ggml_set_input(e.tok_cells);
+            ggml_set_name(e.tok_cells, "sparq_inp_tok_cells");
+        }
+        return e.tok_cells;
+    }
+
+    void ensure_index(ggml_context * ctx, cache_entry & e, const llama_kv_cache::slot_info & sinfo, int64_t B) {
+        if (e.cells) {
+            GGML_ASSERT(e.B == B); // one index type per cache
+            return;
+        }
+        e.B     = B;
+        e.n_blk = sparq_n_index_blocks(sinfo, B);
+        e.cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B*e.n_blk*e.ns);
+        e.blk   = ggml_new_tensor_3d(ctx, GGML_TYPE_I64, e.n_blk, 1, e.ns);
+        ggml_set_input(e.cells);
+        ggml_set_input(e.blk);
+        ggml_set_name(e.cells, "sparq_inp_index_cells");
+        ggml_set_name(e.blk, "sparq_inp_index_blk");
+        if (B > 1) {
+            e.mask = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, B*e.n_blk*e.ns);
+            ggml_set_input(e.mask);
+            ggml_set_name(e.mask, "sparq_inp_index_mask");
+        }
+    }
 
     // cell positions for the op's window and sinks, one per cache: [n_kv, 1, 1, ns] I32
     struct pos_entry {
@@ -63,19 +154,6 @@ public:
     ggml_tensor * onehot  = nullptr;            // [n_tokens, n_seq_max] f32: token t belongs to sequence s
     ggml_tensor * future  = nullptr;            // [n_tokens, n_tokens] f32: t2 is a later token of t's sequence
     std::map<int64_t, ggml_tensor *> ones;      // n_head_kv -> [1, n_head_kv, n_tokens] f32 of 1
-
-    ggml_tensor * get_kt_idxs(ggml_context * ctx, ggml_tensor * k_idxs, int64_t n_embd, int64_t kv_size) {
-        for (const auto & e : kt) {
-            if (e.k_idxs == k_idxs && e.n_embd == n_embd) {
-                return e.kt_idxs;
-            }
-        }
-        ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens*n_embd);
-        ggml_set_input(t);
-        ggml_set_name(t, "sparq_inp_kt_idxs");
-        kt.push_back({ k_idxs, n_embd, kv_size, t });
-        return t;
-    }
 
     ggml_tensor * get_pos(ggml_context * ctx, const llama_kv_cache * kv, uint32_t s0, int64_t n_kv, int64_t ns) {
         for (const auto & e : pos) {
@@ -127,19 +205,20 @@ public:
 
     void set_input(const llama_ubatch * ubatch) override {
         GGML_ASSERT(ubatch && (int64_t) ubatch->n_tokens == n_tokens);
-        for (const auto & e : kt) {
-            if (!allocated(e.kt_idxs)) {
+        for (const auto & e : caches) {
+            if (!allocated(e.tok_cells) && !allocated(e.cells)) {
                 continue;
             }
             GGML_ASSERT(allocated(e.k_idxs));
             const int64_t * src = (const int64_t *) e.k_idxs->data;
-            int64_t * dst = (int64_t *) e.kt_idxs->data;
-            for (int64_t t = 0; t < n_tokens; ++t) {
-                const int64_t stream = src[t] / e.kv_size;
-                const int64_t cell   = src[t] % e.kv_size;
-                for (int64_t j = 0; j < e.n_embd; ++j) {
-                    dst[t*e.n_embd + j] = (stream*e.n_embd + j)*e.kv_size + cell;
+            if (allocated(e.tok_cells)) {
+                int32_t * dst = (int32_t *) e.tok_cells->data;
+                for (int64_t t = 0; t < n_tokens; ++t) {
+                    dst[t] = (int32_t) src[t];
                 }
+            }
+            if (allocated(e.cells)) {
+                set_index(e, src);
             }
         }
         for (const auto & e : pos) {
@@ -197,8 +276,65 @@ public:
         }
     }
 
+    // the blocks of each stream, in the order the tokens first touch them; a stream with fewer blocks than n_blk
+    // writes its last one again (block 0 when it has none: recomputing any block from K leaves it as it is)
+    void set_index(const cache_entry & e, const int64_t * k_idxs) const {
+        GGML_ASSERT(allocated(e.blk) && (e.mask == nullptr || allocated(e.mask)));
+        int32_t * cdata = (int32_t *) e.cells->data;
+        int64_t * bdata = (int64_t *) e.blk->data;
+        float   * mdata = e.mask ? (float *) e.mask->data : nullptr;
+        std::vector<std::vector<int64_t>> blocks(e.ns);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            const int64_t stream = k_idxs[t] / e.kv_size;
+            const int64_t b      = (k_idxs[t] % e.kv_size) / e.B;
+            GGML_ASSERT(stream >= e.s0 && stream < e.s0 + e.ns);
+            auto & list = blocks[stream - e.s0];
+            if (std::find(list.begin(), list.end(), b) == list.end()) {
+                list.push_back(b);
+            }
+        }
+        for (int64_t s = 0; s < e.ns; ++s) {
+            const auto & list = blocks[s];
+            GGML_ASSERT((int64_t) list.size() <= e.n_blk && "the graph was built for fewer index blocks");
+            // a stream's cells: sequence s0+s owns stream s0+s unless the cache is unified (one stream)
+            const auto & cs = e.kv->get_cells(e.kv->get_n_stream() == 1 ? 0 : (llama_seq_id) (e.s0 + s));
+            for (int64_t i = 0; i < e.n_blk; ++i) {
+                const int64_t b = list.empty() ? 0 : list[std::min<int64_t>(i, (int64_t) list.size() - 1)];
+                bdata[s*e.n_blk + i] = b;
+                for (int64_t j = 0; j < e.B; ++j) {
+                    const int64_t c   = b*e.B + j;
+                    const int64_t out = (s*e.n_blk + i)*e.B + j;
+                    const bool    in  = c < e.kv_size;
+                    cdata[out] = (int32_t) ((e.s0 + s)*e.kv_size + (in ? c : 0));
+                    if (mdata) {
+                        // empty cells (and the padding past kv_size) count as 0 in a q8_0 block
+                        mdata[out] = in && !cs.is_empty((uint32_t) c) ? 1.0f : 0.0f;
+                    }
+                }
+            }
+        }
+    }
+
     bool can_reuse(const llm_graph_params & params) override {
-        return (int64_t) params.ubatch.n_tokens == n_tokens && one_seq_per_token(params.ubatch) == one_seq_each;
+        if ((int64_t) params.ubatch.n_tokens != n_tokens || one_seq_per_token(params.ubatch) != one_seq_each) {
+            return false;
+        }
+        // the graph's index writes have room for as many blocks per stream as the ubatch it was built for touched
+        for (const auto & e : caches) {
+            if (e.cells == nullptr) {
+                continue;
+            }
+            const llama_kv_cache_context * c = sparq_kv_context(params.mctx, e.kv);
+            if (c == nullptr) {
+                return false;
+            }
+            const auto & sinfo = c->get_sinfo();
+            if (sinfo.s0 != e.s0 || (int64_t) (sinfo.s1 - sinfo.s0 + 1) != e.ns ||
+                sparq_n_index_blocks(sinfo, e.B) != e.n_blk) {
+                return false;
+            }
+        }
+        return true;
     }
 };
 
@@ -226,9 +362,11 @@ void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
     }
 }
 
-// The running V sums (table [(d_v + 1)*n_head_kv, n_seq_max]) take this ubatch's values; returns the sums
-// each row sees (NULL unless select), after adding the graph's nodes that write the table back. The sums take V
-// as the cache stores it (rounded to its type), so a rebuild from the cache agrees.
+// A running per-sequence sum table (table [(d_v + 1)*n_head_kv, n_seq_max]: per head d_v sums and a count) takes
+// this ubatch's rows v_cur [d_v, n_head_kv, n_tokens]; returns the sums each row sees (NULL unless select), after
+// adding the graph's nodes that write the table back. The V sums pass V and its cache type (the rows are rounded
+// to it here); the key statistics pass [k, k*k] of the keys as stored, type f32. Either way the sums are over the
+// values the cache holds, so a rebuild from the cache agrees.
 ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, sparq_graph_input * inp, ggml_tensor * tab,
                                 ggml_tensor * v_cur, ggml_type type_v, int64_t d_v, int64_t h, bool select,
                                 bool need_future) {
@@ -312,18 +450,49 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
 
     const bool select = decode || sp.prefill;
 
-    // 1. the derived state follows this ubatch's writes
+    // 1. the derived state follows this ubatch's writes. The K and V writes (cpy_k, cpy_v) are already in the
+    // graph, and graph order is execution order, so reading the cache here reads this ubatch's rows too.
+    const auto & sinfo = mctx_cur->get_sinfo();
+    const int64_t n_head_kv = hparams.n_head_kv(il);
+    const int64_t d_k       = hparams.n_embd_head_k(il);
+    const int64_t d_v       = hparams.n_embd_head_v(il);
+    auto * entry = (k_cur || v_cur) ? &inp->get_cache(kv, k_idxs, sinfo) : nullptr;
+    // the ubatch's rows as the cache holds them, dequantized: [n_embd_gqa, n_tokens] f32
+    auto cache_rows = [&](ggml_tensor * x) {
+        ggml_tensor * x2d = ggml_reshape_2d(ctx0, x, x->ne[0], x->ne[1]*x->ne[2]);
+        return ggml_get_rows(ctx0, x2d, inp->get_tok_cells(ctx0, *entry));
+    };
+
     if (k_cur && L->kt) {
-        ggml_tensor * kt_idxs = inp->get_kt_idxs(ctx0, k_idxs, hparams.n_embd_k_gqa(il), kv->get_size());
-        ggml_build_forward_expand(gf, kv->sparq_cpy_kt(ctx0, k_cur, kt_idxs, il));
+        // recompute the index blocks the new keys fall in from K (q8_0: whole blocks of 32 cells)
+        inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
+        ggml_build_forward_expand(gf, sparq_index_write(ctx0, *L, entry->cells, entry->mask, entry->blk,
+                                                        entry->n_blk, entry->ns, entry->s0));
     }
 
+    const bool need_future = select && !decode;
     ggml_tensor * vsum_rows = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
     if (v_cur && L->vsum) {
-        const bool need_future = select && !decode;
         inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);  // one_seq_each implies select
-        vsum_rows = build_vsum_upkeep(ctx0, gf, inp, L->vsum, v_cur, mctx_cur->type_v(), hparams.n_embd_head_v(il),
-                                      hparams.n_head_kv(il), select, need_future);
+        ggml_tensor * v_new  = v_cur;
+        ggml_type     v_type = mctx_cur->type_v();
+        if (ggml_is_quantized(v_type)) {
+            // quantized V: the values as stored (the quantize/dequantize round trip), read back from the cache
+            ggml_tensor * r = cache_rows(L->v);
+            v_new  = ggml_view_3d(ctx0, r, d_v, n_head_kv, n_tokens, ggml_row_size(r->type, d_v), r->nb[1], 0);
+            v_type = GGML_TYPE_F32;
+        }
+        vsum_rows = build_vsum_upkeep(ctx0, gf, inp, L->vsum, v_new, v_type, d_v, n_head_kv, select, need_future);
+    }
+
+    ggml_tensor * kstat_rows = nullptr; // [(2*d_k + 1)*n_head_kv, n_tokens]: the key statistics each row sees
+    if (k_cur && L->kstat) {
+        inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);
+        // the keys as stored (rounded to K's type) and their squares, per head: [2*d_k, n_head_kv, n_tokens]
+        ggml_tensor * r3 = ggml_reshape_3d(ctx0, cache_rows(L->k), d_k, n_head_kv, n_tokens);
+        ggml_tensor * k2 = ggml_concat(ctx0, r3, ggml_sqr(ctx0, r3), 0);
+        kstat_rows = build_vsum_upkeep(ctx0, gf, inp, L->kstat, k2, GGML_TYPE_F32, 2*d_k, n_head_kv, select,
+                                       need_future);
     }
 
     if (!cparams.causal_attn) {
@@ -350,7 +519,6 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     }
 
     // 2. views in the shapes ggml_sparq_attn takes (as build_attn_mha prepares them for flash attention)
-    const auto & sinfo = mctx_cur->get_sinfo();
     ggml_tensor * v  = mctx_cur->get_v(ctx0, il);
     ggml_tensor * kt = L->kt ? kv->sparq_get_kt(ctx0, il, n_kv, sinfo) : nullptr;
     const int64_t ns = k->ne[3];
@@ -363,12 +531,19 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
 
     ggml_tensor * vsum = nullptr;
     if (vsum_rows) {
-        vsum = ggml_reshape_4d(ctx0, vsum_rows, hparams.n_embd_head_v(il) + 1, hparams.n_head_kv(il), n_tokens/ns, ns);
+        vsum = ggml_reshape_4d(ctx0, vsum_rows, d_v + 1, n_head_kv, n_tokens/ns, ns);
+    }
+    ggml_tensor * kstat = nullptr;
+    if (kstat_rows) {
+        kstat = ggml_reshape_4d(ctx0, kstat_rows, 2*d_k + 1, n_head_kv, n_tokens/ns, ns);
     }
 
-    const int64_t head_dim = hparams.n_embd_head_k(il);
+    // k1 by default: about 1/8 of dense attention's bytes read by the score pass (k1 rows of the index per cell
+    // against 2*d_k elements of K and V), so twice the components for the q8 index's half-size rows
+    const bool    q8_index = L->kt && L->kt->type == GGML_TYPE_Q8_0;
+    const int64_t k1_auto  = q8_index ? d_k/2 : d_k/4;
     ggml_sparq_params op = ggml_sparq_default_params();
-    op.k1              = sp.k1 > 0 ? sp.k1 : (int32_t) std::max<int64_t>(1, head_dim/4);
+    op.k1              = sp.k1 > 0 ? sp.k1 : (int32_t) std::max<int64_t>(1, k1_auto);
     op.k2              = sp.k2;
     op.window          = sp.window;
     op.sinks           = sp.sinks;
@@ -377,6 +552,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     op.scale           = kq_scale;
     op.softcap         = softcap;
     op.sparse_v_thresh = sp.sparse_v_thresh;
+    op.select          = sp.select == LLAMA_SPARQ_SELECT_QSIGMA ? GGML_SPARQ_SELECT_QSIGMA : GGML_SPARQ_SELECT_Q;
 
     if (const char * err = ggml_sparq_attn_check(qv, k, kt, v, kq_mask, vsum, &op)) {
         sparq_log_fallback(L, il, err);
@@ -387,6 +563,10 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     ggml_tensor * cur = ggml_sparq_attn(ctx0, qv, k, kt, v, kq_mask, vsum, op);
     // window and sinks by position: after seq_rm fills a hole, new tokens sit in lower cells than old ones
     ggml_sparq_attn_set_pos(cur, inp->get_pos(ctx0, kv, sinfo.s0, n_kv, ns));
+    if (kstat) {
+        // the running key statistics (select qsigma); without them the op computes them from the visible K
+        ggml_sparq_attn_set_kstat(cur, kstat);
+    }
     cb(cur, "sparq_attn", il);
     cur = ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     ggml_build_forward_expand(gf, cur);

@@ -23,11 +23,23 @@ struct sparq_kv_layer {
     bool          active = false;  // SparQ decodes this layer (otherwise dense, see reason)
     std::string   reason;          // why not active
     bool          mean_on = false; // mean-value reallocation resolved for this layer
-    ggml_tensor * kt   = nullptr;  // [kv_size, n_embd_k_gqa, n_stream] (K transposed per stream)
+    ggml_tensor * k    = nullptr;  // the cache's K [n_embd_k_gqa, kv_size, n_stream] (not owned): the index and
+                                   // the key statistics are computed from it
+    ggml_tensor * v    = nullptr;  // the cache's V [n_embd_v_gqa, kv_size, n_stream] (not owned)
+    ggml_tensor * kt   = nullptr;  // the index: K^T [row_len, n_embd_k_gqa, n_stream], row_len = kv_size (float
+                                   // index) or kv_size rounded up to 32 (q8_0: one block = 32 cells of a component)
     ggml_tensor * vsum = nullptr;  // [(n_embd_head_v + 1) * n_head_kv, n_seq_max] f32: per sequence,
                                    // per KV head, the sum of V over the sequence's cells and their count
+    ggml_tensor * kstat = nullptr; // [(2*n_embd_head_k + 1) * n_head_kv, n_seq_max] f32: per sequence and KV head,
+                                   // the sum of the keys, the sum of their squares, the count (select qsigma)
     mutable bool  logged = false;  // a graph-time fallback reason was logged
 };
+
+// Cells per index block: the index is recomputed from K a block at a time, so that a q8_0 block's scale is a
+// function of the cache's keys (and of which cells are occupied) only, not of the order they were written in.
+inline int64_t sparq_index_block(const ggml_tensor * kt) {
+    return kt->type == GGML_TYPE_Q8_0 ? ggml_blck_size(GGML_TYPE_Q8_0) : 1;
+}
 
 struct sparq_kv_state {
     llama_sparq_params params = {};
@@ -36,18 +48,43 @@ struct sparq_kv_state {
 
     std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
 
-    bool kt_dirty   = true; // K^T must be rebuilt from K (K-shift, state load, stream copy)
-    bool vsum_dirty = true; // V sums must be recomputed (cells removed, copied, cleared, state load)
+    bool kt_dirty    = true; // K^T must be rebuilt from K (K-shift, state load, stream copy; q8: cells freed)
+    bool vsum_dirty  = true; // V sums must be recomputed (cells removed, copied, cleared, state load)
+    bool kstat_dirty = true; // key statistics must be recomputed (whenever K^T or the V sums would be)
 
     bool has_kt() const {
         for (const auto & l : layers) { if (l.kt) { return true; } }
+        return false;
+    }
+    // a q8_0 index block depends on which of its cells are occupied (the empty ones count as 0)
+    bool has_block_index() const {
+        for (const auto & l : layers) { if (l.kt && sparq_index_block(l.kt) > 1) { return true; } }
         return false;
     }
     bool has_vsum() const {
         for (const auto & l : layers) { if (l.vsum) { return true; } }
         return false;
     }
+    bool has_kstat() const {
+        for (const auto & l : layers) { if (l.kstat) { return true; } }
+        return false;
+    }
 };
+
+// The tensors build_attn_sparq adds to a graph at most, for llama_context::graph_max_nodes (patch 0003).
+struct llama_cparams;
+struct llama_model;
+uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & model);
+
+// The index write of one layer for a set of blocks, as graph nodes (sparq-llama-kv.cpp); the ubatch writes and
+// the rebuild both use it. For each of ns streams (from stream s0) n_blk blocks of B = sparq_index_block(kt) cells:
+//   cells [B*n_blk*ns] I32: the flat cells (stream*kv_size + cell) to read from K, block by block
+//   mask  [B*n_blk*ns] f32 or NULL: 1 for an occupied cell, 0 for an empty one or one past kv_size (q8_0 index)
+//   blk   [n_blk, 1, ns] I64: each block's number within its component row
+// The K rows are read (dequantized to f32) after the graph's K write (graph order), so the index is a function
+// of the cache's K only. A stream with fewer blocks repeats one: writing a block twice writes the same values.
+ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, ggml_tensor * cells, ggml_tensor * mask,
+                                ggml_tensor * blk, int64_t n_blk, int64_t ns, uint32_t s0);
 
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
 // lives and, on a GPU, on the layer's GQA group. CPU: measured on the 2-core x86 machine with SmolLM2

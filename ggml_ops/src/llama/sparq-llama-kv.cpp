@@ -16,11 +16,42 @@
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 
-static bool sparq_kv_type_ok(ggml_type t) {
+static bool sparq_float_type(ggml_type t) {
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+static bool sparq_quant_type(ggml_type t) {
+    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 ||
+           t == GGML_TYPE_Q5_1;
+}
+
+// Why the op cannot read a cache tensor of this type and head dim ("" when it can): quantized rows are read a
+// block at a time, so each head must start on a block boundary.
+static std::string sparq_kv_type_reason(const char * what, ggml_type t, uint32_t head_dim) {
+    if (sparq_float_type(t)) {
+        return "";
+    }
+    if (!sparq_quant_type(t)) {
+        return std::string(what) + " cache type " + ggml_type_name(t) +
+               " (the op reads f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 caches)";
+    }
+    if (head_dim % ggml_blck_size(t) != 0) {
+        return std::string(what) + " cache type " + ggml_type_name(t) + " with head dim " + std::to_string(head_dim) +
+               " (not a multiple of the type's block of " + std::to_string(ggml_blck_size(t)) + ")";
+    }
+    return "";
+}
+
+// kt: some keys changed; cells: some cells changed their sequences (or were freed). A q8_0 index block counts its
+// empty cells as 0, so freed cells change it; the key statistics follow both the keys and the cells.
+static void sparq_mark_dirty(sparq_kv_state & st, bool kt, bool cells) {
+    st.kt_dirty    = st.kt_dirty    || (kt && st.has_kt()) || (cells && st.has_block_index());
+    st.vsum_dirty  = st.vsum_dirty  || (cells && st.has_vsum());
+    st.kstat_dirty = st.kstat_dirty || ((kt || cells) && st.has_kstat());
 }
 
 bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string & err) {
@@ -47,7 +78,7 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         auto & ctx = ctx_map[buft];
         if (!ctx) {
             ggml_init_params ip = {
-                /*.mem_size   =*/ 2u*layers.size()*ggml_tensor_overhead(),
+                /*.mem_size   =*/ 3u*layers.size()*ggml_tensor_overhead(),
                 /*.mem_buffer =*/ nullptr,
                 /*.no_alloc   =*/ true,
             };
@@ -71,9 +102,11 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
             L.reason = "Grok's attention logit scaling";
         } else if (hparams.use_alibi || hparams.f_max_alibi_bias > 0.0f) {
             L.reason = "ALiBi position bias";
-        } else if (!sparq_kv_type_ok(layer.k->type) || layer.v == nullptr || !sparq_kv_type_ok(layer.v->type)) {
-            L.reason = std::string("KV cache type ") + ggml_type_name(layer.k->type) +
-                       " (the op reads f32, f16 or bf16 caches)";
+        } else if (layer.v == nullptr) {
+            L.reason = "no V cache";
+        } else if (!(L.reason = sparq_kv_type_reason("K", layer.k->type, hparams.n_embd_head_k(il))).empty() ||
+                   !(L.reason = sparq_kv_type_reason("V", layer.v->type, hparams.n_embd_head_v(il))).empty()) {
+            // the reason is set
         } else if (params.k1 > 0 && (uint32_t) params.k1 > hparams.n_embd_head_k(il)) {
             L.reason = "k1 exceeds this layer's head dim";
         }
@@ -87,9 +120,19 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         L.mean_on = params.mean == LLAMA_SPARQ_MEAN_ON ||
                     (params.mean == LLAMA_SPARQ_MEAN_AUTO && hparams.n_head(il) == hparams.n_head_kv(il));
 
+        L.k = layer.k;
+        L.v = layer.v;
+        GGML_ASSERT(ggml_is_contiguous(layer.k) && layer.k->ne[1] == kv_size && layer.k->ne[2] == n_stream);
+        GGML_ASSERT(ggml_is_contiguous(layer.v) && layer.v->ne[1] == kv_size && layer.v->ne[2] == n_stream);
+
         ggml_context * ctx = ctx_for(ggml_backend_buffer_get_type(layer.k->buffer));
         if (!params.default_layout) {
-            L.kt = ggml_new_tensor_3d(ctx, layer.k->type, kv_size, hparams.n_embd_k_gqa(il), n_stream);
+            // q8: int8 blocks of 32 cells per component row (the row padded to whole blocks); f16: 2 bytes a
+            // component whatever the cache type (the dequantized keys rounded once)
+            const bool      q8      = params.index == LLAMA_SPARQ_INDEX_Q8;
+            const ggml_type kt_type = q8 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+            const int64_t   row_len = q8 ? GGML_PAD((int64_t) kv_size, ggml_blck_size(GGML_TYPE_Q8_0)) : kv_size;
+            L.kt = ggml_new_tensor_3d(ctx, kt_type, row_len, hparams.n_embd_k_gqa(il), n_stream);
             ggml_format_name(L.kt, "sparq_kt_l%u", il);
         }
         // sliding-window layers hide part of the sequence, so a per-sequence sum is not their mean: the op
@@ -98,6 +141,12 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
             L.vsum = ggml_new_tensor_2d(ctx, GGML_TYPE_F32,
                     (int64_t) (hparams.n_embd_head_v(il) + 1)*hparams.n_head_kv(il), n_seq_max);
             ggml_format_name(L.vsum, "sparq_vsum_l%u", il);
+        }
+        // the same for the keys' per-component spread (select qsigma): sliding-window layers leave it to the op
+        if (params.select == LLAMA_SPARQ_SELECT_QSIGMA && !swa) {
+            L.kstat = ggml_new_tensor_2d(ctx, GGML_TYPE_F32,
+                    (int64_t) (2*hparams.n_embd_head_k(il) + 1)*hparams.n_head_kv(il), n_seq_max);
+            ggml_format_name(L.kstat, "sparq_kstat_l%u", il);
         }
     }
 
@@ -115,13 +164,22 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
             return false;
         }
         ggml_backend_buffer_clear(buf, 0);
-        LLAMA_LOG_INFO("%s: %10s SparQ K^T + V-sum buffer size = %8.2f MiB\n", __func__,
-                ggml_backend_buffer_name(buf), ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+        std::string index_types; // the index types on this buffer (every layer's, usually one)
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t != nullptr; t = ggml_get_next_tensor(ctx.get(), t)) {
+            const bool is_kt = std::string(ggml_get_name(t)).rfind("sparq_kt_", 0) == 0;
+            if (is_kt && index_types.find(ggml_type_name(t->type)) == std::string::npos) {
+                index_types += (index_types.empty() ? "" : ",") + std::string(ggml_type_name(t->type));
+            }
+        }
+        LLAMA_LOG_INFO("%s: %10s SparQ K^T (%s) + V-sum + key-stat buffer size = %8.2f MiB\n", __func__,
+                ggml_backend_buffer_name(buf), index_types.empty() ? "none" : index_types.c_str(),
+                ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
         st->ctxs_bufs.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
     }
 
-    st->kt_dirty   = st->has_kt();
-    st->vsum_dirty = st->has_vsum();
+    st->kt_dirty    = st->has_kt();
+    st->vsum_dirty  = st->has_vsum();
+    st->kstat_dirty = st->has_kstat();
     sparq = std::move(st);
     return true;
 }
@@ -155,8 +213,7 @@ void llama_kv_cache::sparq_invalidate(bool kt, bool vsum, int32_t keys_stream, l
     if (!sparq) {
         return;
     }
-    sparq->kt_dirty   = sparq->kt_dirty   || (kt   && sparq->has_kt());
-    sparq->vsum_dirty = sparq->vsum_dirty || (vsum && sparq->has_vsum());
+    sparq_mark_dirty(*sparq, kt, vsum);
 }
 
 // seq_rm: only a removal that touches some sequence's cells changes the V sums (llama-cpp-python calls
@@ -165,8 +222,13 @@ void llama_kv_cache::sparq_invalidate_range(llama_seq_id seq_id, llama_pos p0, l
     if (squeeze) {
         squeeze->check = true;
     }
-    if (!sparq || sparq->vsum_dirty || !sparq->has_vsum()) {
+    if (!sparq) {
         return;
+    }
+    const bool clean = (!sparq->has_vsum() || sparq->vsum_dirty) && (!sparq->has_kstat() || sparq->kstat_dirty) &&
+                       (!sparq->has_block_index() || sparq->kt_dirty);
+    if (clean) {
+        return; // nothing a removal could make stale
     }
     for (llama_seq_id s = 0; s < (llama_seq_id) n_seq_max; ++s) {
         if (seq_id >= 0 && s != seq_id) {
@@ -176,7 +238,7 @@ void llama_kv_cache::sparq_invalidate_range(llama_seq_id seq_id, llama_pos p0, l
         const llama_pos lo = cells.seq_pos_min(s);
         const llama_pos hi = cells.seq_pos_max(s);
         if (lo >= 0 && hi >= p0 && lo < p1) {
-            sparq->vsum_dirty = true;
+            sparq_mark_dirty(*sparq, false, true);
             return;
         }
     }
@@ -190,7 +252,7 @@ void llama_kv_cache::sparq_stream_copied(uint32_t s_src, uint32_t s_dst) {
 }
 
 bool llama_kv_cache::sparq_pending() const {
-    return (sparq && (sparq->kt_dirty || sparq->vsum_dirty)) || (squeeze && squeeze->check);
+    return (sparq && (sparq->kt_dirty || sparq->vsum_dirty || sparq->kstat_dirty)) || (squeeze && squeeze->check);
 }
 
 void llama_kv_cache::sparq_memory_breakdown(std::map<ggml_backend_buffer_type_t, size_t> & ret) const {
@@ -226,34 +288,56 @@ ggml_tensor * llama_kv_cache::sparq_get_kt(ggml_context * ctx, int32_t il, uint3
         return nullptr;
     }
     ggml_tensor * kt = L->kt;
-    const uint64_t kv_size   = get_size();
+    const int64_t  row_len   = kt->ne[0];
+    const int64_t  n_kt      = GGML_PAD((int64_t) n_kv, sparq_index_block(kt)); // whole q8_0 blocks
     const uint64_t head_dim  = hparams.n_embd_head_k(il);
     const uint64_t n_embd    = kt->ne[1];
     const uint32_t ns        = sinfo.s1 - sinfo.s0 + 1;
+    GGML_ASSERT(n_kt <= row_len);
 
-    // [n_kv, head_dim, n_head_kv, ns]: the layout ggml_sparq_attn takes as kt
+    // [n_kt, head_dim, n_head_kv, ns]: the layout ggml_sparq_attn takes as kt
     return ggml_view_4d(ctx, kt,
-            n_kv, head_dim, hparams.n_head_kv(il), ns,
-            ggml_row_size(kt->type, kv_size),
-            ggml_row_size(kt->type, kv_size*head_dim),
-            ggml_row_size(kt->type, kv_size*n_embd),
-            ggml_row_size(kt->type, kv_size*n_embd)*sinfo.s0);
+            n_kt, head_dim, hparams.n_head_kv(il), ns,
+            ggml_row_size(kt->type, row_len),
+            ggml_row_size(kt->type, row_len*head_dim),
+            ggml_row_size(kt->type, row_len*n_embd),
+            ggml_row_size(kt->type, row_len*n_embd)*sinfo.s0);
 }
 
-// Element-wise scatter of k_cur [head_dim, n_head_kv, n_tokens] into K^T; kt_idxs holds, for token t and
-// component j, the flat index ((stream*n_embd_k_gqa + j)*kv_size + cell) (the transposed-V recipe).
-ggml_tensor * llama_kv_cache::sparq_cpy_kt(ggml_context * ctx, ggml_tensor * k_cur, ggml_tensor * kt_idxs, int32_t il) const {
-    const sparq_kv_layer * L = sparq_layer(il);
-    GGML_ASSERT(L && L->kt);
+ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, ggml_tensor * cells, ggml_tensor * mask,
+                                ggml_tensor * blk, int64_t n_blk, int64_t ns, uint32_t s0) {
+    ggml_tensor * kt = L.kt;
+    ggml_tensor * k  = L.k;
+    GGML_ASSERT(kt && k);
 
-    if (!ggml_is_contiguous(k_cur)) {
-        k_cur = ggml_cont(ctx, k_cur);
+    const int64_t B        = sparq_index_block(kt);
+    const int64_t n_embd   = k->ne[0];
+    const int64_t kv_size  = k->ne[1];
+    const int64_t n_stream = k->ne[2];
+    const int64_t row_len  = kt->ne[0];
+    const int64_t n_cells  = B*n_blk*ns;
+
+    GGML_ASSERT(kt->ne[1] == n_embd && kt->ne[2] == n_stream && row_len % B == 0 && row_len >= kv_size);
+    GGML_ASSERT(s0 + ns <= n_stream);
+    GGML_ASSERT(cells->type == GGML_TYPE_I32 && ggml_nelements(cells) == n_cells);
+    GGML_ASSERT(mask == nullptr || (mask->type == GGML_TYPE_F32 && ggml_nelements(mask) == n_cells));
+    GGML_ASSERT(blk->type == GGML_TYPE_I64 && blk->ne[0] == n_blk && blk->ne[1] == 1 && blk->ne[2] == ns);
+
+    // the blocks' cells, dequantized: [n_embd, B*n_blk*ns] f32 (the cell index is global across the streams)
+    ggml_tensor * rows = ggml_get_rows(ctx, ggml_reshape_2d(ctx, k, n_embd, kv_size*n_stream), cells);
+    if (mask) {
+        // empty cells (and those past kv_size) count as 0, so a block depends on the occupied cells only
+        rows = ggml_mul(ctx, rows, ggml_reshape_2d(ctx, mask, 1, n_cells));
     }
-    ggml_tensor * src = ggml_reshape_2d(ctx, k_cur, 1, ggml_nelements(k_cur));
-    ggml_tensor * dst = ggml_reshape_2d(ctx, L->kt, 1, ggml_nelements(L->kt));
-    GGML_ASSERT(kt_idxs->ne[0] == ggml_nelements(k_cur));
+    // [n_embd, B, n_blk, ns] -> [B, n_blk, n_embd, ns]: one row of B cells per (block, component)
+    rows = ggml_reshape_4d(ctx, rows, n_embd, B, n_blk, ns);
+    rows = ggml_cont(ctx, ggml_permute(ctx, rows, 2, 0, 1, 3));
 
-    return ggml_set_rows(ctx, dst, src, kt_idxs);
+    // K^T of the streams as rows of B cells: [B, row_len/B, n_embd, ns]; blk picks the row within the component
+    // row and is shared by every component (set_rows broadcasts it over dim 2)
+    ggml_tensor * dst = ggml_view_4d(ctx, kt, B, row_len/B, n_embd, ns,
+            ggml_row_size(kt->type, B), kt->nb[1], kt->nb[2], kt->nb[2]*s0);
+    return ggml_set_rows(ctx, dst, rows, blk);
 }
 
 //
@@ -262,36 +346,92 @@ ggml_tensor * llama_kv_cache::sparq_cpy_kt(ggml_context * ctx, ggml_tensor * k_c
 
 namespace {
 
-// One-hot cell -> sequence matrices per stream, [n_used, n_seq_max] f32, filled from the cells.
+// The rebuild's host inputs, filled from the cells.
 class sparq_rebuild_input : public llm_graph_input_i {
 public:
-    struct entry {
-        const llama_kv_cells * cells;
-        ggml_tensor * onehot;
-    };
-    std::vector<entry> entries;
+    const llama_kv_cells_vec * cells = nullptr; // per stream
+    uint32_t kv_size   = 0;
     uint32_t n_seq_max = 0;
+
+    std::vector<ggml_tensor *> onehot;  // per stream: [n_used, n_seq_max] f32, cell c holds sequence s (or nullptr)
+    ggml_tensor * iota = nullptr;       // [max n_used] I32: 0, 1, 2, ...
+
+    // the index blocks of every stream's used cells, per block size B: as sparq_index_write takes them
+    struct index_entry {
+        int64_t B, n_blk;
+        ggml_tensor * cells, * mask, * blk;
+    };
+    std::vector<index_entry> index;
 
     void set_input(const llama_ubatch * ubatch) override {
         GGML_UNUSED(ubatch);
-        for (const auto & e : entries) {
-            GGML_ASSERT(ggml_backend_buffer_is_host(e.onehot->buffer));
-            float * data = (float *) e.onehot->data;
-            const int64_t n_used = e.onehot->ne[0];
-            for (uint32_t s = 0; s < n_seq_max; ++s) {
+        const int64_t n_stream = (int64_t) cells->size();
+        for (int64_t s = 0; s < n_stream; ++s) {
+            ggml_tensor * oh = onehot[s];
+            if (oh == nullptr) {
+                continue;
+            }
+            GGML_ASSERT(ggml_backend_buffer_is_host(oh->buffer));
+            float * data = (float *) oh->data;
+            const int64_t n_used = oh->ne[0];
+            for (uint32_t q = 0; q < n_seq_max; ++q) {
                 for (int64_t c = 0; c < n_used; ++c) {
-                    data[s*n_used + c] = e.cells->seq_has(c, s) ? 1.0f : 0.0f;
+                    data[q*n_used + c] = (*cells)[s].seq_has(c, q) ? 1.0f : 0.0f;
+                }
+            }
+        }
+        if (iota) {
+            GGML_ASSERT(ggml_backend_buffer_is_host(iota->buffer));
+            int32_t * data = (int32_t *) iota->data;
+            for (int64_t i = 0; i < iota->ne[0]; ++i) {
+                data[i] = (int32_t) i;
+            }
+        }
+        for (const auto & e : index) {
+            GGML_ASSERT(ggml_backend_buffer_is_host(e.cells->buffer) && ggml_backend_buffer_is_host(e.blk->buffer));
+            GGML_ASSERT(e.mask == nullptr || ggml_backend_buffer_is_host(e.mask->buffer));
+            int32_t * cdata = (int32_t *) e.cells->data;
+            int64_t * bdata = (int64_t *) e.blk->data;
+            float   * mdata = e.mask ? (float *) e.mask->data : nullptr;
+            for (int64_t s = 0; s < n_stream; ++s) {
+                const auto & cs = (*cells)[s];
+                const int64_t n_blk_s = ((int64_t) cs.used_max_p1() + e.B - 1)/e.B;
+                for (int64_t b = 0; b < e.n_blk; ++b) {
+                    // a stream with fewer blocks writes its last one again (block 0 when it has none)
+                    const int64_t blk = n_blk_s == 0 ? 0 : std::min(b, n_blk_s - 1);
+                    bdata[s*e.n_blk + b] = blk;
+                    for (int64_t i = 0; i < e.B; ++i) {
+                        const int64_t c   = blk*e.B + i;
+                        const int64_t out = (s*e.n_blk + b)*e.B + i;
+                        const bool    in  = c < (int64_t) kv_size;
+                        cdata[out] = (int32_t) (s*kv_size + (in ? c : 0));
+                        if (mdata) {
+                            mdata[out] = in && !cs.is_empty((uint32_t) c) ? 1.0f : 0.0f;
+                        }
+                    }
                 }
             }
         }
     }
 };
 
+// Per sequence and head the sums of x over the sequence's cells followed by their count: x [w*h, n_used] f32 (a
+// stream's cells 0..n_used-1), onehot [n_used, n_seq] -> [w + 1, h, n_seq]
+ggml_tensor * sparq_seq_sums(ggml_context * ctx, ggml_tensor * x, int64_t w, int64_t h, ggml_tensor * onehot) {
+    const int64_t n_seq = onehot->ne[1];
+    GGML_ASSERT(x->ne[0] == w*h && x->ne[1] == onehot->ne[0]);
+    ggml_tensor * x_t  = ggml_cont(ctx, ggml_transpose(ctx, x));                 // [n_used, w*h]
+    ggml_tensor * sums = ggml_mul_mat(ctx, x_t, onehot);                         // [w*h, n_seq]
+    ggml_tensor * cnt  = ggml_sum_rows(ctx, onehot);                             // [1, n_seq]
+    cnt = ggml_repeat_4d(ctx, ggml_reshape_3d(ctx, cnt, 1, 1, n_seq), 1, h, n_seq, 1);
+    return ggml_concat(ctx, ggml_reshape_3d(ctx, sums, w, h, n_seq), cnt, 0);
+}
+
 } // namespace
 
 bool llama_kv_cache::sparq_update(llama_context * lctx) {
     sparq_squeeze_access::verify(*this); // host only: whether the prepared prefix's cells still hold it
-    if (!sparq || !(sparq->kt_dirty || sparq->vsum_dirty)) {
+    if (!sparq || !(sparq->kt_dirty || sparq->vsum_dirty || sparq->kstat_dirty)) {
         return false;
     }
 
@@ -305,25 +445,56 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
     ggml_cgraph  * gf  = res->get_gf();
 
     auto inp = std::make_unique<sparq_rebuild_input>();
+    inp->cells     = &v_cells;
+    inp->kv_size   = get_size();
     inp->n_seq_max = n_seq_max;
+    inp->onehot.assign(n_stream, nullptr);
 
     const uint32_t kv_size = get_size();
     std::vector<uint32_t> n_used(n_stream);
+    uint32_t max_used = 0;
     for (uint32_t s = 0; s < n_stream; ++s) {
         n_used[s] = v_cells[s].used_max_p1();
+        max_used  = std::max(max_used, n_used[s]);
     }
 
-    std::vector<ggml_tensor *> onehot(n_stream, nullptr);
-    if (sparq->vsum_dirty) {
+    // the sums read every used cell of each stream, dequantized (get_rows of cells 0..n_used-1)
+    const bool sums = (sparq->vsum_dirty && sparq->has_vsum()) || (sparq->kstat_dirty && sparq->has_kstat());
+    if (sums && max_used > 0) {
         for (uint32_t s = 0; s < n_stream; ++s) {
             if (n_used[s] == 0) {
                 continue;
             }
-            onehot[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_used[s], n_seq_max);
-            ggml_set_input(onehot[s]);
-            inp->entries.push_back({ &v_cells[s], onehot[s] });
+            inp->onehot[s] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_used[s], n_seq_max);
+            ggml_set_input(inp->onehot[s]);
         }
+        inp->iota = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, max_used);
+        ggml_set_input(inp->iota);
     }
+
+    // the index inputs, one set per block size: every stream's blocks up to its last used cell
+    auto index_inputs = [&](int64_t B) -> const sparq_rebuild_input::index_entry & {
+        for (const auto & e : inp->index) {
+            if (e.B == B) {
+                return e;
+            }
+        }
+        int64_t n_blk = 0;
+        for (uint32_t s = 0; s < n_stream; ++s) {
+            n_blk = std::max<int64_t>(n_blk, ((int64_t) n_used[s] + B - 1)/B);
+        }
+        sparq_rebuild_input::index_entry e = { B, n_blk, nullptr, nullptr, nullptr };
+        e.cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, B*n_blk*n_stream);
+        e.blk   = ggml_new_tensor_3d(ctx, GGML_TYPE_I64, n_blk, 1, n_stream);
+        ggml_set_input(e.cells);
+        ggml_set_input(e.blk);
+        if (B > 1) {
+            e.mask = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, B*n_blk*n_stream);
+            ggml_set_input(e.mask);
+        }
+        inp->index.push_back(e);
+        return inp->index.back();
+    };
 
     int n_work = 0;
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
@@ -331,49 +502,53 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
         const auto & L     = sparq->layers[ikv];
         const uint32_t il  = layer.il;
 
-        if (sparq->kt_dirty && L.kt) {
-            const int64_t n_embd = layer.k->ne[0];
-            for (uint32_t s = 0; s < n_stream; ++s) {
-                if (n_used[s] == 0) {
-                    continue;
-                }
-                ggml_tensor * k_s = ggml_view_2d(ctx, layer.k, n_embd, n_used[s], layer.k->nb[1],
-                        ggml_row_size(layer.k->type, n_embd*kv_size)*s);
-                ggml_tensor * kt_s = ggml_view_2d(ctx, L.kt, n_used[s], n_embd, L.kt->nb[1],
-                        ggml_row_size(L.kt->type, kv_size*n_embd)*s);
-                ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, k_s), kt_s));
-                n_work++;
-            }
+        if (sparq->kt_dirty && L.kt && max_used > 0) {
+            const auto & e = index_inputs(sparq_index_block(L.kt));
+            ggml_build_forward_expand(gf, sparq_index_write(ctx, L, e.cells, e.mask, e.blk, e.n_blk, n_stream, 0));
+            n_work++;
         }
 
-        if (sparq->vsum_dirty && L.vsum) {
-            const int64_t d_v = hparams.n_embd_head_v(il);
-            const int64_t h   = hparams.n_head_kv(il);
+        // per sequence sums over a stream's rows of x [n_embd_x, kv_size, n_stream] (d components a head, then
+        // with squares their squares too)
+        auto rebuild_sums = [&](ggml_tensor * table, ggml_tensor * x, int64_t d, int64_t h, bool squares) {
+            const int64_t w = squares ? 2*d : d;
             ggml_tensor * acc = nullptr;
             for (uint32_t s = 0; s < n_stream; ++s) {
-                if (onehot[s] == nullptr) {
+                if (inp->onehot[s] == nullptr) {
                     continue;
                 }
-                ggml_tensor * v_s = ggml_view_2d(ctx, layer.v, d_v*h, n_used[s], layer.v->nb[1],
-                        layer.v->nb[1]*kv_size*s);
-                ggml_tensor * v_t  = ggml_cont(ctx, ggml_transpose(ctx, v_s));          // [n_used, d_v*h]
-                ggml_tensor * sums = ggml_mul_mat(ctx, v_t, onehot[s]);                  // [d_v*h, n_seq]
-                ggml_tensor * cnt  = ggml_sum_rows(ctx, onehot[s]);                      // [1, n_seq]
-                cnt = ggml_repeat_4d(ctx, ggml_reshape_3d(ctx, cnt, 1, 1, n_seq_max), 1, h, n_seq_max, 1);
-                ggml_tensor * aug = ggml_concat(ctx, ggml_reshape_3d(ctx, sums, d_v, h, n_seq_max), cnt, 0);
+                ggml_tensor * x_s = ggml_view_2d(ctx, x, x->ne[0], kv_size, x->nb[1], x->nb[2]*s);
+                ggml_tensor * r   = ggml_get_rows(ctx, x_s, ggml_view_1d(ctx, inp->iota, n_used[s], 0));
+                if (x->ne[0] != d*h) {
+                    r = ggml_view_2d(ctx, r, d*h, n_used[s], r->nb[1], 0); // V rows may be padded
+                }
+                if (squares) {
+                    // the keys and their squares, per head: [2d, h, n_used]
+                    ggml_tensor * r3 = ggml_reshape_3d(ctx, ggml_is_contiguous(r) ? r : ggml_cont(ctx, r), d, h, n_used[s]);
+                    r = ggml_reshape_2d(ctx, ggml_concat(ctx, r3, ggml_sqr(ctx, r3), 0), w*h, n_used[s]);
+                }
+                ggml_tensor * aug = sparq_seq_sums(ctx, r, w, h, inp->onehot[s]);
                 acc = acc ? ggml_add(ctx, acc, aug) : aug;
             }
             if (acc == nullptr) {
-                ggml_backend_tensor_memset(L.vsum, 0, 0, ggml_nbytes(L.vsum)); // no cells: all sums are 0
+                ggml_backend_tensor_memset(table, 0, 0, ggml_nbytes(table)); // no cells: all sums are 0
             } else {
-                ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, acc, L.vsum->ne[0], n_seq_max), L.vsum));
+                ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_2d(ctx, acc, table->ne[0], n_seq_max), table));
                 n_work++;
             }
+        };
+
+        if (sparq->vsum_dirty && L.vsum) {
+            rebuild_sums(L.vsum, layer.v, hparams.n_embd_head_v(il), hparams.n_head_kv(il), false);
+        }
+        if (sparq->kstat_dirty && L.kstat) {
+            rebuild_sums(L.kstat, layer.k, hparams.n_embd_head_k(il), hparams.n_head_kv(il), true);
         }
     }
 
-    sparq->kt_dirty   = false;
-    sparq->vsum_dirty = false;
+    sparq->kt_dirty    = false;
+    sparq->vsum_dirty  = false;
+    sparq->kstat_dirty = false;
 
     if (n_work == 0) {
         return false;
@@ -383,7 +558,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
 
     if (!ggml_backend_sched_alloc_graph(sched, gf)) {
         LLAMA_LOG_ERROR("%s: SparQ: failed to allocate the graph that rebuilds the derived KV state\n", __func__);
-        sparq->kt_dirty = sparq->vsum_dirty = true;
+        sparq->kt_dirty = sparq->vsum_dirty = sparq->kstat_dirty = true;
         return false;
     }
 
@@ -391,7 +566,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
 
     if (lctx->graph_compute(gf, false) != GGML_STATUS_SUCCESS) {
         LLAMA_LOG_ERROR("%s: SparQ: failed to rebuild the derived KV state\n", __func__);
-        sparq->kt_dirty = sparq->vsum_dirty = true;
+        sparq->kt_dirty = sparq->vsum_dirty = sparq->kstat_dirty = true;
         return false;
     }
 

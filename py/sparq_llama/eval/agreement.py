@@ -7,10 +7,12 @@ callback copies out each layer's roped queries and keys (the tensors llama.cpp n
 row (causal: every earlier cell is visible), with the GQA group's heads summed as the op does:
 
     exact  = top-k2 cells of sum_g softmax(sigma q_g . K)
-    approx = top-k2 cells of sum_g p_hat_g, p_hat from the k1 largest |q| components (float64 reference)
+    approx = top-k2 cells of sum_g p_hat_g, p_hat as the op computes it with the default index and selection
+             (float64 reference; the q8 index quantizes the row's visible keys, empty cells 0, as a cache holds them)
     agreement = |exact & approx| / k2
 
-at the k1 of each target transfer ratio for that length. No window or sinks: this isolates the score
+at the k1 of each target transfer ratio for that length (labels "1/2", "1/4", "1/8"), and with the "f16-q"
+ablation also for the paper's index (f16 K^T, components of largest |q|) at 1/4 and 1/8 ("1/8-f16-q"). No window or sinks: this isolates the score
 approximation. sigma = 1/sqrt(head_dim) (Llama-family and Gemma-3's query_pre_attn_scalar = head_dim).
 Every layer is measured; the means are over the layers SparQ runs on by default (read off the graph: the
 capture context has SparQ on with k2 above the window length, which is exact attention, and sliding-window
@@ -30,7 +32,8 @@ from .. import _bindings as C
 from .. import reference as ref
 from ..sparq import SparqConfig
 from ..sparq import apply as apply_sparq
-from .settings import K2, TARGET_RATIOS, k1_for_ratio, ratio_label
+from ..sparq import DEFAULT_INDEX, DEFAULT_SELECT
+from .settings import K2, PAPER_INDEX, PAPER_INDEX_RATIOS, TARGET_RATIOS, k1_for_ratio, ratio_label
 from .tasks import PPL_WORKS, _Corpus
 
 if TYPE_CHECKING:
@@ -119,10 +122,10 @@ class QKCapture:
                                "(this measurement needs a RoPE attention model)")
 
 
-def window_agreement(q: np.ndarray, k: np.ndarray, first_row: int, k1s: dict[str, int], k2: int,
+def window_agreement(q: np.ndarray, k: np.ndarray, first_row: int, k1s: dict[str, tuple[int, str, str]], k2: int,
                      n_head_kv: int) -> dict[str, np.ndarray]:
-    """Mean agreement [n_head_kv] per ratio label for query rows q [n_rows, n_head, d] at positions
-    first_row.. against keys k [n_tok, n_head_kv, d] (row t sees cells 0..first_row + t)."""
+    """Mean agreement [n_head_kv] per label for query rows q [n_rows, n_head, d] at positions first_row.. against
+    keys k [n_tok, n_head_kv, d] (row t sees cells 0..first_row + t); k1s: label -> (k1, select, index)."""
     n_rows, n_head, d = q.shape
     group = n_head // n_head_kv
     sigma = 1.0 / math.sqrt(d)
@@ -133,9 +136,21 @@ def window_agreement(q: np.ndarray, k: np.ndarray, first_row: int, k1s: dict[str
             kk = k[:n_vis, h].astype(np.float64)
             qg = q[t, h * group:(h + 1) * group].astype(np.float64)
             exact = ref.exact_top_cells(qg, kk, k2, scale=sigma)
-            for label, k1 in k1s.items():
-                approx = ref.approx_top_cells(qg, kk, k1, k2, scale=sigma)
+            for label, (k1, select, index) in k1s.items():
+                approx = ref.approx_top_cells(qg, kk, k1, k2, scale=sigma, select=select, index=index)
                 out[label][h] += np.intersect1d(exact, approx).size / k2 / n_rows
+    return out
+
+
+def variants(n_kv: int, head_dim: int, mean: bool, ablations: tuple[str, ...]) -> dict[str, list]:
+    """label -> [k1, select, index]: the default index and selection at each target ratio, and with the "f16-q"
+    ablation the paper's at its ratios (k1 by each index's bytes)."""
+    out = {ratio_label(r): [k1, DEFAULT_SELECT, DEFAULT_INDEX] for r in TARGET_RATIOS
+           if (k1 := k1_for_ratio(r, n_kv, head_dim, K2, mean, index=DEFAULT_INDEX))}
+    if "f16-q" in ablations:
+        index, select = PAPER_INDEX
+        out.update({f"{ratio_label(r)}-f16-q": [k1, select, index] for r in PAPER_INDEX_RATIOS
+                    if (k1 := k1_for_ratio(r, n_kv, head_dim, K2, mean, index=index))})
     return out
 
 
@@ -147,13 +162,12 @@ def measure(engine: Engine, cfg: EvalConfig, done: dict[str, Any], *, progress: 
     jobs = [(n, w) for n in cfg.agreement_lengths for w in range(cfg.agreement_windows)]
     for length, w in tqdm(jobs, desc="selection agreement", unit="window", disable=not progress):
         key = f"{length}/{w}"
-        if key in result.get("windows", {}):
+        first_row = length - cfg.agreement_rows
+        k1s = variants(first_row, engine.shape.head_dim, engine.shape.mean_auto, cfg.ablations)
+        if result.get("windows", {}).get(key, {}).get("k1") == k1s:
             continue
         rng = random.Random(f"agreement/{cfg.seed}/{length}/{w}")
         tokens = [engine.bos] + corpus.window(PPL_WORKS[w % len(PPL_WORKS)], length - 1, rng)
-        first_row = length - cfg.agreement_rows
-        k1s = {ratio_label(r): k1 for r in TARGET_RATIOS
-               if (k1 := k1_for_ratio(r, first_row, engine.shape.head_dim, K2, engine.shape.mean_auto))}
         cap = QKCapture(engine, length, keep_q_from=first_row)
         try:
             cap.prefill(tokens)
@@ -178,8 +192,9 @@ def _summary(windows: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for win in windows.values():
         for label, layers in win["per_layer"].items():
+            k1, select, index = win["k1"][label]
             slot = out.setdefault(str(win["length"]), {}).setdefault(
-                label, {"k1": win["k1"][label], "sparq_layers": win["sparq_layers"], "cells": []})
+                label, {"k1": k1, "select": select, "index": index, "sparq_layers": win["sparq_layers"], "cells": []})
             slot["cells"].append(np.asarray(layers))         # [n_layer, n_head_kv]
     for by_ratio in out.values():
         for slot in by_ratio.values():

@@ -94,7 +94,8 @@ def markdown(data: dict[str, Any]) -> str:
     for length, by_ratio in sorted(agree.items(), key=lambda kv: int(kv[0])):
         if lines:
             lines.append("")
-        parts = [f"{label} (k1={v['k1']}): {100 * v['mean']:.1f}% ± {100 * v['se']:.1f} (lowest: layer "
+        parts = [f"{label} (k1={v['k1']}, {v['index']} index, select {v['select']}): {100 * v['mean']:.1f}% ± "
+                 f"{100 * v['se']:.1f} (lowest: layer "
                  f"{v['min_layer']}, {100 * v['per_layer'][v['min_layer']]:.0f}%)" for label, v in by_ratio.items()]
         n_sparq = len(next(iter(by_ratio.values()))["sparq_layers"])
         lines += [f"Selection agreement at {length} tokens (share of the exact top-128 found, over the {n_sparq} "
@@ -144,7 +145,7 @@ def _per_length(data: dict[str, Any]) -> list[str]:
 
 
 def _setting_order(name: str) -> tuple[int, str]:
-    order = ["dense", "sparq-1/2", "sparq-1/4", "sparq-1/8", "exact", "window"]
+    order = ["dense", "sparq-1/2", "sparq-1/4", "sparq-1/8", "sparq-1/4-f16-q", "sparq-1/8-f16-q", "exact", "window"]
     return (order.index(name), name) if name in order else (len(order), name)
 
 
@@ -175,6 +176,11 @@ def plot(data: dict[str, Any], path: Path) -> bool:
             e = [s[err] for s in sparq]
             ax.plot(x, y, "o-", label="SparQ")
             ax.fill_between(x, [a - b for a, b in zip(y, e)], [a + b for a, b in zip(y, e)], alpha=0.25)
+        paper = sorted((s for s in ts if s["setting"].endswith("-f16-q")), key=lambda s: s["transfer"])
+        if paper:
+            x, y, e = [s["transfer"] for s in paper], [s[key] for s in paper], [s[err] for s in paper]
+            ax.plot(x, y, "x--", label="SparQ, f16 index, |q|")
+            ax.fill_between(x, [a - b for a, b in zip(y, e)], [a + b for a, b in zip(y, e)], alpha=0.15)
         for fam, marker in (("exact", "s"), ("window", "^")):
             for s in ts:
                 if s["family"] == fam:

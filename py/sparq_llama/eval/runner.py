@@ -74,6 +74,8 @@ class EvalConfig:
         if mode not in PRESETS:
             raise ValueError(f"mode must be one of {', '.join(PRESETS)}, got {mode!r}")
         base = dict(PRESETS[mode].get(model, PRESETS[mode]["*"]))
+        if mode == "index":  # the full mode's examples
+            base = {**PRESETS["full"].get(model, PRESETS["full"]["*"]), **base}
         return cls(model=model, **{**base, **overrides})
 
     @property
@@ -111,6 +113,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "*": {"tasks": ("retrieval",), "retrieval_lengths": (16384,), "retrieval_depths": (0.0, 0.25, 0.5, 0.75, 1.0),
               "retrieval_per_cell": 1, "retrieval_distractors": 1, "ablations": (),
               "only": ("sparq-1/2", "sparq-1/4", "sparq-1/8", "exact", "window")},
+    },
+    # the index and selection against the paper's (f16 K^T, components of largest |q|) at 1/4 and 1/8 of dense
+    # bytes: the full mode's examples, the main settings only
+    "index": {
+        "*": {"ablations": ("f16-q",), "only": ("sparq-1/4", "sparq-1/8", "sparq-1/4-f16-q", "sparq-1/8-f16-q",
+                                                  "exact", "window")},
     },
     # how to spend the 1/8 budget: k2 = 64 / 128 / 256 with k1 by the recipe (perplexity: the low-noise metric)
     "budget": {
@@ -178,6 +186,7 @@ def _run_example(engine: Engine, ex: _tasks.Example, data: dict[str, Any], cfg: 
         rec.update(task=ex.task, example=ex.id, length=ex.length, n_kv=ex.n_kv, setting=s.name,
                    family=s.family, transfer=s.transfer, seconds=round(time.perf_counter() - t0, 3),
                    k1=s.config.k1 if s.config else None, k2=s.config.k2 if s.config else None,
+                   index=s.config.index if s.config else None, select=s.config.select if s.config else None,
                    **{k: v for k, v in ex.meta.items() if k in ("depth", "answer", "work")})
         data["records"][f"{ex.id}|{s.name}"] = rec
     engine.apply(None)
