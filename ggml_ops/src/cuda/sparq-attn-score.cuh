@@ -341,7 +341,10 @@ __host__ inline size_t query_smem(const sparq_args & a) {
 }
 
 // Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
-// for kernel A.
+// for kernel A. QSIGMA: select qsigma (a.p.select); an instance of its own, so that select q runs the code it ran
+// before qsigma existed (ptxas, sm_90a: the same 40 registers and 8 bytes of spill; one instance serving both took
+// 48 registers and 40 bytes of spill).
+template <bool QSIGMA>
 __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ double smq_d[];  // layout: query_smem
     __shared__ int i1[MAX_HEAD_DIM];
@@ -354,14 +357,13 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
-    const bool qsigma = a.p.select == GGML_SPARQ_SELECT_QSIGMA;
-    float * smq   = (float *) (smq_d + query_red_doubles(a));
-    float * sigma = qsigma ? smq + 2*d : nullptr;
-    if (qsigma) {
+    float * smq   = (float *) (smq_d + (QSIGMA ? query_red_doubles(a) : 0));
+    float * sigma = QSIGMA ? smq + 2*d : nullptr;
+    if constexpr (QSIGMA) {
         key_sigma(a, c, sigma, smq_d);
     }
     if (query_fast(d, G)) {
-        float * qrow = smq + (qsigma ? 3 : 2)*d;
+        float * qrow = smq + (QSIGMA ? 3 : 2)*d;
         row_query_fast(a, c, sigma, smq, (int *) (smq + d), qrow, i1, fac);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
             const int64_t g = idx / k1, i = idx % k1;

@@ -508,10 +508,14 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
-        if (pol == SC_KT || pol == SC_GATHER) {
-            ensure_smem<sparq_query>(smem_q);
-            ggml_cuda_kernel_launch(sparq_query, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream),
-                                    a, s, r0);
+        if ((pol == SC_KT || pol == SC_GATHER) && a.p.select == GGML_SPARQ_SELECT_QSIGMA) {
+            ensure_smem<sparq_query<true>>(smem_q);
+            ggml_cuda_kernel_launch(sparq_query<true>,
+                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
+        } else if (pol == SC_KT || pol == SC_GATHER) {
+            ensure_smem<sparq_query<false>>(smem_q);
+            ggml_cuda_kernel_launch(sparq_query<false>,
+                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
         }
         launch_all(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0);
 #ifdef SPARQ_CUDA_INSTRUMENT
