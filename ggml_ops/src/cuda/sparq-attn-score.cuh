@@ -58,12 +58,11 @@ __device__ __forceinline__ void load_raw8_stream(const float * p, raw8<float> & 
 }
 
 // A q8_0 index (K^T rows as ggml's q8_0 blocks of 32 cells): a thread's 8 cells lie in one block (j0 is a multiple
-// of 8), kept as loaded, the block's f16 scale and the 8 int8 values; value = q * d in f32, as ggml's q8_0 (the CPU
-// kernel converts the block the same way). The 34-byte blocks allow only 2-byte loads.
+// of 8), kept as loaded, the block's f16 scale and the 8 int8 values. raw8_at gives the int8 value as a float; the
+// scale goes into the query coefficient (q_i * d, then times the value), as the CPU kernel folds it: the same
+// products, one multiply per block rather than per cell. The 34-byte blocks allow only 2-byte loads.
 template <> struct raw8<block_q8_0> { uint2 q; half d; };
-__device__ __forceinline__ float raw8_at(const raw8<block_q8_0> & r, int i) {
-    return __fmul_rn((float) (int8_t) byte_of(r.q, i), __half2float(r.d));
-}
+__device__ __forceinline__ float raw8_at(const raw8<block_q8_0> & r, int i) { return (float) (int8_t) byte_of(r.q, i); }
 
 // Cells [j0, j0 + 8) of a K^T row (the byte address of the row): 16-byte streaming loads of a float index, the block's
 // scale and values of a q8_0 index.
@@ -506,6 +505,10 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                         continue;
                     }
                     float xf[A_CELLS];
+                    float xscale = 1.0f;  // a q8_0 block's scale, folded into the query coefficient below
+                    if constexpr (KT_Q8) {
+                        xscale = vec ? __half2float(x[uu].d) : 0.0f;
+                    }
                     if (vec) {
 #pragma unroll
                         for (int u = 0; u < A_CELLS; ++u) {
@@ -525,7 +528,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                     }
 #pragma unroll
                     for (int g = 0; g < NG; ++g) {
-                        const float qv = qs[g*k1 + i + uu];
+                        const float qv = KT_Q8 ? __fmul_rn(qs[g*k1 + i + uu], xscale) : qs[g*k1 + i + uu];
 #pragma unroll
                         for (int u = 0; u < A_CELLS; ++u) {
                             acc[g][u] += qv * xf[u];
