@@ -340,9 +340,9 @@ __host__ inline size_t query_smem(const sparq_args & a) {
 }
 
 // Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
-// for kernel A. QSIGMA: select qsigma (a.p.select); an instance of its own, so that select q runs the code it ran
-// before qsigma existed (ptxas, sm_90a: the same 40 registers and 8 bytes of spill; one instance serving both took
-// 48 registers and 40 bytes of spill).
+// for kernel A. QSIGMA: select qsigma (a.p.select), an instance of its own, so that select q's instance holds none of
+// its code (ptxas, sm_90a: select q's instance 40 registers and 8 bytes of spill; one instance serving both took 48
+// registers and 40 bytes of spill).
 template <bool QSIGMA>
 __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ double smq_d[];  // layout: query_smem
