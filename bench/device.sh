@@ -154,9 +154,10 @@ stage_test() {
 }
 
 # compute-sanitizer over the CUDA op tests' small cases: SparQ rows through both selection paths (the cluster kernel
-# at 4 to 36 cells per thread: 5000- to 70000-cell rows), the centroid op and k-means. Time-boxed.
-SPARQ_MEMCHECK="(random_case and (33 or 77 or 250 or 401)) or (window_and_sinks and 5) or (long_sequences and on and (shape0 or shape1 or shape2 or shape5 or shape6))"
-SPARQ_RACECHECK="(random_case and 33) or (window_and_sinks and 2) or (long_sequences and on and (shape0 or shape5 or shape6))"
+# at 4 to 36 cells per thread: 5000- to 70000-cell rows), the index types, qsigma with and without kstat, quantized
+# and mixed K/V types, the centroid op and k-means. Time-boxed.
+SPARQ_MEMCHECK="(random_case and (33 or 77 or 250 or 401)) or (window_and_sinks and 5) or (long_sequences and on and (shape0 or shape1 or shape2 or shape5 or shape6)) or (index_select_and_kv_type and (q4_1 or q5_0 or q8_0-q8 or f32-f16)) or (mixed_k_and_v and off) or (exact_and_window and q5_1) or (long_rows_with_q8 and (shape1 or shape3))"
+SPARQ_RACECHECK="(random_case and 33) or (window_and_sinks and 2) or (long_sequences and on and (shape0 or shape5 or shape6)) or (index_select_and_kv_type and (q5_1-q8 or bf16-none)) or (mixed_k_and_v and q4_0 and off) or (long_rows_with_q8 and shape3)"
 CENTROID_MEMCHECK="(matches_reference_and_cpu and (0-0.1 or 3-0.3 or 6-0.1 or 8-0.3)) or selected_cells or threshold_zero or without_visible or (kmeans and not 7b)"
 CENTROID_RACECHECK="(matches_reference_and_cpu and (1-0.1 or 6-0.3)) or (selected_cells and 3) or (kmeans_matches and 32)"
 

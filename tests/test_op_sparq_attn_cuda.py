@@ -12,6 +12,10 @@ forces one (see ggml_ops/src/cuda/sparq-attn.cu). The library reads it once per 
 test_cases_pass_with_each_selection_kernel_forced runs this file's selection cases again in a subprocess under each
 value; the whole file runs under one value with e.g.
 `SPARQ_CUDA_SELECT=sweep python -m pytest tests/test_op_sparq_attn_cuda.py`.
+
+The random cases draw the index (f16, q8_0 blocks, none), the selection (q, qsigma) and quantized caches; the
+matrix below runs every combination of K/V type, index and selection (qsigma with and without the key sums) on
+cases of the same generator, and mixed K/V types, the exact and window policies and long rows on quantized caches.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ import sparq_llama
 from sparq_llama import ops, reference
 from test_op_sparq_attn import (
     CASES,
+    QUANT,
+    TOL,
     assert_close,
     case_inputs,
     make_case,
@@ -54,6 +60,143 @@ def test_random_case_matches_reference_and_cpu(case):
     assert_close(got, cpu, case["kv_dtype"], case)
 
 
+def key_sums(k: np.ndarray, mask: np.ndarray | None, kv_dtype: str, n_q: int) -> np.ndarray:
+    """kstat [ns, n_q, n_head_kv, 2d + 1] (sum of the visible keys as the cache holds them, of their squares, their
+    count) of keys [ns, n_head_kv, n_kv, d] under a mask [n_q, n_kv] or [ns, n_q, n_kv] (None: all visible)."""
+    kr = ops.kv_round(k, kv_dtype)
+    ns, n_head_kv, n_kv, d = kr.shape
+    m = np.ones((1, n_q, n_kv), dtype=bool) if mask is None else (mask[None] if mask.ndim == 2 else mask)
+    out = np.zeros((ns, n_q, n_head_kv, 2 * d + 1))
+    for s in range(ns):
+        for t in range(n_q):
+            vis = m[s % m.shape[0], t]
+            out[s, t, :, :d] = kr[s][:, vis].sum(axis=1)
+            out[s, t, :, d:2 * d] = (kr[s][:, vis] ** 2).sum(axis=1)
+            out[s, t, :, 2 * d] = vis.sum()
+    return out
+
+
+def cuda_cpu_reference(q, k, v, mask, kv_dtype, *, v_dtype=None, **kw):
+    """(cuda, cpu, reference) outputs with K and V of their own types (v_dtype None: kv_dtype)."""
+    v_dtype = kv_dtype if v_dtype is None else v_dtype
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, v_dtype=v_dtype, backend="cuda", **kw)
+    cpu = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, v_dtype=v_dtype, n_threads=2, **kw)
+    ref_kw = {key: val for key, val in kw.items() if key not in ("layout", "kstat")}
+    ref_kw["index"] = None if kw.get("layout") == "default" else kw.get("index", "f16")
+    qr = q.astype(np.float32).astype(np.float64)
+    kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, v_dtype)
+    masks = [None] * q.shape[0] if mask is None else ([mask] * q.shape[0] if mask.ndim == 2 else list(mask))
+    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], masks[s], **ref_kw) for s in range(q.shape[0])])
+    return got, cpu, want
+
+
+def assert_close_types(got, want, kv_dtype, v_dtype, ctx):
+    assert_close(got, want, max((kv_dtype, v_dtype), key=TOL.get), ctx)
+
+
+# Every K/V type x index (f16, q8_0 blocks, none: the default layout gathers from K) x selection (q, qsigma from the
+# key sums, qsigma computed from K), each on cases of the random generator that select (policy sparq, more visible
+# cells than k2) and allow the type (quantized: head dims multiples of 32).
+KV_TYPES = ("f32", "f16", "bf16") + QUANT
+INDEXES = ("f16", "q8", "none")
+SELECTS = ("q", "qsigma_kstat", "qsigma")
+N_MATRIX_CASES = 3
+
+
+def matrix_cases(kv_dtype: str, index: str, select: str) -> list[dict]:
+    """N_MATRIX_CASES random cases that suit the combination, a different run of them for each combination."""
+    start = (KV_TYPES.index(kv_dtype) * 9 + INDEXES.index(index) * 3 + SELECTS.index(select)) * 7 % len(CASES)
+    picked = []
+    for i in range(len(CASES)):
+        case = CASES[(start + i) % len(CASES)]
+        quant_ok = case["d"] % 32 == 0 and case["d_v"] % 32 == 0
+        if case["policy"] == "sparq" and case["k2"] < case["n_kv"] // 2 and (kv_dtype not in QUANT or quant_ok):
+            picked.append(case)
+        if len(picked) == N_MATRIX_CASES:
+            break
+    return picked
+
+
+@pytest.mark.parametrize("select", SELECTS)
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("kv_dtype", KV_TYPES)
+def test_index_select_and_kv_type_match_reference_and_cpu(kv_dtype, index, select):
+    for case in matrix_cases(kv_dtype, index, select):
+        q, k, v, mask, kw = case_inputs(case)
+        kw.update(layout="default" if index == "none" else "kt", index="f16" if index == "none" else index,
+                  select="q" if select == "q" else "qsigma")
+        if select == "qsigma_kstat":
+            kw["kstat"] = key_sums(k, mask, kv_dtype, q.shape[2])
+        got, cpu, want = cuda_cpu_reference(q, k, v, mask, kv_dtype, **kw)
+        ctx = dict(case, kv_dtype=kv_dtype, index=index, select=select)
+        assert_close(got, want, kv_dtype, ctx)
+        assert_close(got, cpu, kv_dtype, ctx)
+
+
+@pytest.mark.parametrize("k_dtype,v_dtype", [("f16", "q8_0"), ("q8_0", "f16"), ("q4_0", "q8_0"), ("q5_1", "q4_1"),
+                                             ("f32", "bf16"), ("bf16", "q5_0")])
+@pytest.mark.parametrize("mean", ["on", "off"])
+def test_mixed_k_and_v_types_match_reference_and_cpu(k_dtype, v_dtype, mean):
+    # K and V of different types read through the kernels' run-time types (the scores, the values, the mean over V)
+    rng = np.random.default_rng(300 + QUANT.index(v_dtype) if v_dtype in QUANT else 301)
+    q, k, v = make_case(rng, n_head_kv=2, group=2, n_q=2, n_kv=1500, d=128, d_v=64)
+    mask = make_mask(rng, "causal", 2, 1500)
+    for layout, select in (("kt", "qsigma"), ("default", "q")):
+        got, cpu, want = cuda_cpu_reference(q, k, v, mask, k_dtype, v_dtype=v_dtype, k1=32, k2=64, mean=mean,
+                                            layout=layout, select=select, index="q8" if layout == "kt" else "f16")
+        ctx = dict(k_dtype=k_dtype, v_dtype=v_dtype, mean=mean, layout=layout)
+        assert_close_types(got, want, k_dtype, v_dtype, ctx)
+        assert_close_types(got, cpu, k_dtype, v_dtype, ctx)
+
+
+@pytest.mark.parametrize("policy", ["exact", "window"])
+@pytest.mark.parametrize("kv_dtype", QUANT)
+def test_exact_and_window_policies_on_quantized_caches_match_reference_and_cpu(kv_dtype, policy):
+    # the exact scores dequantize whole K rows; the window policy's mean averages quantized V (no vsum)
+    rng = np.random.default_rng(400 + QUANT.index(kv_dtype))
+    q, k, v = make_case(rng, n_head_kv=2, group=1, n_q=2, n_kv=3000, d=64, d_v=64)
+    mask = make_mask(rng, "holes", 2, 3000)
+    got, cpu, want = cuda_cpu_reference(q, k, v, mask, kv_dtype, k1=16, k2=96, sinks=2, mean="on", policy=policy,
+                                        softcap=30.0 if policy == "exact" else 0.0)
+    assert_close(got, want, kv_dtype, dict(kv_dtype=kv_dtype, policy=policy))
+    assert_close(got, cpu, kv_dtype, dict(kv_dtype=kv_dtype, policy=policy))
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT)
+def test_quantized_cache_with_k2_covering_the_context_equals_dense_attention(kv_dtype):
+    rng = np.random.default_rng(8)
+    q, k, v = make_case(rng, n_head_kv=2, group=2, n_q=2, n_kv=300, d=64, d_v=64)
+    mask = make_mask(rng, "causal", 2, 300)
+    got = ops.sparq_attn(q, k, v, mask, k1=16, k2=300, kv_dtype=kv_dtype, index="q8", select="qsigma", backend="cuda")
+    dense = reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], kv_dtype),
+                                 ops.kv_round(v[0], kv_dtype), mask)
+    assert_close(got[0], dense, kv_dtype, "k2 >= visible")
+
+
+@pytest.mark.parametrize("shape", [
+    dict(n_head_kv=4, group=1, d=128, n_kv=33000, k1=32, k2=128, kv_dtype="q8_0"),   # Llama-2 heads, q8_0 cache
+    dict(n_head_kv=2, group=4, d=128, n_kv=40001, k1=16, k2=256, kv_dtype="q4_0"),   # Llama-3 heads, n_kv % 32 != 0
+    dict(n_head_kv=1, group=2, d=256, n_kv=20000, k1=64, k2=128, kv_dtype="f16"),    # d = 256: one thread per component
+    dict(n_head_kv=2, group=1, d=512, n_kv=9000, k1=64, k2=128, kv_dtype="q5_1"),    # d = 512: more components than threads
+    dict(n_head_kv=2, group=1, d=128, n_kv=70000, k1=32, k2=128, kv_dtype="q8_0"),   # past the cluster kernel's rows
+])
+@pytest.mark.parametrize("select", ["qsigma", "qsigma_kstat"])
+def test_long_rows_with_q8_index_and_qsigma_match_reference_and_cpu(shape, select):
+    # the q8_0 index over many chunks (its last block padded), sigma from K over every visible cell, or from kstat
+    rng = np.random.default_rng(shape["n_kv"] + 1)
+    q, k, v = make_case(rng, n_head_kv=shape["n_head_kv"], group=shape["group"], n_q=2, n_kv=shape["n_kv"],
+                        d=shape["d"], d_v=shape["d"])
+    k[..., : shape["d"] // 4] += rng.standard_normal(shape["d"] // 4) * 3.0  # a shared offset: qsigma ranks these low
+    mask = make_mask(rng, "causal", 2, shape["n_kv"])
+    kv_dtype = shape["kv_dtype"]
+    kw = dict(k1=shape["k1"], k2=shape["k2"], mean="on", index="q8", select="qsigma")
+    if select == "qsigma_kstat":
+        kw["kstat"] = key_sums(k, mask, kv_dtype, q.shape[2])
+    got, cpu, want = cuda_cpu_reference(q, k, v, mask, kv_dtype, **kw)
+    assert_close(got, want, kv_dtype, shape)
+    assert_close(got, cpu, kv_dtype, shape)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_window_and_sinks_follow_cell_positions(seed):
     # distinct positions take the fast path; repeated ones the exact fallback over all cells
@@ -69,11 +212,13 @@ def test_window_and_sinks_follow_cell_positions(seed):
     kv_dtype = str(rng.choice(["f16", "f32"]))
     kw = dict(k1=d // 4, k2=int(rng.choice([16, 64, 128])), sinks=int(rng.choice([0, 3])),
               policy=str(rng.choice(["sparq", "exact", "window"])), mean=str(rng.choice(["on", "off"])))
-    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, pos=pos, backend="cuda",
-                         layout=str(rng.choice(["kt", "default"])), **kw)
+    layout = str(rng.choice(["kt", "default"]))
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype=kv_dtype, pos=pos, backend="cuda", layout=layout, **kw)
     qr = q.astype(np.float32).astype(np.float64)
     kr, vr = ops.kv_round(k, kv_dtype), ops.kv_round(v, kv_dtype)
-    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], **kw) for s in range(ns)])
+    index = "f16" if layout == "kt" else None  # the op's f16 index, or K itself
+    want = np.stack([reference.sparq_attn(qr[s], kr[s], vr[s], mask, pos=pos[s], index=index, **kw)
+                     for s in range(ns)])
     assert_close(got, want, kv_dtype, dict(seed=seed, **kw))
 
 
@@ -244,7 +389,7 @@ def test_vsum_rows_equals_reference_and_cpu_bit_for_bit(case):
 # of the testing switch. Under "cluster" kernel PBS takes every row it can hold, however many rows (the waves test
 # too); only the 260000-cell rows fall back to P, B, S.
 FORCED_SELECTION_CASES = ("window_and_sinks or long_sequences or underflow or mha_rows or waves or covering "
-                          "or empty_rows")
+                          "or empty_rows or long_rows_with_q8_index")
 
 
 @pytest.mark.skipif(os.environ.get("SPARQ_CUDA_SELECT", "auto") != "auto",

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -138,8 +139,9 @@ enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4,
 
 struct sparq_args {
     const char * q; const char * k; const char * kt; const char * v;
-    const char * mask; const char * vsum; const char * pos;
+    const char * mask; const char * vsum; const char * pos; const char * kstat;
     char * dst;
+    ggml_type k_type, kt_type, v_type;  // read through dequant1 / dequant8 where a kernel runs for kv_any
     int64_t d, d_v, n_q, n_head, n_head_kv, ns, n_kv, group;
     size_t q_nb1, q_nb2, q_nb3;
     size_t k_nb1, k_nb2, k_nb3;
@@ -147,6 +149,7 @@ struct sparq_args {
     size_t v_nb1, v_nb2, v_nb3;
     size_t m_nb1, m_nb3;  int64_t m_ns;
     size_t vs_nb1, vs_nb2, vs_nb3;
+    size_t ks_nb1, ks_nb2, ks_nb3;
     size_t p_nb3;         int64_t p_ns;
     size_t o_nb1, o_nb2, o_nb3;
     ggml_sparq_op_params p;
@@ -201,6 +204,148 @@ __device__ __forceinline__ float raw8_at(const raw8<nv_bfloat16> & r, int i) {
 }
 __device__ __forceinline__ float raw8_at(const raw8<float> & r, int i) {
     return i < 4 ? ((const float *) &r.a)[i] : ((const float *) &r.b)[i - 4];
+}
+
+// ---- K and V of quantized or mixed types ---------------------------------------------------------------
+// The kernels that read K or V (A's gather and exact scores, kernel Q's key statistics, LV) run for kv_any where K
+// and V are not one float type: a quantized type (ggml's blocks of 32 values) or two different types. Their types
+// are then run-time values of the op (the same over the grid: a uniform branch per load). Each value is
+// dequantized as ggml defines its format (ggml-quants.c, dequantize_row_*), in the same float operations: the
+// product of the integer and the scale, then the minimum added as a separate rounding (no fused multiply-add), so
+// the values equal the CPU kernel's bit for bit.
+struct kv_any {};
+template <> struct raw8<kv_any> { float f[8]; };
+__device__ __forceinline__ float raw8_at(const raw8<kv_any> & r, int i) { return r.f[i]; }
+
+__device__ __forceinline__ bool is_quantized(ggml_type t) {
+    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
+}
+
+// 8 bytes / 4 bytes from a 2-byte aligned address: the blocks are 18 to 34 bytes long, so their values sit at even
+// offsets only
+__device__ __forceinline__ uint2 bytes8_at(const uint8_t * p) {
+    const uint16_t * h = (const uint16_t *) p;
+    return make_uint2(h[0] | (uint32_t) h[1] << 16, h[2] | (uint32_t) h[3] << 16);
+}
+__device__ __forceinline__ uint32_t bytes4_at(const uint8_t * p) {
+    const uint16_t * h = (const uint16_t *) p;
+    return h[0] | (uint32_t) h[1] << 16;
+}
+__device__ __forceinline__ int byte_of(const uint2 & b, int e) { return (int) (((e < 4 ? b.x : b.y) >> (8*(e % 4))) & 0xFF); }
+
+// Values [e0, e0 + 8) of a row of a quantized type: e0 a multiple of 8, so they lie in one block (o = e0 % 32 within
+// it). 4-bit types keep values j and j + 16 in the low and high nibble of byte j; 5-bit types add bit j of qh.
+__device__ __forceinline__ void dequant8_quant(const char * row, ggml_type type, int64_t e0, float (&x)[8]) {
+    static_assert(QK8_0 == 32 && QK4_0 == 32 && QK4_1 == 32 && QK5_0 == 32 && QK5_1 == 32, "blocks of 32 values");
+    const int64_t ib = e0 / 32;
+    const int o = (int) (e0 % 32), shift = o < 16 ? 0 : 4;
+    switch (type) {
+        case GGML_TYPE_Q8_0: {
+            const block_q8_0 * b = (const block_q8_0 *) row + ib;
+            const float d = __half2float(b->d);
+            const uint2 q = bytes8_at((const uint8_t *) b->qs + o);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                x[e] = __fmul_rn((float) (int8_t) byte_of(q, e), d);
+            }
+        } break;
+        case GGML_TYPE_Q4_0: {
+            const block_q4_0 * b = (const block_q4_0 *) row + ib;
+            const float d = __half2float(b->d);
+            const uint2 q = bytes8_at(b->qs + o % 16);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                x[e] = __fmul_rn((float) (((byte_of(q, e) >> shift) & 0xF) - 8), d);
+            }
+        } break;
+        case GGML_TYPE_Q4_1: {
+            const block_q4_1 * b = (const block_q4_1 *) row + ib;
+            const float d = __low2float(b->dm), m = __high2float(b->dm);
+            const uint2 q = bytes8_at(b->qs + o % 16);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                x[e] = __fadd_rn(__fmul_rn((float) ((byte_of(q, e) >> shift) & 0xF), d), m);
+            }
+        } break;
+        case GGML_TYPE_Q5_0: {
+            const block_q5_0 * b = (const block_q5_0 *) row + ib;
+            const float d = __half2float(b->d);
+            const uint32_t qh = bytes4_at(b->qh);
+            const uint2 q = bytes8_at(b->qs + o % 16);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int hi = (int) ((qh >> (o + e)) & 1) << 4;
+                x[e] = __fmul_rn((float) ((((byte_of(q, e) >> shift) & 0xF) | hi) - 16), d);
+            }
+        } break;
+        default: {  // GGML_TYPE_Q5_1
+            const block_q5_1 * b = (const block_q5_1 *) row + ib;
+            const float d = __low2float(b->dm), m = __high2float(b->dm);
+            const uint32_t qh = bytes4_at(b->qh);
+            const uint2 q = bytes8_at(b->qs + o % 16);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int hi = (int) ((qh >> (o + e)) & 1) << 4;
+                x[e] = __fadd_rn(__fmul_rn((float) (((byte_of(q, e) >> shift) & 0xF) | hi), d), m);
+            }
+        } break;
+    }
+}
+
+// Value e of a row of any K/V type.
+__device__ __forceinline__ float dequant1(const char * row, ggml_type type, int64_t e) {
+    switch (type) {
+        case GGML_TYPE_F32:  return ((const float *) row)[e];
+        case GGML_TYPE_F16:  return __half2float(((const half *) row)[e]);
+        case GGML_TYPE_BF16: return __bfloat162float(((const nv_bfloat16 *) row)[e]);
+        default: break;
+    }
+    const int64_t ib = e / 32;
+    const int j = (int) (e % 32), jl = j % 16, shift = j < 16 ? 0 : 4;
+    switch (type) {
+        case GGML_TYPE_Q8_0: {
+            const block_q8_0 * b = (const block_q8_0 *) row + ib;
+            return __fmul_rn((float) b->qs[j], __half2float(b->d));
+        }
+        case GGML_TYPE_Q4_0: {
+            const block_q4_0 * b = (const block_q4_0 *) row + ib;
+            return __fmul_rn((float) (((b->qs[jl] >> shift) & 0xF) - 8), __half2float(b->d));
+        }
+        case GGML_TYPE_Q4_1: {
+            const block_q4_1 * b = (const block_q4_1 *) row + ib;
+            return __fadd_rn(__fmul_rn((float) ((b->qs[jl] >> shift) & 0xF), __low2float(b->dm)), __high2float(b->dm));
+        }
+        case GGML_TYPE_Q5_0: {
+            const block_q5_0 * b = (const block_q5_0 *) row + ib;
+            const int hi = (int) ((bytes4_at(b->qh) >> j) & 1) << 4;
+            return __fmul_rn((float) ((((b->qs[jl] >> shift) & 0xF) | hi) - 16), __half2float(b->d));
+        }
+        default: {  // GGML_TYPE_Q5_1
+            const block_q5_1 * b = (const block_q5_1 *) row + ib;
+            const int hi = (int) ((bytes4_at(b->qh) >> j) & 1) << 4;
+            return __fadd_rn(__fmul_rn((float) (((b->qs[jl] >> shift) & 0xF) | hi), __low2float(b->dm)), __high2float(b->dm));
+        }
+    }
+}
+
+// Values [e0, e0 + 8) of a row of n values of any K/V type (e0 a multiple of 8), zero past the end: float types one
+// by one, quantized types (n a multiple of 32, so the 8 values exist or none does) from their block.
+__device__ __forceinline__ void dequant8(const char * row, ggml_type type, int64_t e0, int64_t n, float (&x)[8]) {
+    if (is_quantized(type)) {
+        if (e0 < n) {
+            dequant8_quant(row, type, e0, x);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                x[e] = 0.0f;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        x[e] = e0 + e < n ? dequant1(row, type, e0 + e) : 0.0f;
+    }
 }
 
 // Elements [e0, e0 + 8) of a row of n values in their loaded form (load8_row's rules).

@@ -1,6 +1,6 @@
 // Kernels Q and A of the CUDA SparQ op (included by sparq-attn.cu only; the op's files: sparq-attn-common.cuh).
-//   Q. one block per row: I1 (the k1 largest components of sum_g |q_g|) and every head's query components at I1,
-//      scaled by scale / sqrt(rho_g), into scratch;
+//   Q. one block per row: I1 (the k1 largest components of sum_g |q_g|, or of sigma_i * sum_g |q_g,i| for select
+//      qsigma) and every head's query components at I1, scaled by scale / sqrt(rho_g), into scratch;
 //   A. grid of chunks of A_CHUNK cells x rows: the approximate logits of each chunk (from K^T rows at I1, gathered K
 //      components, or exact dot products for the exact and window policies), the chunk's softmax max and sum per head,
 //      and its visible-cell count and position range.
@@ -57,6 +57,27 @@ __device__ __forceinline__ void load_raw8_stream(const float * p, raw8<float> & 
     r.b = make_float4(__uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z), __uint_as_float(b.w));
 }
 
+// A q8_0 index (K^T rows as ggml's q8_0 blocks of 32 cells): a thread's 8 cells lie in one block (j0 is a multiple
+// of 8), kept as loaded, the block's f16 scale and the 8 int8 values. raw8_at gives the int8 value as a float; the
+// scale goes into the query coefficient (q_i * d, then times the value), as the CPU kernel folds it: the same
+// products, one multiply per block rather than per cell. The 34-byte blocks allow only 2-byte loads.
+template <> struct raw8<block_q8_0> { uint2 q; half d; };
+__device__ __forceinline__ float raw8_at(const raw8<block_q8_0> & r, int i) { return (float) (int8_t) byte_of(r.q, i); }
+
+// Cells [j0, j0 + 8) of a K^T row (the byte address of the row): 16-byte streaming loads of a float index, the block's
+// scale and values of a q8_0 index.
+template <typename T>
+__device__ __forceinline__ void load_kt8(const char * row, int64_t j0, raw8<T> & r, uint64_t pol) {
+    if constexpr (std::is_same_v<T, block_q8_0>) {
+        GGML_UNUSED(pol);
+        const block_q8_0 * b = (const block_q8_0 *) row + j0 / QK8_0;
+        r.d = b->d;
+        r.q = bytes8_at((const uint8_t *) b->qs + j0 % QK8_0);
+    } else {
+        load_raw8_stream((const T *) row + j0, r, pol);
+    }
+}
+
 // Kernel A: the mask and positions of a thread's cells [j0, j0 + A_CELLS), loaded as they are (16-byte loads
 // where a.vec_mask / a.vec_pos allow and the 8 cells exist) before the block's first barrier and used after
 // it, so that they, I1 and the query components take one round trip (rather than the positions waiting for the
@@ -103,21 +124,27 @@ __device__ __forceinline__ void cells_use(const sparq_args & a, const uint16_t *
 
 // ---- kernel A: scores ------------------------------------------------------------------------------
 
-// factor_g = scale / sqrt(rho_g), rho_g = |q_g[I1]|_1 / |q_g|_1 (double, as the CPU), into fac: a warp per head, lanes
-// strided, one butterfly; q_of(g) gives head g's d components (global memory or a shared copy: the same values, so
-// the same bits). Ends with a barrier (fac is read by the whole block).
+// factor_g = scale / sqrt(rho_g) (double, as the CPU), into fac: rho_g = |q_g[I1]|_1 / |q_g|_1, or with sigma (select
+// qsigma) the share of the score's variance, sum_{I1} (q_g,i sigma_i)^2 / sum_i (q_g,i sigma_i)^2; a warp per head,
+// lanes strided, one butterfly; q_of(g) gives head g's d components (global memory or a shared copy: the same values,
+// so the same bits). Ends with a barrier (fac is read by the whole block).
 template <typename QFn>
-__device__ void query_factors(const sparq_args & a, int64_t G, int64_t d, const int * i1, float * fac, QFn q_of) {
+__device__ void query_factors(const sparq_args & a, int64_t G, int64_t d, const int * i1, const float * sigma, float * fac,
+                              QFn q_of) {
     const int k1 = a.p.k1;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    // each component's weight in the CPU's operation order
+    auto weight = [&](const float * qg, int64_t i) {
+        return sigma ? (double) qg[i] * qg[i] * sigma[i] * sigma[i] : fabs((double) qg[i]);
+    };
     for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
         const float * qg = q_of(g);
         double all = 0.0, sel = 0.0;
         for (int64_t i = lane; i < d; i += WARP_SIZE) {
-            all += fabs((double) qg[i]);
+            all += weight(qg, i);
         }
         for (int i = lane; i < k1; i += WARP_SIZE) {
-            sel += fabs((double) qg[i1[i]]);
+            sel += weight(qg, i1[i]);
         }
         all = warp_reduce(all, op_add());
         sel = warp_reduce(sel, op_add());
@@ -129,9 +156,11 @@ __device__ void query_factors(const sparq_args & a, int64_t G, int64_t d, const 
     __syncthreads();
 }
 
-// I1 of row c (ascending; the k1 largest components of sum_g |q_g|, ties to the lower component) into i1, and
-// factor_g = scale / sqrt(rho_g) into fac. Shared scratch: absum [d] floats, rank [d] ints.
-static __device__ void row_query(const sparq_args & a, const row_coords & c, float * absum, int * rank, int * i1, float * fac) {
+// I1 of row c (ascending; the k1 largest components of sum_g |q_g|, times sigma_i where sigma is given (select
+// qsigma), ties to the lower component) into i1, and factor_g = scale / sqrt(rho_g) into fac. Shared scratch: absum
+// [d] floats, rank [d] ints.
+static __device__ void row_query(const sparq_args & a, const row_coords & c, const float * sigma, float * absum, int * rank,
+                                 int * i1, float * fac) {
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
@@ -139,7 +168,7 @@ static __device__ void row_query(const sparq_args & a, const row_coords & c, flo
         for (int64_t g = 0; g < G; ++g) {
             sum += fabsf(q_row(a, c.h*G + g, c)[i]);
         }
-        absum[i] = sum;
+        absum[i] = sigma ? sum * sigma[i] : sum;
     }
     __syncthreads();
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
@@ -162,7 +191,7 @@ static __device__ void row_query(const sparq_args & a, const row_coords & c, flo
         }
     }
     __syncthreads();
-    query_factors(a, G, d, i1, fac, [&](int64_t g) { return q_row(a, c.h*G + g, c); });
+    query_factors(a, G, d, i1, sigma, fac, [&](int64_t g) { return q_row(a, c.h*G + g, c); });
 }
 
 // row_query's results (the same I1, the same factors bit for bit) in fewer dependent steps, for kernel Q: the row's
@@ -172,8 +201,8 @@ static __device__ void row_query(const sparq_args & a, const row_coords & c, flo
 // counts the selected ones below it, O(d) serial loads). The factors: query_factors over the same values, as
 // row_query. Shared: absum [d], rank [d], qrow [G*d] floats.
 // At 32k (H100): kernel Q's body takes 4.7 us with this, 6.2 us with row_query, of a ~86 us chain.
-static __device__ void row_query_fast(const sparq_args & a, const row_coords & c, float * absum, int * rank, float * qrow,
-                               int * i1, float * fac) {
+static __device__ void row_query_fast(const sparq_args & a, const row_coords & c, const float * sigma, float * absum, int * rank,
+                                      float * qrow, int * i1, float * fac) {
     const int d = (int) a.d, G = (int) a.group, k1 = a.p.k1, nt = (int) blockDim.x;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     for (int idx = threadIdx.x; idx < G*d; idx += nt) {  // every head's loads in flight together
@@ -185,7 +214,7 @@ static __device__ void row_query_fast(const sparq_args & a, const row_coords & c
         for (int g = 0; g < G; ++g) {
             sum += fabsf(qrow[g*d + i]);
         }
-        absum[i] = sum;
+        absum[i] = sigma ? sum * sigma[i] : sum;
     }
     __syncthreads();
     int R = 1;  // lanes per component; R divides the warp, so a component's lanes are in one warp
@@ -225,20 +254,98 @@ static __device__ void row_query_fast(const sparq_args & a, const row_coords & c
         }
     }
     __syncthreads();
-    query_factors(a, G, d, i1, fac, [&](int64_t g) { return (const float *) qrow + g*d; });
+    query_factors(a, G, d, i1, sigma, fac, [&](int64_t g) { return (const float *) qrow + g*d; });
 }
 
-// Kernel Q's shared memory: absum and rank [d] each, and with the fast path the row's queries [G][d] (the fast path
-// runs where they fit in Q_SMEM_MAX bytes; row_query elsewhere).
+// sigma_i of the row's visible keys (select qsigma), sigma_i^2 = max(0, S2_i/n - (S1_i/n)^2), into sigma [d], in double
+// as the CPU: from the running sums of kstat, or without them from K over the row's visible cells. The pass over K:
+// with d <= the block's threads, n_cg = threads/d groups of d threads, group cg summing cells cg, cg + n_cg, ... (a
+// thread per component, the row's components read together), the groups' sums then added in group order (red:
+// 3 * blockDim.x doubles); with d > the threads, each thread sums its components over all cells. The sums of
+// squares are of products exact in double, so the order changes the sums only in their last bits. Ends with a
+// barrier.
+__device__ __forceinline__ float sigma_of(double s1, double s2, double n) {
+    const double mean = n > 0.0 ? s1 / n : 0.0;
+    const double var  = n > 0.0 ? s2 / n - mean*mean : 0.0;
+    return (float) sqrt(var > 0.0 ? var : 0.0);
+}
+static __device__ void key_sigma(const sparq_args & a, const row_coords & c, float * sigma, double * red) {
+    const int d = (int) a.d, nt = (int) blockDim.x, tid = threadIdx.x;
+    if (a.kstat) {
+        const float * ks = (const float *) (a.kstat + c.h*a.ks_nb1 + c.t*a.ks_nb2 + c.st*a.ks_nb3);
+        const double n = ks[2*d];
+        for (int i = tid; i < d; i += nt) {
+            sigma[i] = sigma_of(ks[i], ks[d + i], n);
+        }
+        __syncthreads();
+        return;
+    }
+    const uint16_t * m = mask_row(a, c);
+    const char * kb = a.k + c.h*a.k_nb2 + c.st*a.k_nb3;
+    const int n_cg = d <= nt ? nt / d : 1;
+    if (n_cg == 1) {
+        for (int i = tid; i < d; i += nt) {
+            double s1 = 0.0, s2 = 0.0, n = 0.0;
+            for (int64_t j = 0; j < a.n_kv; ++j) {
+                if (visible(m, j)) {
+                    const float x = dequant1(kb + j*a.k_nb1, a.k_type, i);
+                    s1 += x;
+                    s2 += (double) x * x;
+                    n  += 1.0;
+                }
+            }
+            sigma[i] = sigma_of(s1, s2, n);
+        }
+        __syncthreads();
+        return;
+    }
+    const int cg = tid / d, i = tid % d;
+    if (cg < n_cg) {
+        double s1 = 0.0, s2 = 0.0, n = 0.0;
+        for (int64_t j = cg; j < a.n_kv; j += n_cg) {
+            if (visible(m, j)) {
+                const float x = dequant1(kb + j*a.k_nb1, a.k_type, i);
+                s1 += x;
+                s2 += (double) x * x;
+                n  += 1.0;
+            }
+        }
+        red[tid] = s1; red[nt + tid] = s2; red[2*nt + tid] = n;
+    }
+    __syncthreads();
+    if (tid < d) {
+        double s1 = 0.0, s2 = 0.0, n = 0.0;
+        for (int g = 0; g < n_cg; ++g) {
+            s1 += red[g*d + tid]; s2 += red[nt + g*d + tid]; n += red[2*nt + g*d + tid];
+        }
+        sigma[tid] = sigma_of(s1, s2, n);
+    }
+    __syncthreads();
+}
+
+// Kernel Q's shared memory, in this order: for select qsigma without kstat the pass over K's partial sums
+// [3][A_THREADS] doubles; absum and rank [d] each; for select qsigma sigma [d]; with the fast path the row's queries
+// [G][d] (the fast path runs where absum, rank and the queries fit in Q_SMEM_MAX bytes; row_query elsewhere).
 constexpr size_t Q_SMEM_MAX = 32 << 10;
 __host__ __device__ inline bool query_fast(int64_t d, int64_t G) {
     return sizeof(float) * (G + 2)*d <= Q_SMEM_MAX;
 }
+__host__ __device__ inline size_t query_red_doubles(const sparq_args & a) {
+    return a.p.select == GGML_SPARQ_SELECT_QSIGMA && !a.kstat ? 3*A_THREADS : 0;
+}
+__host__ inline size_t query_smem(const sparq_args & a) {
+    const bool qsigma = a.p.select == GGML_SPARQ_SELECT_QSIGMA;
+    const int64_t n_f = (2 + (qsigma ? 1 : 0) + (query_fast(a.d, a.group) ? a.group : 0))*a.d;
+    return sizeof(double)*query_red_doubles(a) + sizeof(float)*n_f;
+}
 
 // Kernel Q, one block per row: I1 and every head's components at I1 scaled by scale / sqrt(rho_g), into scratch
-// for kernel A.
+// for kernel A. QSIGMA: select qsigma (a.p.select), an instance of its own, so that select q's instance holds none of
+// its code (ptxas, sm_90a: select q's instance 40 registers and 8 bytes of spill; one instance serving both took 48
+// registers and 40 bytes of spill).
+template <bool QSIGMA>
 __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ float smq[];  // [d] sums of |q|, [d] ranks, the fast path's [G][d] queries
+    extern __shared__ double smq_d[];  // layout: query_smem
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];
     SPARQ_TL_SCOPE(TL_Q);
@@ -249,15 +356,20 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
     const int k1 = a.p.k1;
+    float * smq   = (float *) (smq_d + (QSIGMA ? query_red_doubles(a) : 0));
+    float * sigma = QSIGMA ? smq + 2*d : nullptr;
+    if constexpr (QSIGMA) {
+        key_sigma(a, c, sigma, smq_d);
+    }
     if (query_fast(d, G)) {
-        float * qrow = smq + 2*d;
-        row_query_fast(a, c, smq, (int *) (smq + d), qrow, i1, fac);
+        float * qrow = smq + (QSIGMA ? 3 : 2)*d;
+        row_query_fast(a, c, sigma, smq, (int *) (smq + d), qrow, i1, fac);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
             const int64_t g = idx / k1, i = idx % k1;
             s.qs[(w*G + g)*k1 + i] = qrow[g*d + i1[i]] * fac[g];
         }
     } else {
-        row_query(a, c, smq, (int *) (smq + d), i1, fac);
+        row_query(a, c, sigma, smq, (int *) (smq + d), i1, fac);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
             const int64_t g = idx / k1, i = idx % k1;
             s.qs[(w*G + g)*k1 + i] = q_row(a, c.h*G + g, c)[i1[i]] * fac[g];
@@ -369,11 +481,13 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                 acc[g][u] = 0.0f;
             }
         }
-        if (POL == SC_KT) {
-            // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load (two for f32),
-            // A_UNROLL rows in flight
+        if constexpr (POL == SC_KT) {
+            // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load (two for f32; a
+            // q8_0 index: its block's scale and 8 values), A_UNROLL rows in flight. A q8_0 row is padded to whole
+            // blocks, so a thread's 8 cells are there wherever the first one exists (those past n_kv are hidden).
+            constexpr bool KT_Q8 = std::is_same_v<T, block_q8_0>;
             const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
-            const bool vec = a.vec_kt && j0 + A_CELLS <= n_kv;
+            const bool vec = KT_Q8 ? j0 < n_kv : a.vec_kt && j0 + A_CELLS <= n_kv;
             constexpr int A_UNROLL = a_unroll<T, NG>();
 #pragma unroll 1
             for (int i = 0; i < k1; i += A_UNROLL) {
@@ -382,7 +496,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                     const uint64_t pol = l2_evict_first();  // one instruction: cheaper than a register pair in the loop
 #pragma unroll
                     for (int uu = 0; uu < A_UNROLL; ++uu) {
-                        load_raw8_stream((const T *) (ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1) + j0, x[uu], pol);
+                        load_kt8(ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1, j0, x[uu], pol);
                     }
                 }
 #pragma unroll
@@ -391,10 +505,19 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                         continue;
                     }
                     float xf[A_CELLS];
+                    float xscale = 1.0f;  // a q8_0 block's scale, folded into the query coefficient below
+                    if constexpr (KT_Q8) {
+                        xscale = vec ? __half2float(x[uu].d) : 0.0f;
+                    }
                     if (vec) {
 #pragma unroll
                         for (int u = 0; u < A_CELLS; ++u) {
                             xf[u] = raw8_at(x[uu], u);
+                        }
+                    } else if constexpr (KT_Q8) {
+#pragma unroll
+                        for (int u = 0; u < A_CELLS; ++u) {
+                            xf[u] = 0.0f;  // none of the thread's cells exists
                         }
                     } else {
                         const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
@@ -405,7 +528,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                     }
 #pragma unroll
                     for (int g = 0; g < NG; ++g) {
-                        const float qv = qs[g*k1 + i + uu];
+                        const float qv = KT_Q8 ? __fmul_rn(qs[g*k1 + i + uu], xscale) : qs[g*k1 + i + uu];
 #pragma unroll
                         for (int u = 0; u < A_CELLS; ++u) {
                             acc[g][u] += qv * xf[u];
@@ -414,17 +537,25 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                 }
             }
         } else {
-            // default layout (gather k1 components of each row-major K row) or exact scores
+            // default layout (gather k1 components of each row-major K row) or exact scores; K of a quantized type
+            // (T = kv_any): each component dequantized from its block
+            const auto k_at = [&](const char * krow, int64_t i) {
+                if constexpr (std::is_same_v<T, kv_any>) {
+                    return dequant1(krow, a.k_type, i);
+                } else {
+                    return to_f32(((const T *) krow)[i]);
+                }
+            };
 #pragma unroll
             for (int u = 0; u < A_CELLS; ++u) {
                 const int64_t j = j0 + u;
                 if (j >= n_kv) {
                     continue;
                 }
-                const T * krow = (const T *) (a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3);
-                if (POL == SC_GATHER) {
+                const char * krow = a.k + j*a.k_nb1 + c.h*a.k_nb2 + c.st*a.k_nb3;
+                if constexpr (POL == SC_GATHER) {
                     for (int i = 0; i < k1; ++i) {
-                        const float x = to_f32(krow[i1_buf[i]]);
+                        const float x = k_at(krow, i1_buf[i]);
 #pragma unroll
                         for (int g = 0; g < NG; ++g) {
                             acc[g][u] += qs[g*k1 + i] * x;
@@ -432,7 +563,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                     }
                 } else {
                     for (int64_t i = 0; i < d; ++i) {
-                        const float x = to_f32(krow[i]);
+                        const float x = k_at(krow, i);
 #pragma unroll
                         for (int g = 0; g < NG; ++g) {
                             acc[g][u] += qs[g*d + i] * x;

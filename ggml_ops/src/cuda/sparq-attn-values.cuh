@@ -25,6 +25,8 @@ __host__ __device__ __forceinline__ int threads_per_row(int64_t n) {
 // SLICE: 32 when the rows are few (one decode step of one sequence: more blocks per row shorten the row's chain);
 // 128 when the 32-slices would fill more than a wave (batched decode: every block of a head recomputes the
 // head's logits over I2, so wide slices do that work once instead of d_v/32 times). lv_slice() picks.
+// T: the float type of K and V, or kv_any (quantized or mixed types: each row's 8-value pieces dequantized from their
+// block as they are loaded).
 constexpr int V_THREADS = 256;
 constexpr int V_SLICE_NARROW = 32;
 constexpr int V_SLICE_WIDE   = 128;
@@ -84,7 +86,12 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         for (int uu = 0; uu < 2; ++uu) {
             const int64_t i = i0 + uu*V_GROUPS;
             if (i < n_sel) {
-                load8_row((const T *) (vb + (int64_t) i2[i]*a.v_nb1), e0v, d_v, a.vec_kv, xv[uu]);
+                const char * vrow = vb + (int64_t) i2[i]*a.v_nb1;
+                if constexpr (std::is_same_v<T, kv_any>) {
+                    dequant8(vrow, a.v_type, e0v, d_v, xv[uu]);
+                } else {
+                    load8_row((const T *) vrow, e0v, d_v, a.vec_kv, xv[uu]);
+                }
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
@@ -95,19 +102,23 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
     };
     load_v(grp);
     // exact logits of head g over I2: a group of tpr threads per cell, CIF cells in flight per group
-    constexpr int CIF = (sizeof(T) == 4 ? 4 : 8) / VPT;
+    constexpr int CIF = (sizeof(raw8<T>) > 16 ? 4 : 8) / VPT;  // 8 values in 32 bytes (f32, dequantized): half as many
     const char * kb = a.k + c.h*a.k_nb2 + c.st*a.k_nb3;
     for (int64_t ib = 0; ib < n_sel; ib += CIF*slots) {
         raw8<T> x[CIF][VPT];
 #pragma unroll
         for (int uu = 0; uu < CIF; ++uu) {
             const int64_t i = ib + uu*slots + slot;
-            const T * row = (const T *) (kb + (int64_t) (i < n_sel ? i2[i] : 0)*a.k_nb1);
+            const char * row = kb + (int64_t) (i < n_sel ? i2[i] : 0)*a.k_nb1;
 #pragma unroll
             for (int vi = 0; vi < VPT; ++vi) {
                 const int64_t e0 = (int64_t) (lr + vi*tpr)*8;
                 if (i < n_sel && e0 < d) {
-                    load_raw8_row(row, e0, d, a.vec_kv, x[uu][vi]);
+                    if constexpr (std::is_same_v<T, kv_any>) {
+                        dequant8(row, a.k_type, e0, d, x[uu][vi].f);
+                    } else {
+                        load_raw8_row((const T *) row, e0, d, a.vec_kv, x[uu][vi]);
+                    }
                 } else {
                     x[uu][vi] = {};
                 }
@@ -199,7 +210,11 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
                 float vsum = 0.0f;
                 for (int64_t j = 0; j < a.n_kv; ++j) {
                     if (visible(m, j)) {
-                        vsum += to_f32(((const T *) (vb + j*a.v_nb1))[dim]);
+                        if constexpr (std::is_same_v<T, kv_any>) {
+                            vsum += dequant1(vb + j*a.v_nb1, a.v_type, dim);
+                        } else {
+                            vsum += to_f32(((const T *) (vb + j*a.v_nb1))[dim]);
+                        }
                     }
                 }
                 vmean = vsum / (float) ri[RI_N_VIS];

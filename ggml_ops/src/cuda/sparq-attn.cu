@@ -18,6 +18,11 @@
 // Both selection families give the same I2 and alpha_g. Launch sizes depend on shapes only (CUDA graphs stay on);
 // no host round trip. Shared device code: sparq-attn-common.cuh.
 //
+// Types: kernel A is instantiated for the type it reads (the index's: f32, f16, bf16 or q8_0, whatever K's type; or
+// K's for the gather and exact scores); kernel LV for K and V of one float type, or kv_any where K or V is quantized
+// or their types differ (run-time types, each value dequantized as ggml defines it); kernel Q reads K (select qsigma
+// without kstat) through the run-time type too.
+//
 // Testing switch: SPARQ_CUDA_SELECT=auto|cluster|sweep (read once per process; unset or empty: auto) forces the
 // selection kernel, so that the op tests cover both families on every shape:
 //   auto     the choice of sparq_cuda_get_best_select_kernel (the default);
@@ -77,6 +82,26 @@ void launch_scores_ng(int ng, dim3 grid, size_t smem, cudaStream_t stream, const
         case 2:  launch_scores<T, POL, 2>(grid, smem, stream, a, s, r0); break;
         case 4:  launch_scores<T, POL, 4>(grid, smem, stream, a, s, r0); break;
         default: launch_scores<T, POL, 8>(grid, smem, stream, a, s, r0); break;
+    }
+}
+
+// Kernel A for a scoring policy: instantiated for the type it reads, K^T's for SC_KT (f32, f16, bf16 or q8_0), K's for
+// the gather and exact scores (a float type, or kv_any for the quantized ones); SC_NONE reads neither.
+template <int POL>
+void launch_scores_of(ggml_type type, int ng, dim3 grid, size_t smem, cudaStream_t stream, const sparq_args & a,
+                      const sparq_scratch & s, int64_t r0) {
+    switch (type) {
+        case GGML_TYPE_F32:  launch_scores_ng<float,       POL>(ng, grid, smem, stream, a, s, r0); break;
+        case GGML_TYPE_F16:  launch_scores_ng<half,        POL>(ng, grid, smem, stream, a, s, r0); break;
+        case GGML_TYPE_BF16: launch_scores_ng<nv_bfloat16, POL>(ng, grid, smem, stream, a, s, r0); break;
+        default:
+            if constexpr (POL == SC_KT) {
+                GGML_ASSERT(type == GGML_TYPE_Q8_0);
+                launch_scores_ng<block_q8_0, POL>(ng, grid, smem, stream, a, s, r0);
+            } else {
+                launch_scores_ng<kv_any, POL>(ng, grid, smem, stream, a, s, r0);
+            }
+            break;
     }
 }
 
@@ -278,14 +303,25 @@ void launch_pbs(int64_t nw, cudaStream_t stream, const sparq_args & a, const spa
 #endif  // SPARQ_PBS_BUILT
 }
 
-template <typename T>
-void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
-                const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+// Kernel LV for K and V of one float type (instantiated for it), or kv_any for quantized or mixed types.
+static void launch_lv_of(int vpt, int slice, int64_t nw, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s,
+                         int64_t r0) {
+    const ggml_type type = a.k_type == a.v_type ? a.k_type : GGML_TYPE_COUNT;
+    switch (type) {
+        case GGML_TYPE_F32:  launch_logits_values<float>      (vpt, slice, nw, stream, a, s, r0); break;
+        case GGML_TYPE_F16:  launch_logits_values<half>       (vpt, slice, nw, stream, a, s, r0); break;
+        case GGML_TYPE_BF16: launch_logits_values<nv_bfloat16>(vpt, slice, nw, stream, a, s, r0); break;
+        default:             launch_logits_values<kv_any>     (vpt, slice, nw, stream, a, s, r0); break;
+    }
+}
+
+static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
+                       const sparq_args & a, const sparq_scratch & s, int64_t r0) {
     switch (pol) {
-        case SC_NONE:   launch_scores<T, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;
-        case SC_KT:     launch_scores_ng<T, SC_KT>    (ng, grid_a, smem_a, stream, a, s, r0); break;
-        case SC_GATHER: launch_scores_ng<T, SC_GATHER>(ng, grid_a, smem_a, stream, a, s, r0); break;
-        default:        launch_scores_ng<T, SC_EXACT> (ng, grid_a, smem_a, stream, a, s, r0); break;
+        case SC_NONE:   launch_scores<float, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;  // reads no K
+        case SC_KT:     launch_scores_of<SC_KT>    (a.kt_type, ng, grid_a, smem_a, stream, a, s, r0); break;
+        case SC_GATHER: launch_scores_of<SC_GATHER>(a.k_type,  ng, grid_a, smem_a, stream, a, s, r0); break;
+        default:        launch_scores_of<SC_EXACT> (a.k_type,  ng, grid_a, smem_a, stream, a, s, r0); break;
     }
     const sparq_select_kernel sel = select_kernel_for(a.n_kv, nw);
     if (sel == SPARQ_SELECT_CLUSTER_16) {
@@ -300,7 +336,7 @@ void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw
         ensure_smem<sparq_select>(smem_s);
         ggml_cuda_kernel_launch(sparq_select, ggml_cuda_kernel_launch_params(rows, B_THREADS, smem_s, stream), a, s, r0);
     }
-    launch_logits_values<T>(vpt, lv_slice(a, nw), nw, stream, a, s, r0);
+    launch_lv_of(vpt, lv_slice(a, nw), nw, stream, a, s, r0);
 }
 
 static bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
@@ -335,16 +371,27 @@ static scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
 
 }  // namespace
 
+// The types the kernels read: K and V each f32, f16, bf16 or one of ggml's quantized types of blocks of 32 (K and V of
+// one float type run the kernels instantiated for it, every other pair kv_any); the index (K^T) f32, f16, bf16 or
+// q8_0, whatever K's type.
+static bool kv_type_ok(ggml_type t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 || t == GGML_TYPE_Q8_0 ||
+           t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
+}
+static bool kt_type_ok(ggml_type t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 || t == GGML_TYPE_Q8_0;
+}
+
 bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
     const ggml_tensor * q = op->src[0], * k = op->src[1], * kt = op->src[2], * v = op->src[3];
-    const ggml_tensor * mask = op->src[4], * vsum = op->src[5], * pos = op->src[6];
-    const bool kv_type_ok = k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
-    if (q->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32 || !kv_type_ok || v->type != k->type ||
-        (kt && kt->type != k->type) || (mask && mask->type != GGML_TYPE_F16) ||
-        (vsum && vsum->type != GGML_TYPE_F32) || (pos && pos->type != GGML_TYPE_I32)) {
+    const ggml_tensor * mask = op->src[4], * vsum = op->src[5], * pos = op->src[6], * kstat = op->src[7];
+    if (q->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32 || !kv_type_ok(k->type) || !kv_type_ok(v->type) ||
+        (kt && !kt_type_ok(kt->type)) || (mask && mask->type != GGML_TYPE_F16) ||
+        (vsum && vsum->type != GGML_TYPE_F32) || (pos && pos->type != GGML_TYPE_I32) ||
+        (kstat && kstat->type != GGML_TYPE_F32)) {
         return false;
     }
-    for (const ggml_tensor * t : { q, k, kt, v, mask, vsum, pos }) {
+    for (const ggml_tensor * t : { q, k, kt, v, mask, vsum, pos, kstat }) {
         if (t && t->nb[0] != ggml_type_size(t->type)) {
             return false;
         }
@@ -353,25 +400,33 @@ bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
     if (!ggml_is_contiguous(op) || d > MAX_HEAD_DIM || v->ne[0] > MAX_HEAD_DIM || G > MAX_G) {
         return false;
     }
-    // kernel S keeps the candidate keys and I2 in shared memory
-    const ggml_sparq_op_params p = ggml_sparq_get_op_params(op);
-    if (p.select != GGML_SPARQ_SELECT_Q || op->src[7] != nullptr) {
+    // quantized rows are whole blocks (the kernels read 8 values of one block at a time); a q8_0 index row holds
+    // n_kv cells rounded up to its blocks
+    if (d % ggml_blck_size(k->type) != 0 || v->ne[0] % ggml_blck_size(v->type) != 0 ||
+        (kt && kt->ne[0] != GGML_PAD(k->ne[1], ggml_blck_size(kt->type)))) {
         return false;
     }
+    const ggml_sparq_op_params p = ggml_sparq_get_op_params(op);
+    if (p.select != GGML_SPARQ_SELECT_Q && p.select != GGML_SPARQ_SELECT_QSIGMA) {
+        return false;
+    }
+    // kernel S keeps the candidate keys and I2 in shared memory
     const size_t smem_s = smem_s_plan(candidate_cap(p.k2), p.k2).total + 12*1024;  // + static
     return smem_s <= ggml_cuda_info().devices[device].smpbo;
 }
 
 void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * q = dst->src[0], * k = dst->src[1], * kt = dst->src[2], * v = dst->src[3];
-    const ggml_tensor * mask = dst->src[4], * vsum = dst->src[5], * pos = dst->src[6];
+    const ggml_tensor * mask = dst->src[4], * vsum = dst->src[5], * pos = dst->src[6], * kstat = dst->src[7];
     GGML_ASSERT(ggml_cuda_sparq_attn_supported(ctx.device, dst));
 
     sparq_args a = {};
     a.q = (const char *) q->data; a.k = (const char *) k->data; a.kt = kt ? (const char *) kt->data : nullptr;
     a.v = (const char *) v->data; a.mask = mask ? (const char *) mask->data : nullptr;
     a.vsum = vsum ? (const char *) vsum->data : nullptr; a.pos = pos ? (const char *) pos->data : nullptr;
+    a.kstat = kstat ? (const char *) kstat->data : nullptr;
     a.dst = (char *) dst->data;
+    a.k_type = k->type; a.kt_type = kt ? kt->type : k->type; a.v_type = v->type;
     a.d = q->ne[0]; a.n_q = q->ne[1]; a.n_head = q->ne[2]; a.ns = q->ne[3];
     a.n_kv = k->ne[1]; a.n_head_kv = k->ne[2]; a.d_v = v->ne[0]; a.group = a.n_head / a.n_head_kv;
     a.q_nb1 = q->nb[1]; a.q_nb2 = q->nb[2]; a.q_nb3 = q->nb[3];
@@ -389,6 +444,9 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     if (pos) {
         a.p_nb3 = pos->nb[3]; a.p_ns = pos->ne[3];
     }
+    if (kstat) {
+        a.ks_nb1 = kstat->nb[1]; a.ks_nb2 = kstat->nb[2]; a.ks_nb3 = kstat->nb[3];
+    }
     a.o_nb1 = dst->nb[1]; a.o_nb2 = dst->nb[2]; a.o_nb3 = dst->nb[3];
     a.p = ggml_sparq_get_op_params(dst);
     a.sinks  = a.p.sinks;
@@ -402,7 +460,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.n_chunks_b = (int32_t) ((a.n_kv + B_CHUNK - 1) / B_CHUNK);
     a.n_words    = (a.n_kv + 31) / 32;
     a.cap        = candidate_cap(a.p.k2);
-    a.vec_kt     = kt && aligned16(kt->data) && strides16(kt);
+    a.vec_kt     = kt && kt->type != GGML_TYPE_Q8_0 && aligned16(kt->data) && strides16(kt);  // q8_0: 2-byte loads
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
     a.vec_mask   = mask && aligned16(mask->data) && mask->nb[1] % 16 == 0 && mask->nb[3] % 16 == 0;
@@ -443,22 +501,23 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.i2       = (int32_t *)  (base + plan.i2);
     s.alpha    = (float *)    (base + plan.alpha);
 
-    const size_t smem_q = sizeof(float) * (query_fast(a.d, a.group) ? a.group + 2 : 2)*a.d;
+    const size_t smem_q = query_smem(a);
     const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
         const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
-        if (pol == SC_KT || pol == SC_GATHER) {
-            ggml_cuda_kernel_launch(sparq_query, ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream),
-                                    a, s, r0);
+        if ((pol == SC_KT || pol == SC_GATHER) && a.p.select == GGML_SPARQ_SELECT_QSIGMA) {
+            ensure_smem<sparq_query<true>>(smem_q);
+            ggml_cuda_kernel_launch(sparq_query<true>,
+                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
+        } else if (pol == SC_KT || pol == SC_GATHER) {
+            ensure_smem<sparq_query<false>>(smem_q);
+            ggml_cuda_kernel_launch(sparq_query<false>,
+                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
         }
-        switch (k->type) {
-            case GGML_TYPE_F32:  launch_all<float>      (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
-            case GGML_TYPE_F16:  launch_all<half>       (pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
-            default:             launch_all<nv_bfloat16>(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0); break;
-        }
+        launch_all(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0);
 #ifdef SPARQ_CUDA_INSTRUMENT
         if (a.timeline) {
             sparq_timeline_dump<<<1, 1, 0, stream>>>(a.n_kv, nw);
