@@ -282,7 +282,7 @@ def test_index_and_select_reach_llama_get_sparq(smollm2_path):
         p = sparq_api._api().llama_get_sparq(llm.ctx)
         assert (p.index, p.select) == (1, 1)
         assert llm.set_sparq(select="q").select == "q" and llm.sparq.index == "q8"
-        assert llm.set_sparq(default_layout=True) == SparqConfig(k1=32, default_layout=True, index="f16")
+        assert llm.set_sparq(default_layout=True) == SparqConfig(k1=32, default_layout=True, index="f16", select="q")
         with pytest.raises(ValueError, match="default_layout"):
             llm.set_sparq(index="q8")
         assert llm.sparq.index == "f16"

@@ -74,7 +74,7 @@ def test_flags_reach_the_context_and_generation_runs(smollm2_path):
     assert res.returncode == 0, res.stderr[-2000:]
     log = res.stdout + res.stderr
     assert ("SparQ on: k1 = 8, k2 = 64, window = 8, sinks = 4, policy = exact, layout = default (no K^T), "
-            "index = f16, select = q, dense below n_kv = 0") in log
+            "index = f16, select = qsigma, dense below n_kv = 0") in log
     assert "Paris" in res.stdout
 
 
@@ -131,12 +131,12 @@ def test_llama_bench_rejects_bad_sweep_values(smollm2_path):
 def test_llama_bench_index_and_select_columns(smollm2_path):
     # the settings only: -n 2 after no prompt stays below the default min_n_kv (dense decodes)
     base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-sparq", "1",
-            "-k1", "16", "-sparq-index", "f16,q8", "-sparq-select", "qsigma"]
+            "-k1", "16", "-sparq-index", "f16,q8", "-sparq-select", "q"]  # not the default: shown
     res = run([*base, "-o", "json"], timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout)
     got = [(r["k1"], r["sparq_index"], r["sparq_select"]) for r in rows]
-    assert got == [(16, "f16", "qsigma"), (16, "q8", "qsigma")]
+    assert got == [(16, "f16", "q"), (16, "q8", "q")]
     md = run(base, timeout=300)
     assert md.returncode == 0, md.stderr[-2000:]
     lines = md.stdout.splitlines()
@@ -144,7 +144,7 @@ def test_llama_bench_index_and_select_columns(smollm2_path):
     names = [c.strip() for c in lines[header].split("|")]
     assert names[-8:-3] == ["sparq", "k1", "k2", "index", "select"]  # then test, t/s
     body = [[c.strip() for c in line.split("|")] for line in lines[header + 2:] if line.startswith("|")]
-    assert [row[-5:-3] for row in body] == [["f16", "qsigma"], ["q8", "qsigma"]]
+    assert [row[-5:-3] for row in body] == [["f16", "q"], ["q8", "q"]]
 
 
 def test_llama_bench_default_layout_takes_the_f16_index(smollm2_path):

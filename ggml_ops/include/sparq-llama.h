@@ -76,7 +76,8 @@ struct llama_sparq_params {
 };
 
 // enabled = false, k1 = 0 (by the index), k2 = 128, window = -1 (k2/4), sinks = 0, mean auto, policy sparq,
-// sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1, index f16, select q.
+// sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1, index q8, select qsigma
+// (docs/quality.md: the selection agreement and task results behind them).
 SPARQ_API struct llama_sparq_params llama_sparq_default_params(void);
 
 // Checks the values (and, when ctx is not NULL, that its model and context can honour them). Returns NULL

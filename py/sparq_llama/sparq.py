@@ -65,8 +65,8 @@ Select = Literal["q", "qsigma"]
 
 # llama_sparq_default_params()'s index and selection, which SparqConfig, Llama and the transfer model default to
 # (test_sparq_api checks that they agree with the library's)
-DEFAULT_INDEX: Index = "f16"
-DEFAULT_SELECT: Select = "q"
+DEFAULT_INDEX: Index = "q8"
+DEFAULT_SELECT: Select = "qsigma"
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 

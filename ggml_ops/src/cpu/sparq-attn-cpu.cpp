@@ -639,7 +639,7 @@ void phase_attend(const sparq_ctx & c, int64_t w, int64_t r, int64_t g, int ith)
 
     // the selected rows are scattered: prefetch K rows a few ahead and every V row during the K pass,
     // or each gather waits a full memory latency
-    const size_t k_bytes = c.s.d * ggml_type_size(c.k->type), v_bytes = d_v * ggml_type_size(c.v->type);
+    const size_t k_bytes = ggml_row_size(c.k->type, c.s.d), v_bytes = ggml_row_size(c.v->type, d_v);
     for (int32_t i = 0; i < std::min<int32_t>(n_sel, k_prefetch_rows); ++i) {
         prefetch_bytes(c.k_row(i2[1 + i], h, st), k_bytes);
     }

@@ -134,8 +134,8 @@ struct llama_sparq_params llama_sparq_default_params(void) {
     p.prefill         = false;
     p.swa             = false;
     p.min_n_kv        = -1;
-    p.index           = LLAMA_SPARQ_INDEX_F16;
-    p.select          = LLAMA_SPARQ_SELECT_Q;
+    p.index           = LLAMA_SPARQ_INDEX_Q8;
+    p.select          = LLAMA_SPARQ_SELECT_QSIGMA;
     return p;
 }
 
