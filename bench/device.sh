@@ -148,7 +148,8 @@ stage_test() {
         check "test_centroid_$name" "$tree" "$build" "$commit" -- \
             python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py || rc=1
         check "test_model_gpu_$name" "$tree" "$build" "$commit" -- \
-            python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py tests/test_lib_isolation.py || rc=1
+            python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py tests/test_lib_isolation.py \
+            tests/test_sparq_kv_index_cuda.py || rc=1
     done < <(builds)
     return $rc
 }
