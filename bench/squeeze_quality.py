@@ -3,7 +3,7 @@
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
     python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc[:it]]]]]
-    python bench/squeeze_quality.py --seed 22 --n 20 --settings 0.1:max,0.1:max:0.1   # a new held-out set
+    python bench/squeeze_quality.py --seed 22 --n 20 --settings 0.1:max:0.05,0.1:max:0.1   # a new held-out set
     python bench/squeeze_quality.py --merge set.json [--purpose selection]   # add a saved set's record, run nothing
     python bench/squeeze_quality.py --summary                # recompute and print the pooled summary only
 
@@ -157,7 +157,8 @@ def main() -> int:
                     help="comma-separated keep:group[:centroids[:levels[:var[:kc[:it[:init]]]]]] (centroids default "
                          "--centroids, levels 1, var: the kept rule's var_weight, kc: keep_coarse (0: the default), "
                          "it: k-means iterations at most, init: even or kpp; defaults SqueezeConfig's)")
-    ap.add_argument("--centroids", type=float, default=0.05)
+    ap.add_argument("--centroids", type=float, default=squeeze.SqueezeConfig().centroids,
+                    help="cluster fraction of settings that name none (default: SqueezeConfig's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
     ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_quality.json", help="the file of all sets")
