@@ -116,7 +116,7 @@ class Llama(_UpstreamLlama):
 
     # ---- centroid-sparse attention over a fixed prefix (sparq_llama.squeeze) -----------------------
 
-    def prepare_fixed_context(self, text_or_tokens: str | bytes | Sequence[int], centroids: float = 0.05,
+    def prepare_fixed_context(self, text_or_tokens: str | bytes | Sequence[int], centroids: float = 0.1,
                               keep: float = 0.1, levels: int = 1, progress: bool = True,
                               **settings: Any) -> SqueezeInfo:
         """Evaluate a fixed prefix (a document, a system prompt) once and prepare it for centroid-sparse attention.

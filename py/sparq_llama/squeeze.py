@@ -75,7 +75,7 @@ class SqueezeConfig:
         58 of dense's 64 against even's 57 (no gain beyond the spread) for ~4% more preparation time.
     """
 
-    centroids: float = 0.05
+    centroids: float = 0.1
     keep: float = 0.1
     levels: int = 1
     centroids_coarse: float = 0.01
