@@ -2,11 +2,14 @@
 """Centroid-sparse attention end to end on the CPU: a fixed prefix prepared once, then questions against it.
 
     python bench/squeeze_decode_cpu.py                  # SmolLM2, 8k prefix (a play), keep 30/20/10% vs dense
+    python bench/squeeze_decode_cpu.py --keeps 0.1 --centroids 0.05,0.1,0.15   # cluster fractions side by side
 
-Per keep, one process: the preparation time (clustering + calibration, the prefix evaluation excluded), the
-user-input prefill of a question (one batch) and greedy decode steps after it, each against dense attention over
-the same cache (the prepared prefix cleared). Decode and prefill times are medians of `--reps` interleaved
-repetitions (the cache is cut back to the prefix between them); the ratios are taken in this one run.
+One process; per keep and cluster fraction: the preparation time (clustering + calibration, the prefix evaluation
+excluded), the user-input prefill of a question (one batch) and greedy decode steps after it, each against dense
+attention over the same cache (the prepared prefix cleared). Per keep, every fraction is prepared first and saved;
+each of `--reps` repetitions then loads each fraction in turn and runs it and dense, so fractions and dense
+interleave (the cache is cut back to the prefix between runs). Times are medians over the repetitions; the ratios
+are taken in this one run.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefix", type=int, default=8000)
     ap.add_argument("--keeps", default="0.3,0.2,0.1")
-    ap.add_argument("--centroids", type=float, default=0.05)
+    ap.add_argument("--centroids", default=f"{squeeze.SqueezeConfig().centroids:g}",
+                    help="comma-separated cluster fractions (default: SqueezeConfig's)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -73,42 +77,50 @@ def main() -> int:
     llm.reset()
     llm.eval(prefix)
     prefill_s = time.perf_counter() - t0
+    fractions = [float(c) for c in args.centroids.split(",")]
     rows = []
     for keep in [float(k) for k in args.keeps.split(",")]:
-        # the cache holds exactly the prefix here: prepare it (clustering + calibration only)
-        lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, len(prefix), -1)
-        t0 = time.perf_counter()
-        info = squeeze.prepare(llm.ctx, prefix, squeeze.SqueezeConfig(centroids=args.centroids, keep=keep))
-        prepare_s = time.perf_counter() - t0
-        sparse_pf, sparse_dec, dense_pf, dense_dec = [], [], [], []
-        for _ in tqdm(range(args.reps), desc=f"keep {keep}"):
-            pf, dec = answer_times(llm, len(prefix), question, args.steps)
-            sparse_pf.append(pf)
-            sparse_dec.append(dec)
-            # dense over the same cache: the prepared prefix is put aside and reloaded from memory of it
-            state = Path("/tmp/squeeze_bench.squeeze")
-            squeeze.save(llm.ctx, str(state))
-            squeeze.clear(llm.ctx)
-            pf, dec = answer_times(llm, len(prefix), question, args.steps)
-            dense_pf.append(pf)
-            dense_dec.append(dec)
+        prepared = {}
+        for cent in fractions:
+            # the cache holds exactly the prefix here: prepare it (clustering + calibration only), keep it aside
             lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, len(prefix), -1)
-            squeeze.load(llm.ctx, str(state), prefix)
-        row = {"keep": keep, "kept_calib": info.kept_calib, "threshold": info.threshold,
-               "prepare_s": prepare_s, "n_clustered": info.n_clustered,
-               "decode_ms": 1e3 * statistics.median(sparse_dec), "dense_decode_ms": 1e3 * statistics.median(dense_dec),
-               "prefill_ms": 1e3 * statistics.median(sparse_pf), "dense_prefill_ms": 1e3 * statistics.median(dense_pf),
-               "raw": {"decode_s": sparse_dec, "dense_decode_s": dense_dec, "prefill_s": sparse_pf,
-                       "dense_prefill_s": dense_pf}}
-        row["decode_speedup"] = row["dense_decode_ms"] / row["decode_ms"]
-        row["prefill_speedup"] = row["dense_prefill_ms"] / row["prefill_ms"]
-        rows.append(row)
-        print(f"keep {keep}: prepare {prepare_s:.1f} s (kept {info.kept_calib:.3f} on calibration); decode "
-              f"{row['decode_ms']:.1f} vs dense {row['dense_decode_ms']:.1f} ms ({row['decode_speedup']:.2f}x); question "
-              f"prefill ({len(question)} tokens) {row['prefill_ms']:.0f} vs {row['dense_prefill_ms']:.0f} ms "
-              f"({row['prefill_speedup']:.2f}x)")
+            t0 = time.perf_counter()
+            info = squeeze.prepare(llm.ctx, prefix, squeeze.SqueezeConfig(centroids=cent, keep=keep))
+            prepared[cent] = (info, time.perf_counter() - t0, Path(f"/tmp/squeeze_bench_{cent:g}.squeeze"))
+            squeeze.save(llm.ctx, str(prepared[cent][2]))
+            squeeze.clear(llm.ctx)
+        times: dict[float, dict[str, list[float]]] = {c: {"decode_s": [], "dense_decode_s": [], "prefill_s": [],
+                                                          "dense_prefill_s": []} for c in fractions}
+        for _ in tqdm(range(args.reps), desc=f"keep {keep}"):
+            for cent in fractions:
+                t = times[cent]
+                lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, len(prefix), -1)
+                squeeze.load(llm.ctx, str(prepared[cent][2]), prefix)
+                pf, dec = answer_times(llm, len(prefix), question, args.steps)
+                t["prefill_s"].append(pf)
+                t["decode_s"].append(dec)
+                squeeze.clear(llm.ctx)  # dense over the same cache
+                pf, dec = answer_times(llm, len(prefix), question, args.steps)
+                t["dense_prefill_s"].append(pf)
+                t["dense_decode_s"].append(dec)
+        for cent in fractions:
+            info, prepare_s, _ = prepared[cent]
+            t = times[cent]
+            row = {"keep": keep, "centroids": cent, "kept_calib": info.kept_calib, "threshold": info.threshold,
+                   "prepare_s": prepare_s, "n_clustered": info.n_clustered,
+                   "decode_ms": 1e3 * statistics.median(t["decode_s"]),
+                   "dense_decode_ms": 1e3 * statistics.median(t["dense_decode_s"]),
+                   "prefill_ms": 1e3 * statistics.median(t["prefill_s"]),
+                   "dense_prefill_ms": 1e3 * statistics.median(t["dense_prefill_s"]), "raw": t}
+            row["decode_speedup"] = row["dense_decode_ms"] / row["decode_ms"]
+            row["prefill_speedup"] = row["dense_prefill_ms"] / row["prefill_ms"]
+            rows.append(row)
+            print(f"keep {keep}, centroids {cent:g}: prepare {prepare_s:.1f} s (kept {info.kept_calib:.3f} on "
+                  f"calibration); decode {row['decode_ms']:.1f} vs dense {row['dense_decode_ms']:.1f} ms "
+                  f"({row['decode_speedup']:.2f}x); question prefill ({len(question)} tokens) {row['prefill_ms']:.0f} "
+                  f"vs {row['dense_prefill_ms']:.0f} ms ({row['prefill_speedup']:.2f}x)")
     record = {**provenance("squeeze_decode_cpu"), "model": "smollm2", "prefix": len(prefix), "question_tokens": len(question),
-              "threads": args.threads, "centroids": args.centroids, "prefix_eval_s": prefill_s, "steps": args.steps,
+              "threads": args.threads, "centroids": fractions, "prefix_eval_s": prefill_s, "steps": args.steps,
               "reps": args.reps, "rows": rows}
     (append_run if args.append else write_record)(args.out, record)
     llm.close()

@@ -3,8 +3,8 @@
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
     python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc[:it]]]]]
-    python bench/squeeze_quality.py --seed 22 --n 20 --settings 0.1:max,0.1:max:0.1   # a new held-out set
-    python bench/squeeze_quality.py --merge set.json [--purpose selection]   # add a saved set's record, run nothing
+    python bench/squeeze_quality.py --seed 22 --n 20 --settings 0.1:max:0.05,0.1:max:0.1   # a new held-out set
+    python bench/squeeze_quality.py --merge set.json [--purpose selection]   # add saved sets, run nothing
     python bench/squeeze_quality.py --summary                # recompute and print the pooled summary only
 
 The quality harness's retrieval task (`sparq_llama.eval.tasks`: needles with distractors in a haystack): each
@@ -157,14 +157,16 @@ def main() -> int:
                     help="comma-separated keep:group[:centroids[:levels[:var[:kc[:it[:init]]]]]] (centroids default "
                          "--centroids, levels 1, var: the kept rule's var_weight, kc: keep_coarse (0: the default), "
                          "it: k-means iterations at most, init: even or kpp; defaults SqueezeConfig's)")
-    ap.add_argument("--centroids", type=float, default=0.05)
+    ap.add_argument("--centroids", type=float, default=squeeze.SqueezeConfig().centroids,
+                    help="cluster fraction of settings that name none (default: SqueezeConfig's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
     ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_quality.json", help="the file of all sets")
     ap.add_argument("--purpose", choices=PURPOSES, default=None,
                     help="of the set run or merged (default: held-out for seeds >= 1, development for seed 0)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="SET_JSON",
-                    help="append these single-set records (a run's record) to --out instead of running")
+                    help="append these sets (a set's record, or the sets of another run's --out file) to --out "
+                         "instead of running")
     ap.add_argument("--summary", action="store_true", help="recompute and print the summary of --out, run nothing")
     args = ap.parse_args()
 
@@ -172,8 +174,10 @@ def main() -> int:
     if args.summary or args.merge:
         for path in args.merge or []:
             rec = json.loads(path.read_text())
-            rec.setdefault("seed", 0)  # runs before --seed existed used seed 0's examples
-            sets.append({"purpose": args.purpose or ("held-out" if rec["seed"] else "development"), **rec})
+            for one in rec["sets"] if "sets" in rec else [rec]:  # another run's --out file, or one set's record
+                one.setdefault("seed", 0)  # runs before --seed existed used seed 0's examples
+                purpose = args.purpose or one.pop("purpose", None) or ("held-out" if one["seed"] else "development")
+                sets.append({"purpose": purpose, **one})
         print_summary(save_sets(args.out, sets) if args.merge else summarise(sets))
         return 0
 

@@ -590,6 +590,17 @@ def test_bad_settings_fail_clearly(llm, smollm2_path, doc):
         squeeze_api.prepare(llm.ctx, doc + doc[:10], squeeze_api.SqueezeConfig())
 
 
+def test_python_defaults_are_the_c_defaults():
+    # SqueezeConfig() and llama_squeeze_default_params() each state the defaults (the CLI tools take the C ones):
+    # they must agree, field for field
+    want = squeeze_api._api().llama_squeeze_default_params()
+    got = squeeze_api.SqueezeConfig().to_c()
+    for name, _ in got._fields_:
+        if not name.startswith("progress_callback"):
+            assert getattr(got, name) == getattr(want, name), name
+    assert squeeze_api.SqueezeConfig().centroids == pytest.approx(want.centroids) == 0.1
+
+
 def test_kpp_initialisation(llm, doc, questions, dense_answer, tmp_path):
     # k-means++ seeding: keep 1 is still dense attention; a small keep selects and calibrates; preparing is
     # deterministic, and the clusters are not the evenly seeded ones (the seeding is used). The seeds themselves are

@@ -120,7 +120,7 @@ class Llama(_UpstreamLlama):
 
     # ---- centroid-sparse attention over a fixed prefix (sparq_llama.squeeze) -----------------------
 
-    def prepare_fixed_context(self, text_or_tokens: str | bytes | Sequence[int], centroids: float = 0.05,
+    def prepare_fixed_context(self, text_or_tokens: str | bytes | Sequence[int], centroids: float = 0.1,
                               keep: float = 0.1, levels: int = 1, progress: bool = True,
                               **settings: Any) -> SqueezeInfo:
         """Evaluate a fixed prefix (a document, a system prompt) once and prepare it for centroid-sparse attention.
@@ -131,10 +131,11 @@ class Llama(_UpstreamLlama):
         keys. Later prompts that start with the prefix reuse it (`create_completion(document + question)`): only
         the question is evaluated, and attention reads the kept clusters of the prefix and every other token
         exactly. More settings: the fields of `SqueezeConfig` (levels, centroids_coarse, keep_coarse, n_calib,
-        n_iter, group, var_weight, init). Quality depends on the kept rule: on SmolLM2 a needle in a 4k document is
-        found at 5% clusters and keep=0.1 in 89% of the cases dense finds it over twenty-one held-out sets with the
-        default var_weight=1 (80% with 0.5), and in none with var_weight=0 (the paper's centroid-only rule;
-        docs/quality.md); measure on your task (bench/squeeze_quality.py).
+        n_iter, group, var_weight, init). Quality depends on the cluster fraction and the kept rule: on SmolLM2 a
+        needle in a 4k document is found at keep=0.1 with the defaults (10% clusters, var_weight=1) in 96.3% of the
+        cases dense finds it over seventeen held-out sets; at 5% clusters in 89.7% (80% with var_weight=0.5 on one
+        set), and in none with var_weight=0 (the paper's centroid-only rule; docs/quality.md); measure on your task
+        (bench/squeeze_quality.py).
         progress: a tqdm bar on stderr. Needs flash attention (the default with sparq-llama's
         fixed_context/sparq options; `Llama(..., flash_attn=True)` otherwise). ValueError with the reason when
         the prefix does not fit the context or llama.cpp cannot prepare it.

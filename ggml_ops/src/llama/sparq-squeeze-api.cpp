@@ -24,7 +24,7 @@ int32_t sparq_squeeze_result(const char * fn, const std::string & err) {
 
 struct llama_squeeze_params llama_squeeze_default_params(void) {
     llama_squeeze_params p = {};
-    p.centroids        = 0.05f;
+    p.centroids        = 0.1f;
     p.keep             = 0.1f;
     p.levels           = 1;
     p.centroids_coarse = 0.01f;
