@@ -253,9 +253,9 @@ def test_q8_index_is_refused_with_the_default_layout(model):
             assert msg is not None and field.encode() in msg, (field, value, msg)
 
 
-def test_defaults_are_unchanged():
+def test_defaults_are_the_q8_index_and_qsigma():
     p = C.llama_sparq_default_params()
-    assert (p.index, p.select) == (INDEX["f16"], SELECT["q"])
+    assert (p.index, p.select) == (INDEX["q8"], SELECT["qsigma"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def test_with_sparq_the_prepared_prefix_decides(smollm2_path, document):
     alone, _ = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3")
     both, log = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3",
                            "-v", "--sparq", "--k2", "64", "--sparq-min-kv", "0")
-    assert "SparQ on: k1 = 0 (head_dim/4), k2 = 64" in log and "dropped" not in log
+    assert "SparQ on: k1 = 0 (head_dim/2), k2 = 64" in log and "dropped" not in log
     assert both == alone
 
 
