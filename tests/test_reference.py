@@ -603,13 +603,17 @@ def test_bad_shapes_raise():
 
 
 def test_transfer_ratio():
+    # the f16 index on an f16 cache: the paper's ratio of elements
     s, d, r, k = 65536, 128, 32, 128
     dense = 2 * s * d + 2 * d
-    assert transfer_ratio(s, d, r, k) == pytest.approx(dense / (s * r + 2 * k * d + 4 * d), rel=1e-15)
-    assert transfer_ratio(s, d, r, k) == pytest.approx(7.87515, abs=1e-5)
-    assert transfer_ratio(s, d, r, k, mean=False) == pytest.approx(dense / (s * r + 2 * k * d + 2 * d), rel=1e-15)
-    assert transfer_ratio(s, d, r, k, mean=False) > transfer_ratio(s, d, r, k)
-    assert transfer_ratio(1024, 64, 16, 64) == pytest.approx((2 * 1024 * 64 + 128) / (1024 * 16 + 2 * 64 * 64 + 256))
+    f16 = dict(index="f16")
+    assert transfer_ratio(s, d, r, k, **f16) == pytest.approx(dense / (s * r + 2 * k * d + 4 * d), rel=1e-15)
+    assert transfer_ratio(s, d, r, k, **f16) == pytest.approx(7.87515, abs=1e-5)
+    assert transfer_ratio(s, d, r, k, mean=False, **f16) == pytest.approx(dense / (s * r + 2 * k * d + 2 * d), rel=1e-15)
+    assert transfer_ratio(s, d, r, k, mean=False, **f16) > transfer_ratio(s, d, r, k, **f16)
+    assert transfer_ratio(1024, 64, 16, 64, **f16) == pytest.approx((2 * 1024 * 64 + 128) / (1024 * 16 + 2 * 64 * 64 + 256))
+    # the q8 index (the default): 34 bytes per 32 components of K^T, the rest at the cache's 2 bytes
+    assert transfer_ratio(s, d, r, k) == pytest.approx(2 * dense / (s * r * 34 / 32 + 2 * (2 * k * d + 4 * d)))
     with pytest.raises(ValueError):
         transfer_ratio(0, 128, 32, 128)
 
