@@ -18,15 +18,21 @@ inline size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte u
 constexpr int64_t k_q8_0_block = 32;
 constexpr size_t  k_q8_0_bytes = 2 + k_q8_0_block;
 
+// One q8_0 block: its scale, and a pointer to its 32 values
+inline const int8_t * q8_0_block(const uint8_t * b, float & d) {
+    ggml_fp16_t d16;
+    memcpy(&d16, b, sizeof(d16));
+    d = GGML_CPU_FP16_TO_FP32(d16);
+    return reinterpret_cast<const int8_t *>(b + sizeof(d16));
+}
+
 // n values (a multiple of 32) of q8_0 blocks as f32. Inline here, so that it is compiled for the CPU backend's
 // instruction set: the SparQ index streams through it (ggml-base's dequantizer is built for the baseline ISA)
 inline void q8_0_to_f32(const void * src, float * y, int64_t n) {
     const uint8_t * b = static_cast<const uint8_t *>(src);
     for (int64_t i = 0; i < n; i += k_q8_0_block, b += k_q8_0_bytes) {
-        ggml_fp16_t d16;
-        memcpy(&d16, b, sizeof(d16));
-        const float d = GGML_CPU_FP16_TO_FP32(d16);
-        const int8_t * qs = reinterpret_cast<const int8_t *>(b + 2);
+        float d;
+        const int8_t * qs = q8_0_block(b, d);
         for (int64_t j = 0; j < k_q8_0_block; ++j) {
             y[i + j] = d * (float) qs[j];
         }

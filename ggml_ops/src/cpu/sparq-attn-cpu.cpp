@@ -17,7 +17,6 @@
 
 #include "ggml-cpu.h"
 #include "ggml-cpu/ggml-cpu-impl.h"
-#include "ggml-cpu/simd-mappings.h"
 #include "ggml-cpu/vec.h"
 #include "ggml-impl.h"
 
@@ -324,11 +323,8 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
                         xs[u] = 0.0f;
                     } else if (kt_q8) {
                         const uint8_t * blk = (const uint8_t *) rows[u] + (b0 / k_kt_sub) * attn_cpu::k_q8_0_bytes;
-                        ggml_fp16_t d16;
-                        memcpy(&d16, blk, sizeof(d16));
-                        xs[u] = GGML_CPU_FP16_TO_FP32(d16);
+                        const int8_t * qv = attn_cpu::q8_0_block(blk, xs[u]);
                         float * xu = tmp + u * k_kt_sub;
-                        const int8_t * qv = (const int8_t *) (blk + sizeof(d16));
                         for (int64_t j = 0; j < k_kt_sub; ++j) {
                             xu[j] = (float) qv[j];
                         }
