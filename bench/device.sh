@@ -22,7 +22,8 @@
 #   SPARQ_COMMIT=$(git rev-parse --short HEAD) BASE_COMMIT=<sha> SEQS=4096,32768,65536 BATCHES=1 ROUNDS=2 \
 #       bash bench/device.sh build test op       # -> cuda_op.json / cuda_op_base.json (per round), a table of both
 #
-# Knobs (environment): SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
+# Knobs (environment): OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
+# SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
 # switch SPARQ_CUDA_SELECT), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
 # CUDA_ARCH (default 90), OUT (default /tmp/out). ccache is used where the machine has it, or where .device/debs
 # carries its Debian packages (unpacked into /tmp/cc; `apt-get download ccache libhiredis0.14`); cache in build/ccache.
@@ -187,7 +188,7 @@ stage_op() {
         while read -r name tree build commit; do
             suffix=$([ "$name" = base ] && echo _base)$([ "$round" -gt 1 ] && echo "_r$round")
             with_build "$tree" "$build" "$commit" python3 bench/cuda_op.py --runs "${RUNS:-50}" \
-                --seqs "${SEQS:-4096,16384,32768,65536,131072}" --batches "${BATCHES:-1,16}" \
+                --seqs "${SEQS:-4096,16384,32768,65536,131072}" --batches "${BATCHES:-1,16}" ${OP_ARGS:-} \
                 --out "$OUT/cuda_op$suffix.json" 2>&1 | tee "$OUT/cuda_op$suffix.log" | grep -v "^wrote"
             files+=("$OUT/cuda_op$suffix.json")
         done < <(builds)

@@ -366,6 +366,14 @@ Q8_BLOCK_BYTES = 34                # their f16 scale and 32 int8 values
 Q8_INDEX_BYTES = Fraction(Q8_BLOCK_BYTES, Q8_BLOCK)
 
 
+def default_k1(head_dim: int, index: str = DEFAULT_INDEX) -> int:
+    """k1 when it is left at 0 / None (llama_sparq_params.k1 = 0): about 1/8 of dense attention's bytes, head_dim / 2
+    components of the q8 index or head_dim / 4 of the f16 one (at least 1), as llama.cpp resolves it."""
+    if index not in INDEXES:
+        raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))}, got {index!r}")
+    return max(1, _as_int("head_dim", head_dim) // (2 if index == "q8" else 4))
+
+
 def index_bytes(index: str, kv_type: str = "f16") -> Fraction:
     """Bytes an index element (one key component of one cell in K^T) takes: 2 for the f16 index (whatever the
     cache type), 34/32 for the q8 index. kv_type is checked only."""
