@@ -142,7 +142,10 @@ def check_kstat(ctx: Ctx, what: str, layers: tuple[int, ...] = LAYERS, n_head_kv
             kh = k.reshape(-1, n_head_kv, d)
             want = np.concatenate([kh.sum(0), (kh ** 2).sum(0), np.full((n_head_kv, 1), len(k))], axis=1)
             err = np.abs(st - want) / np.maximum(np.abs(want).max(axis=1, keepdims=True), 1e-30)
-            assert err.max() <= 1e-5, (
+            # f32 running sums: the classical bound of a sum of n terms is n unit roundoffs (2^-24) of its scale; the
+            # GPU's one-hot products sum in another order than the CPU's (measured up to 1.4e-5 at ~100 cells)
+            tol = max(1e-5, 2 * len(k) * 2.0 ** -24)
+            assert err.max() <= tol, (
                 f"{what}: layer {il} sequence {q} key statistics off by {err.max():.3g} of their scale")
 
 

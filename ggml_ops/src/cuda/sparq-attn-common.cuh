@@ -158,6 +158,7 @@ struct sparq_args {
     int32_t n_chunks_a, n_chunks_b;
     int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
     bool vec_kt, vec_kv, vec_logits;
+    bool vec_kt_q8;                // a q8_0 index copied by warps (kernel A, q8_scores_warp)
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
     bool has_logits;               // kernel A writes logits (every policy but WINDOW without the mean)
 #ifdef SPARQ_CUDA_INSTRUMENT

@@ -57,12 +57,24 @@ __device__ __forceinline__ void load_raw8_stream(const float * p, raw8<float> & 
     r.b = make_float4(__uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z), __uint_as_float(b.w));
 }
 
+// Value e (0-3) of 4 int8 values as a float, exactly (float) (int8_t) byte, from the word with each byte offset by 128
+// (word ^ 0x80808080): the offset byte u becomes the low byte of the float 2^23 + u (one byte permute), then 2^23 + 128
+// is subtracted (exact). Two full-rate instructions a value, where the integer-to-float conversion runs at a quarter
+// of the FMA rate: with the q8 index's two components per f16 one, the conversions bound kernel A otherwise.
+__device__ __forceinline__ uint32_t i8_bias(uint32_t word) { return word ^ 0x80808080u; }
+__device__ __forceinline__ float i8_as_f32(uint32_t biased_word, int e) {
+    return __uint_as_float(__byte_perm(biased_word, 0x4B000000u, 0x7440u | (uint32_t) e)) - 8388736.0f;
+}
+
 // A q8_0 index (K^T rows as ggml's q8_0 blocks of 32 cells): a thread's 8 cells lie in one block (j0 is a multiple
 // of 8), kept as loaded, the block's f16 scale and the 8 int8 values. raw8_at gives the int8 value as a float; the
 // scale goes into the query coefficient (q_i * d, then times the value), as the CPU kernel folds it: the same
-// products, one multiply per block rather than per cell. The 34-byte blocks allow only 2-byte loads.
+// products, one multiply per block rather than per cell. A thread alone can read the 34-byte blocks only in 2-byte
+// pieces; where K^T is 16-byte aligned its warp copies them whole instead (q8_scores_warp below).
 template <> struct raw8<block_q8_0> { uint2 q; half d; };
-__device__ __forceinline__ float raw8_at(const raw8<block_q8_0> & r, int i) { return (float) (int8_t) byte_of(r.q, i); }
+__device__ __forceinline__ float raw8_at(const raw8<block_q8_0> & r, int i) {
+    return i8_as_f32(i8_bias(i < 4 ? r.q.x : r.q.y), i % 4);
+}
 
 // Cells [j0, j0 + 8) of a K^T row (the byte address of the row): 16-byte streaming loads of a float index, the block's
 // scale and values of a q8_0 index.
@@ -75,6 +87,187 @@ __device__ __forceinline__ void load_kt8(const char * row, int64_t j0, raw8<T> &
         r.q = bytes8_at((const uint8_t *) b->qs + j0 % QK8_0);
     } else {
         load_raw8_stream((const T *) row + j0, r, pol);
+    }
+}
+
+// ---- kernel A: a q8_0 index read by warps ---------------------------------------------------------------
+// Where K^T is 16-byte aligned with strides of whole 16 bytes (a.vec_kt_q8), a warp's 256 cells of a row are 8 whole
+// blocks, 272 contiguous bytes starting at a multiple of 16: Q8_WARP_PIECES lanes copy them with 16-byte asynchronous
+// copies (cp.async, evict-first in L2 like the other K^T loads) into the warp's area of shared memory, q8_unroll rows
+// at a time in two stages (the next rows' copies fly while the current ones are used, and no registers wait for
+// them), and each thread reads its block's scale and 8 values from there. A thread reading its own block takes
+// 5 two-byte loads per row, and with half of f16's bytes in flight per load it left kernel A latency bound: the q8
+// index at k1 = 64 took the time of the f16 index at k1 = 64, twice its bytes (H100, Llama-2 heads: 101 vs 88 us for
+// the op at 32k against the f16 index at k1 = 32, the same bytes; 255 vs 193 at 128k).
+constexpr int Q8_WARP_BLOCKS = WARP_SIZE*A_CELLS/QK8_0;
+constexpr int Q8_WARP_BYTES  = Q8_WARP_BLOCKS*(int) sizeof(block_q8_0);
+constexpr int Q8_WARP_PIECES = Q8_WARP_BYTES/16;
+constexpr int Q8_STAGE_ROW   = Q8_WARP_BYTES + 16;  // + a piece: a thread reads its 8 values as 3 aligned words
+static_assert(QK8_0 % A_CELLS == 0, "a thread's cells lie in one block");
+static_assert(Q8_WARP_BYTES % 16 == 0 && Q8_WARP_PIECES <= WARP_SIZE, "a warp's blocks are whole 16-byte pieces");
+// K^T rows per stage: as kernel A's register loads for 1-2 heads per pass; half as many for more heads, whose
+// products take 4-8 times the time per row
+__host__ __device__ constexpr int q8_unroll(int ng) { return ng <= 2 ? 16 : 8; }
+// Kernel A's dynamic shared memory: the query components (or rows), then the warps' two stages where vec_kt_q8
+__host__ __device__ constexpr size_t a_qs_bytes(int ng, int64_t k1, int64_t d) {
+    return ((sizeof(float)*ng*(k1 > d ? k1 : d)) + 15) & ~size_t(15);
+}
+__host__ __device__ constexpr size_t a_stage_bytes(int ng) { return size_t(A_WARPS)*2*q8_unroll(ng)*Q8_STAGE_ROW; }
+
+// Whether this device code has the asynchronous copies (sm_80 and later CUDA); a.vec_kt_q8 is set by the host for such
+// devices, and other code reads the index by threads whatever it says.
+#ifdef CP_ASYNC_AVAILABLE
+constexpr bool Q8_WARP_COPIES = true;
+#else
+constexpr bool Q8_WARP_COPIES = false;
+#endif
+
+// The first src_bytes (0-16) of 16 bytes copied from global to shared memory asynchronously, the rest zero-filled;
+// the copies' group commit and wait (each thread for its own copies; a barrier then shares them)
+__device__ __forceinline__ void copy16_async(void * dst, const void * src, int src_bytes, uint64_t pol) {
+#ifdef CP_ASYNC_AVAILABLE
+    const unsigned sdst = (unsigned) __cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
+                 :: "r"(sdst), "l"(src), "r"(src_bytes), "l"(pol) : "memory");
+#else
+    GGML_UNUSED(dst); GGML_UNUSED(src); GGML_UNUSED(src_bytes); GGML_UNUSED(pol);
+    NO_DEVICE_CODE;
+#endif
+}
+__device__ __forceinline__ void copies_commit() {
+#ifdef CP_ASYNC_AVAILABLE
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copies_wait() {
+#ifdef CP_ASYNC_AVAILABLE
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+
+// The q8_0 index's products of the warp's cells from first_cell (a multiple of 256) into acc, as kernel A's thread
+// loop makes them (the same products in the same order, so the same bits). Blocks past the row's end are zero-filled:
+// their cells do not exist and are hidden.
+template <int NG>
+__device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int * i1_buf, const float * qs,
+                               int64_t first_cell, uint8_t * stage, float (&acc)[NG][A_CELLS]) {
+    constexpr int U = q8_unroll(NG);
+    const int lane = threadIdx.x % WARP_SIZE, k1 = a.p.k1;
+    const int64_t first_block = first_cell / QK8_0, n_blocks = (a.n_kv + QK8_0 - 1) / QK8_0;
+    const int n_valid = (int) (n_blocks - first_block < Q8_WARP_BLOCKS ? n_blocks - first_block : Q8_WARP_BLOCKS);
+    const int piece = min(max(n_valid*(int) sizeof(block_q8_0) - 16*lane, 0), 16);
+    const char * src = piece > 0 ? ktb + first_block*(int64_t) sizeof(block_q8_0) + 16*lane : ktb;  // a valid address
+    const auto issue = [&](int i, int buf) {
+        if (lane < Q8_WARP_PIECES) {
+            const uint64_t pol = l2_evict_first();
+#pragma unroll
+            for (int uu = 0; uu < U; ++uu) {
+                copy16_async(stage + (buf*U + uu)*Q8_STAGE_ROW + 16*lane,
+                             src + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1, piece, pol);
+            }
+        }
+        copies_commit();
+    };
+    // the thread's block scale and values within a row's stage: 8 values from an even offset, as 3 words shifted
+    const int blk = (int) sizeof(block_q8_0)*(lane / (QK8_0/A_CELLS));
+    const int val = blk + (int) sizeof(half) + A_CELLS*(lane % (QK8_0/A_CELLS));
+    const int shift = 8*(val % 4);
+    issue(0, 0);
+#pragma unroll 1
+    for (int i = 0, buf = 0; i < k1; i += U, buf ^= 1) {
+        if (i + U < k1) {
+            issue(i + U, buf ^ 1);
+            copies_wait<1>();
+        } else {
+            copies_wait<0>();
+        }
+        __syncwarp();
+#pragma unroll
+        for (int uu = 0; uu < U; ++uu) {
+            if (i + uu >= k1) {
+                continue;
+            }
+            const uint8_t * row = stage + (buf*U + uu)*Q8_STAGE_ROW;
+            const float xscale = __half2float(*(const half *) (row + blk));
+            const uint32_t * w = (const uint32_t *) (row + (val & ~3));
+            const uint32_t lo = i8_bias(__funnelshift_r(w[0], w[1], shift));
+            const uint32_t hi = i8_bias(__funnelshift_r(w[1], w[2], shift));
+            float xf[A_CELLS];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                xf[u]     = i8_as_f32(lo, u);
+                xf[4 + u] = i8_as_f32(hi, u);
+            }
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                const float qv = __fmul_rn(qs[g*k1 + i + uu], xscale);
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    acc[g][u] += qv * xf[u];
+                }
+            }
+        }
+        __syncwarp();  // the stage is refilled by the next round's copies
+    }
+}
+
+// The index's products of a thread's cells [j0, j0 + A_CELLS) into acc, each thread reading its own cells of a_unroll
+// K^T rows at a time: 16-byte streaming loads of a float index, the block's scale and values of a q8_0 index.
+template <typename T, int NG>
+__device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const int * i1_buf, const float * qs, int64_t j0,
+                                 float (&acc)[NG][A_CELLS]) {
+    constexpr bool KT_Q8 = std::is_same_v<T, block_q8_0>;
+    const int k1 = a.p.k1;
+    const int64_t n_kv = a.n_kv;
+    const bool vec = KT_Q8 ? j0 < n_kv : a.vec_kt && j0 + A_CELLS <= n_kv;
+    constexpr int A_UNROLL = a_unroll<T, NG>();
+#pragma unroll 1
+    for (int i = 0; i < k1; i += A_UNROLL) {
+        raw8<T> x[A_UNROLL];
+        if (vec) {
+            const uint64_t pol = l2_evict_first();  // one instruction: cheaper than a register pair in the loop
+#pragma unroll
+            for (int uu = 0; uu < A_UNROLL; ++uu) {
+                load_kt8(ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1, j0, x[uu], pol);
+            }
+        }
+#pragma unroll
+        for (int uu = 0; uu < A_UNROLL; ++uu) {
+            if (i + uu >= k1) {
+                continue;
+            }
+            float xf[A_CELLS];
+            float xscale = 1.0f;  // a q8_0 block's scale, folded into the query coefficient below
+            if constexpr (KT_Q8) {
+                xscale = vec ? __half2float(x[uu].d) : 0.0f;
+            }
+            if (vec) {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    xf[u] = raw8_at(x[uu], u);
+                }
+            } else if constexpr (KT_Q8) {
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    xf[u] = 0.0f;  // none of the thread's cells exists
+                }
+            } else {
+                const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                const float qv = KT_Q8 ? __fmul_rn(qs[g*k1 + i + uu], xscale) : qs[g*k1 + i + uu];
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    acc[g][u] += qv * xf[u];
+                }
+            }
+        }
     }
 }
 
@@ -482,59 +675,16 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             }
         }
         if constexpr (POL == SC_KT) {
-            // r rows of K^T: each thread reads 8 consecutive cells of a row with one 16-byte load (two for f32; a
-            // q8_0 index: its block's scale and 8 values), A_UNROLL rows in flight. A q8_0 row is padded to whole
-            // blocks, so a thread's 8 cells are there wherever the first one exists (those past n_kv are hidden).
-            constexpr bool KT_Q8 = std::is_same_v<T, block_q8_0>;
+            // k1 rows of K^T: a q8_0 index copied by warps where it is aligned for that, else each thread reads 8
+            // consecutive cells of a row with one 16-byte load (two for f32; a q8_0 index: its block's scale and 8
+            // values), a_unroll rows in flight. A q8_0 row is padded to whole blocks, so a thread's 8 cells are there
+            // wherever the first one exists (those past n_kv are hidden).
             const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
-            const bool vec = KT_Q8 ? j0 < n_kv : a.vec_kt && j0 + A_CELLS <= n_kv;
-            constexpr int A_UNROLL = a_unroll<T, NG>();
-#pragma unroll 1
-            for (int i = 0; i < k1; i += A_UNROLL) {
-                raw8<T> x[A_UNROLL];
-                if (vec) {
-                    const uint64_t pol = l2_evict_first();  // one instruction: cheaper than a register pair in the loop
-#pragma unroll
-                    for (int uu = 0; uu < A_UNROLL; ++uu) {
-                        load_kt8(ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1, j0, x[uu], pol);
-                    }
-                }
-#pragma unroll
-                for (int uu = 0; uu < A_UNROLL; ++uu) {
-                    if (i + uu >= k1) {
-                        continue;
-                    }
-                    float xf[A_CELLS];
-                    float xscale = 1.0f;  // a q8_0 block's scale, folded into the query coefficient below
-                    if constexpr (KT_Q8) {
-                        xscale = vec ? __half2float(x[uu].d) : 0.0f;
-                    }
-                    if (vec) {
-#pragma unroll
-                        for (int u = 0; u < A_CELLS; ++u) {
-                            xf[u] = raw8_at(x[uu], u);
-                        }
-                    } else if constexpr (KT_Q8) {
-#pragma unroll
-                        for (int u = 0; u < A_CELLS; ++u) {
-                            xf[u] = 0.0f;  // none of the thread's cells exists
-                        }
-                    } else {
-                        const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
-#pragma unroll
-                        for (int u = 0; u < A_CELLS; ++u) {
-                            xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
-                        }
-                    }
-#pragma unroll
-                    for (int g = 0; g < NG; ++g) {
-                        const float qv = KT_Q8 ? __fmul_rn(qs[g*k1 + i + uu], xscale) : qs[g*k1 + i + uu];
-#pragma unroll
-                        for (int u = 0; u < A_CELLS; ++u) {
-                            acc[g][u] += qv * xf[u];
-                        }
-                    }
-                }
+            if (std::is_same_v<T, block_q8_0> && Q8_WARP_COPIES && a.vec_kt_q8) {
+                uint8_t * stage = (uint8_t *) qs + a_qs_bytes(NG, k1, d) + (size_t) warp*(a_stage_bytes(NG)/A_WARPS);
+                q8_scores_warp<NG>(a, ktb, i1_buf, qs, j0 - (int64_t) lane*A_CELLS, stage, acc);
+            } else {
+                kt_scores_thread<T, NG>(a, ktb, i1_buf, qs, j0, acc);
             }
         } else {
             // default layout (gather k1 components of each row-major K row) or exact scores; K of a quantized type

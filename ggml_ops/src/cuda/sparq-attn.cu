@@ -461,6 +461,9 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.n_words    = (a.n_kv + 31) / 32;
     a.cap        = candidate_cap(a.p.k2);
     a.vec_kt     = kt && kt->type != GGML_TYPE_Q8_0 && aligned16(kt->data) && strides16(kt);  // q8_0: 2-byte loads
+    a.vec_kt_q8  = kt && kt->type == GGML_TYPE_Q8_0 && aligned16(kt->data) && strides16(kt) &&
+                   GGML_CUDA_CC_IS_NVIDIA(ggml_cuda_info().devices[ctx.device].cc) &&  // device code with cp.async
+                   ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[ctx.device].cc) >= GGML_CUDA_CC_AMPERE;
     a.vec_kv     = aligned16(k->data) && strides16(k) && aligned16(v->data) && strides16(v);
     a.vec_logits = a.n_kv % 4 == 0;
     a.vec_mask   = mask && aligned16(mask->data) && mask->nb[1] % 16 == 0 && mask->nb[3] % 16 == 0;
@@ -502,7 +505,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.alpha    = (float *)    (base + plan.alpha);
 
     const size_t smem_q = query_smem(a);
-    const size_t smem_a = sizeof(float) * ng*std::max<int64_t>(a.p.k1, a.d);
+    const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes(ng) : 0);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
