@@ -5,7 +5,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import run
+from conftest import Server, run
 from sparq_llama import sparq as sparq_api
 
 GEN = ["-p", "The capital of France is", "-n", "8", "--temp", "0", "-no-cnv", "-t", "2", "-c", "512"]
@@ -179,3 +179,93 @@ def test_batched_bench_reports_index_and_select(smollm2_path):
     row = json.loads(next(line for line in (res.stdout + res.stderr).splitlines() if line.startswith("{")))
     got = (row["sparq"], row["k1"], row["k2"], row["sparq_index"], row["sparq_select"])
     assert got == (True, 0, 128, "q8", "qsigma")
+
+
+# ---- what runs, at the tools' default verbosity -----------------------------------------------------------------
+
+ON_DEFAULTS = "SparQ: on, k1 = 32 (head_dim/2), k2 = 128, index = q8, select = qsigma"  # SmolLM2: head_dim 64
+HOST_DEFAULT = "dense below 512 cached cells (the measured default with the KV in host memory"
+
+
+def _summaries(text: str) -> list[str]:
+    """The lines that say what a context runs (llama_sparq_summary's line, wherever a tool prints it)."""
+    return [line for line in text.splitlines() if "SparQ: on" in line or "SparQ: off" in line]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--sparq"], [ON_DEFAULTS, "runs in 30 of 30 layers;", HOST_DEFAULT]),
+    (["--sparq", "-ctk", "q8_0", "-ctv", "q8_0"], [ON_DEFAULTS, "runs in 30 of 30 layers;", HOST_DEFAULT]),
+    (["--sparq", "-ctk", "iq4_nl"], ["runs in 0 of 30 layers, 30 dense: 30 K cache type iq4_nl (the op reads"]),
+    (["--sparq", "--k1", "8", "--k2", "64", "--sparq-index", "f16", "--sparq-select", "q", "--sparq-min-kv", "100"],
+     ["SparQ: on, k1 = 8, k2 = 64, index = f16, select = q; runs in 30 of 30 layers; dense below 100 cached cells"]),
+    ([], ["SparQ: off (dense attention in every layer)"]),
+])
+def test_default_verbosity_says_what_runs(smollm2_path, args, expected):
+    # no -v: the line is logged at the tools' default verbosity, once per context
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN, *args], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = _summaries(res.stdout + res.stderr)
+    assert len(lines) == 1, lines
+    for part in expected:
+        assert part in lines[0], lines[0]
+
+
+def test_default_verbosity_names_the_sliding_window_layers(gemma3_path):
+    # Gemma-3-270M: 18 layers, 15 of them sliding-window
+    res = run(["llama-completion", "-m", str(gemma3_path), *GEN, "--sparq"], timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = _summaries(res.stdout + res.stderr)
+    assert len(lines) == 1 and "runs in 3 of 18 layers, 15 dense: 15 sliding-window layer" in lines[0], lines
+    res = run(["llama-completion", "-m", str(gemma3_path), *GEN, "--sparq", "--sparq-swa"], timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "runs in 18 of 18 layers;" in " ".join(_summaries(res.stdout + res.stderr))
+
+
+def test_llama_cli_banner_says_what_runs(smollm2_path):
+    # llama-cli logs only errors by default: its banner carries the line
+    res = run(["llama-cli", "-m", str(smollm2_path), "-t", "2", "-c", "512", "--sparq", "-ctk", "q8_0", "-ctv", "q8_0",
+               "-p", "Hi", "-n", "2", "-st"], timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+    banner = [line for line in res.stdout.splitlines() if line.startswith("attention  : ")]
+    assert len(banner) == 1 and ON_DEFAULTS in banner[0] and "runs in 30 of 30 layers" in banner[0], res.stdout[-2000:]
+
+
+def test_llama_server_logs_what_runs(smollm2_path, tmp_path):
+    srv = Server(["llama-server", "-m", str(smollm2_path), "-c", "1024", "-t", "2", "--no-warmup", "--sparq"],
+                 tmp_path / "server.log")
+    try:
+        lines = _summaries(srv.log())
+    finally:
+        srv.close()
+    assert len(lines) == 1 and ON_DEFAULTS in lines[0] and HOST_DEFAULT in lines[0], lines
+
+
+def test_min_kv_help_states_the_measured_defaults():
+    res = run(["llama-completion", "--help"], timeout=60)
+    entry = _help_entry(res.stdout, "--sparq-min-kv N")
+    assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 24576 for MHA layers, 49152 "
+            "for GQA layers") in entry, entry
+
+
+# ---- number parse errors name the flag ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--k1", "--k2", "--sparq-window", "--sparq-sinks", "--sparq-min-kv"])
+@pytest.mark.parametrize(("value", "message"), [
+    ("abc", "expected an integer, got 'abc'"),
+    ("12abc", "expected an integer, got '12abc'"),
+    ("99999999999", "'99999999999' is out of range for an integer"),
+])
+def test_integer_flags_name_themselves_on_a_bad_number(flag, value, message):
+    res = run(["llama-completion", "--sparq", flag, value, "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert f'error while handling argument "{flag}": {message}' in res.stderr + res.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--sparq", "--sparse-v-thresh", "x"], '"--sparse-v-thresh": expected a number, got \'x\''),
+    (["--squeeze", "--squeeze-levels", "two"], '"--squeeze-levels": expected an integer, got \'two\''),
+])
+def test_other_number_flags_name_themselves(args, message):
+    res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert message in res.stderr + res.stdout
