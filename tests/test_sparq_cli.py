@@ -1,5 +1,7 @@
 """SparQ on the command line: common's flags (llama-completion stands for every common-based tool) and
 llama-bench's sweep columns. Decode correctness is in test_sparq_decode.py."""
+import csv
+import io
 import json
 import re
 import subprocess
@@ -114,13 +116,22 @@ def test_llama_bench_sweep_columns(smollm2_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout)
     got = [(r["sparq"], r["k1"], r["k2"], r["sparq_window"], r["sparq_policy"], r["sparq_layout"]) for r in rows]
-    assert got == [(False, 8, 64, -1, "sparq", "kt"), (True, 8, 64, -1, "sparq", "kt")]
+    # the dense test has no SparQ values: null in JSON, empty in the table and the CSV
+    assert got == [(False, None, None, None, "", ""), (True, 8, 64, -1, "sparq", "kt")]
     assert all(r["avg_ts"] > 0 for r in rows)
 
     md = run(base, timeout=300)
     assert md.returncode == 0, md.stderr[-2000:]
-    header = next(line for line in md.stdout.splitlines() if line.startswith("| model"))
-    assert [c.strip() for c in header.split("|")][-6:-2] == ["sparq", "k1", "k2", "test"]
+    lines = md.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model"))
+    assert [c.strip() for c in lines[header].split("|")][-6:-2] == ["sparq", "k1", "k2", "test"]
+    body = [[c.strip() for c in line.split("|")] for line in lines[header + 2:] if line.startswith("|")]
+    assert [row[-6:-3] for row in body] == [["0", "", ""], ["1", "8", "64"]]
+
+    csv_out = run([*base, "-o", "csv"], timeout=300)
+    assert csv_out.returncode == 0, csv_out.stderr[-2000:]
+    table = list(csv.DictReader(io.StringIO(csv_out.stdout)))
+    assert [(r["sparq"], r["k1"], r["k2"], r["sparq_window"]) for r in table] == [("0", "", "", ""), ("1", "8", "64", "-1")]
 
 
 def test_llama_bench_rejects_bad_sweep_values(smollm2_path):
@@ -245,6 +256,8 @@ def test_min_kv_help_states_the_measured_defaults():
     entry = _help_entry(res.stdout, "--sparq-min-kv N")
     assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 24576 for MHA layers, 49152 "
             "for GQA layers") in entry, entry
+    bench = " ".join(run(["llama-bench", "--help"], timeout=60).stdout.split())
+    assert "512 with the KV in host memory; on a GPU 24576 for MHA layers, 49152 for GQA layers" in bench
 
 
 # ---- number parse errors name the flag ---------------------------------------------------------------------------
@@ -269,3 +282,45 @@ def test_other_number_flags_name_themselves(args, message):
     res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
     assert res.returncode != 0
     assert message in res.stderr + res.stdout
+
+
+@pytest.mark.parametrize("flag", ["-k1", "-k2", "-sparq-window", "-sparq-min-kv"])
+def test_llama_bench_names_the_flag_of_a_bad_number(smollm2_path, flag):
+    res = run(["llama-bench", "-m", str(smollm2_path), "-sparq", "1", flag, "abc"], timeout=60)
+    assert res.returncode != 0
+    assert f"invalid parameter for argument: {flag}" in res.stderr
+
+
+# ---- llama-bench: SparQ values need -sparq 1; an invalid test is skipped, the sweep goes on -----------------------
+
+@pytest.mark.parametrize("args", [
+    ["-k1", "16"], ["-k2", "64"], ["-sparq-window", "8"], ["-sparq-policy", "exact"], ["-sparq-layout", "default"],
+    ["-sparq-min-kv", "0"], ["-sparq-index", "f16"], ["-sparq-select", "q"], ["-sparq", "0", "-k1", "16"],
+])
+def test_llama_bench_refuses_sparq_values_without_sparq(smollm2_path, args):
+    res = run(["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", *args], timeout=60)
+    assert res.returncode != 0
+    flag = next(a for a in args if a != "-sparq" and a.startswith("-"))
+    assert f"error: {flag} has no effect without -sparq 1" in res.stderr
+    assert "| model" not in res.stdout  # refused before any test
+
+
+def test_llama_bench_skips_an_invalid_test_and_runs_the_others(smollm2_path):
+    base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-o", "json"]
+    # window 8 > k2 4: invalid before loading; k1 65 > head_dim 64: refused by the model's context
+    res = run([*base, "-sparq", "0,1", "-k1", "8,65", "-k2", "64,4", "-sparq-window", "8"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout)
+    assert [(r["sparq"], r["k1"], r["k2"]) for r in rows] == [(False, None, None), (True, 8, 64)]
+    skipped = [line for line in res.stderr.splitlines() if line.startswith("llama-bench: skipping the test with")]
+    assert len(skipped) == 3, res.stderr[-3000:]
+    assert sum("window (8) + sinks (0) must not exceed k2 (4)" in line for line in skipped) == 2
+    assert any("-k1 65 -k2 64" in line and "k1 (65) exceeds the model's key head dim (64" in line for line in skipped)
+
+
+def test_llama_bench_fails_when_every_test_is_skipped(smollm2_path):
+    base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-sparq", "1"]
+    res = run([*base, "-k2", "4", "-sparq-window", "8"], timeout=120)
+    assert res.returncode != 0 and "every test was skipped" in res.stderr, res.stderr[-2000:]
+    res = run([*base, "-k1", "65"], timeout=120)
+    assert res.returncode != 0 and "every test was skipped" in res.stderr, res.stderr[-2000:]
