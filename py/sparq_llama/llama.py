@@ -82,9 +82,16 @@ class Llama(_UpstreamLlama):
                 self.set_sparq(config)
             if fixed_context is not None:
                 self.load_fixed_context(fixed_context)
+            _sparq.log_summary(self.ctx)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def sparq_summary(self) -> str:
+        """What this context runs, in one line: SparQ on or off; when on, k1/k2/index/select, in how many layers, why
+        the others stay dense, and below how many cached cells layers stay dense. Logged when the Llama is made."""
+        return _sparq.summary(self.ctx)
 
     @property
     def sparq(self) -> SparqConfig:
