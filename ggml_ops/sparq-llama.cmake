@@ -45,7 +45,8 @@ target_sources(llama PRIVATE
     "${SPARQ_OPS_DIR}/src/llama/sparq-state-file.cpp")
 
 # ---- llama-common: the tools' --squeeze setup (llama-completion, llama-server and llama-cli share it) ------------
-target_sources(llama-common PRIVATE "${SPARQ_OPS_DIR}/src/common/sparq-squeeze-common.cpp")
+target_sources(llama-common PRIVATE "${SPARQ_OPS_DIR}/src/common/sparq-squeeze-common.cpp"
+                                    "${SPARQ_OPS_DIR}/src/common/sparq-common.cpp")
 target_include_directories(llama-common PUBLIC "${SPARQ_OPS_DIR}/src/common")
 
 # The patched common/build-info.cpp (--version of every common-based tool) prints our build info.

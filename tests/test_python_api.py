@@ -90,3 +90,47 @@ def test_from_pretrained_through_huggingface_hub(smollm2_path, tmp_path, monkeyp
         llm.close()
     with pytest.raises(TypeError, match="n_ctxx"):
         sparq_llama.Llama.from_pretrained(repo, "*Q4_1.gguf", local_dir=tmp_path, n_ctxx=128)
+
+
+def test_prepare_fixed_context_progress_covers_evaluation_and_clustering(smollm2_path, monkeypatch):
+    import tqdm.auto
+    from sparq_llama import texts
+
+    events: list[tuple[str, str, int]] = []
+
+    class Bar:
+        """Records what prepare_fixed_context shows: (event, description, position in %)."""
+
+        def __init__(self, total, desc, **_):
+            assert total == 100
+            self.n, self.desc = 0, desc
+            events.append(("open", desc, 0))
+
+        def update(self, k):
+            self.n += k
+            events.append(("update", self.desc, self.n))
+
+        def set_description(self, desc):
+            self.desc = desc
+            events.append(("describe", desc, self.n))
+
+        def close(self):
+            events.append(("close", self.desc, self.n))
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    llm = sparq_llama.Llama(str(smollm2_path), n_ctx=1024, n_batch=64, flash_attn=True, n_threads=2, verbose=False)
+    try:
+        tokens = llm.tokenize(texts.read(texts.names()[0]).encode())[:600]
+        llm.prepare_fixed_context(tokens, keep=0.2)
+        assert llm.fixed_context.prepared and llm.fixed_context.n_prefix == 600
+    finally:
+        llm.close()
+    assert events[0] == ("open", "evaluating the fixed context", 0)
+    evaluating = [n for kind, desc, n in events if kind == "update" and desc == "evaluating the fixed context"]
+    # one step per batch of 64 tokens (10 batches), to the evaluation's 85% of the bar
+    assert len(evaluating) == 10 and evaluating == sorted(evaluating) and evaluating[-1] == 85, events
+    switch = events.index(("describe", "clustering the fixed context", 85))
+    assert all(desc == "evaluating the fixed context" for _, desc, _ in events[:switch])
+    clustering = [n for kind, desc, n in events[switch:] if kind == "update"]
+    assert len(clustering) >= 3 and clustering == sorted(clustering) and clustering[-1] == 100, events
+    assert events[-1] == ("close", "clustering the fixed context", 100)

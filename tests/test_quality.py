@@ -154,3 +154,18 @@ def test_eval_cli(tmp_path, smollm2_path):
     assert "Selection agreement at 2048 tokens" in res.stdout
     saved = json.loads(out.read_text())
     assert saved["config"]["tasks"] == ["agreement"] and saved["agreement"]["summary"]["2048"]["1/2"]["mean"] > 0.9
+
+
+def test_eval_plot_without_matplotlib_fails_with_the_install_hint(tmp_path):
+    # a matplotlib that cannot be imported, first on the path, whether or not the real one is installed
+    blocked = tmp_path / "blocked" / "matplotlib"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('matplotlib blocked for this test')\n")
+    plot = tmp_path / "plot.png"
+    out = tmp_path / "eval.json"
+    res = run(["sparq-llama", "eval", "--quick", "--tasks", "agreement", "--out", str(out), "--no-progress",
+               "--plot", str(plot)], env={"PYTHONPATH": str(blocked.parent)})
+    assert res.returncode != 0, res.stdout[-2000:]
+    assert "--plot needs matplotlib" in res.stderr and "pip install 'sparq-llama[bench]'" in res.stderr, res.stderr
+    # refused before the evaluation ran: nothing was computed or written
+    assert not plot.exists() and not out.exists() and "Selection agreement" not in res.stdout

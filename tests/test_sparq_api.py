@@ -441,3 +441,38 @@ def test_sparq_kwargs_are_documented():
     doc = Llama.__doc__ or ""
     for name in sparq_api.KWARG_FIELDS:
         assert name in doc, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# what the context runs, said once when the Llama is made (llama.cpp's log, shown by default: verbose=True)
+
+_MAKE = """
+import sys
+from sparq_llama import Llama, models
+llm = Llama(str(models.fetch("smollm2")), n_ctx=256, n_threads=1, {kwargs})
+print("SUMMARY=" + llm.sparq_summary)
+llm.close()
+"""
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ("sparq=True", "SparQ: on, k1 = 32 (head_dim/2), k2 = 128, index = q8, select = qsigma; runs in 30 of 30 layers; "
+                   "dense below 512 cached cells (the measured default with the KV in host memory"),
+    ("sparq=True, type_k=20", "runs in 0 of 30 layers, 30 dense: 30 K cache type iq4_nl"),  # GGML_TYPE_IQ4_NL
+    ("sparq=True, k2=64, sparq_min_n_kv=0", "k2 = 64, index = q8, select = qsigma; runs in 30 of 30 layers; "
+                                            "dense below 0 cached cells"),
+    ("", "SparQ: off (dense attention in every layer)"),
+])
+def test_llama_logs_what_runs_once_by_default(kwargs, expected):
+    res = python(_MAKE.format(kwargs=kwargs), timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    logged = [line for line in res.stderr.splitlines() if line.startswith("llama_sparq_log_summary: ")]
+    assert len(logged) == 1 and expected in logged[0], logged
+    # the property reads the same line
+    assert f"SUMMARY={logged[0].removeprefix('llama_sparq_log_summary: ')}" in res.stdout.splitlines()
+
+
+def test_llama_quiet_logs_nothing(smollm2_path):
+    res = python(_MAKE.format(kwargs="sparq=True, verbose=False"), timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "llama_sparq_log_summary" not in res.stderr and "SUMMARY=SparQ: on" in res.stdout

@@ -1,11 +1,13 @@
 """SparQ on the command line: common's flags (llama-completion stands for every common-based tool) and
 llama-bench's sweep columns. Decode correctness is in test_sparq_decode.py."""
+import csv
+import io
 import json
 import re
 import subprocess
 
 import pytest
-from conftest import run
+from conftest import Server, run
 from sparq_llama import sparq as sparq_api
 
 GEN = ["-p", "The capital of France is", "-n", "8", "--temp", "0", "-no-cnv", "-t", "2", "-c", "512"]
@@ -114,13 +116,22 @@ def test_llama_bench_sweep_columns(smollm2_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout)
     got = [(r["sparq"], r["k1"], r["k2"], r["sparq_window"], r["sparq_policy"], r["sparq_layout"]) for r in rows]
-    assert got == [(False, 8, 64, -1, "sparq", "kt"), (True, 8, 64, -1, "sparq", "kt")]
+    # the dense test has no SparQ values: null in JSON, empty in the table and the CSV
+    assert got == [(False, None, None, None, "", ""), (True, 8, 64, -1, "sparq", "kt")]
     assert all(r["avg_ts"] > 0 for r in rows)
 
     md = run(base, timeout=300)
     assert md.returncode == 0, md.stderr[-2000:]
-    header = next(line for line in md.stdout.splitlines() if line.startswith("| model"))
-    assert [c.strip() for c in header.split("|")][-6:-2] == ["sparq", "k1", "k2", "test"]
+    lines = md.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model"))
+    assert [c.strip() for c in lines[header].split("|")][-6:-2] == ["sparq", "k1", "k2", "test"]
+    body = [[c.strip() for c in line.split("|")] for line in lines[header + 2:] if line.startswith("|")]
+    assert [row[-6:-3] for row in body] == [["0", "", ""], ["1", "8", "64"]]
+
+    csv_out = run([*base, "-o", "csv"], timeout=300)
+    assert csv_out.returncode == 0, csv_out.stderr[-2000:]
+    table = list(csv.DictReader(io.StringIO(csv_out.stdout)))
+    assert [(r["sparq"], r["k1"], r["k2"], r["sparq_window"]) for r in table] == [("0", "", "", ""), ("1", "8", "64", "-1")]
 
 
 def test_llama_bench_rejects_bad_sweep_values(smollm2_path):
@@ -179,3 +190,137 @@ def test_batched_bench_reports_index_and_select(smollm2_path):
     row = json.loads(next(line for line in (res.stdout + res.stderr).splitlines() if line.startswith("{")))
     got = (row["sparq"], row["k1"], row["k2"], row["sparq_index"], row["sparq_select"])
     assert got == (True, 0, 128, "q8", "qsigma")
+
+
+# ---- what runs, at the tools' default verbosity -----------------------------------------------------------------
+
+ON_DEFAULTS = "SparQ: on, k1 = 32 (head_dim/2), k2 = 128, index = q8, select = qsigma"  # SmolLM2: head_dim 64
+HOST_DEFAULT = "dense below 512 cached cells (the measured default with the KV in host memory"
+
+
+def _summaries(text: str) -> list[str]:
+    """The lines that say what a context runs (llama_sparq_summary's line, wherever a tool prints it)."""
+    return [line for line in text.splitlines() if "SparQ: on" in line or "SparQ: off" in line]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--sparq"], [ON_DEFAULTS, "runs in 30 of 30 layers;", HOST_DEFAULT]),
+    (["--sparq", "-ctk", "q8_0", "-ctv", "q8_0"], [ON_DEFAULTS, "runs in 30 of 30 layers;", HOST_DEFAULT]),
+    (["--sparq", "-ctk", "iq4_nl"], ["runs in 0 of 30 layers, 30 dense: 30 K cache type iq4_nl (the op reads"]),
+    (["--sparq", "--k1", "8", "--k2", "64", "--sparq-index", "f16", "--sparq-select", "q", "--sparq-min-kv", "100"],
+     ["SparQ: on, k1 = 8, k2 = 64, index = f16, select = q; runs in 30 of 30 layers; dense below 100 cached cells"]),
+    ([], ["SparQ: off (dense attention in every layer)"]),
+])
+def test_default_verbosity_says_what_runs(smollm2_path, args, expected):
+    # no -v: the line is logged at the tools' default verbosity, once per context
+    res = run(["llama-completion", "-m", str(smollm2_path), *GEN, *args], timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = _summaries(res.stdout + res.stderr)
+    assert len(lines) == 1, lines
+    for part in expected:
+        assert part in lines[0], lines[0]
+
+
+def test_default_verbosity_names_the_sliding_window_layers(gemma3_path):
+    # Gemma-3-270M: 18 layers, 15 of them sliding-window
+    res = run(["llama-completion", "-m", str(gemma3_path), *GEN, "--sparq"], timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = _summaries(res.stdout + res.stderr)
+    assert len(lines) == 1 and "runs in 3 of 18 layers, 15 dense: 15 sliding-window layer" in lines[0], lines
+    res = run(["llama-completion", "-m", str(gemma3_path), *GEN, "--sparq", "--sparq-swa"], timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "runs in 18 of 18 layers;" in " ".join(_summaries(res.stdout + res.stderr))
+
+
+def test_llama_cli_banner_says_what_runs(smollm2_path):
+    # llama-cli logs only errors by default: its banner carries the line
+    res = run(["llama-cli", "-m", str(smollm2_path), "-t", "2", "-c", "512", "--sparq", "-ctk", "q8_0", "-ctv", "q8_0",
+               "-p", "Hi", "-n", "2", "-st"], timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+    banner = [line for line in res.stdout.splitlines() if line.startswith("attention  : ")]
+    assert len(banner) == 1 and ON_DEFAULTS in banner[0] and "runs in 30 of 30 layers" in banner[0], res.stdout[-2000:]
+
+
+def test_llama_server_logs_what_runs(smollm2_path, tmp_path):
+    srv = Server(["llama-server", "-m", str(smollm2_path), "-c", "1024", "-t", "2", "--no-warmup", "--sparq"],
+                 tmp_path / "server.log")
+    try:
+        lines = _summaries(srv.log())
+    finally:
+        srv.close()
+    assert len(lines) == 1 and ON_DEFAULTS in lines[0] and HOST_DEFAULT in lines[0], lines
+
+
+def test_min_kv_help_states_the_measured_defaults():
+    res = run(["llama-completion", "--help"], timeout=60)
+    entry = _help_entry(res.stdout, "--sparq-min-kv N")
+    assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 24576 for MHA layers, 49152 "
+            "for GQA layers") in entry, entry
+    bench = " ".join(run(["llama-bench", "--help"], timeout=60).stdout.split())
+    assert "512 with the KV in host memory; on a GPU 24576 for MHA layers, 49152 for GQA layers" in bench
+
+
+# ---- number parse errors name the flag ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--k1", "--k2", "--sparq-window", "--sparq-sinks", "--sparq-min-kv"])
+@pytest.mark.parametrize(("value", "message"), [
+    ("abc", "expected an integer, got 'abc'"),
+    ("12abc", "expected an integer, got '12abc'"),
+    ("99999999999", "'99999999999' is out of range for an integer"),
+])
+def test_integer_flags_name_themselves_on_a_bad_number(flag, value, message):
+    res = run(["llama-completion", "--sparq", flag, value, "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert f'error while handling argument "{flag}": {message}' in res.stderr + res.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--sparq", "--sparse-v-thresh", "x"], '"--sparse-v-thresh": expected a number, got \'x\''),
+    (["--squeeze", "--squeeze-levels", "two"], '"--squeeze-levels": expected an integer, got \'two\''),
+])
+def test_other_number_flags_name_themselves(args, message):
+    res = run(["llama-completion", *args, "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert message in res.stderr + res.stdout
+
+
+@pytest.mark.parametrize("flag", ["-k1", "-k2", "-sparq-window", "-sparq-min-kv"])
+def test_llama_bench_names_the_flag_of_a_bad_number(smollm2_path, flag):
+    res = run(["llama-bench", "-m", str(smollm2_path), "-sparq", "1", flag, "abc"], timeout=60)
+    assert res.returncode != 0
+    assert f"invalid parameter for argument: {flag}" in res.stderr
+
+
+# ---- llama-bench: SparQ values need -sparq 1; an invalid test is skipped, the sweep goes on -----------------------
+
+@pytest.mark.parametrize("args", [
+    ["-k1", "16"], ["-k2", "64"], ["-sparq-window", "8"], ["-sparq-policy", "exact"], ["-sparq-layout", "default"],
+    ["-sparq-min-kv", "0"], ["-sparq-index", "f16"], ["-sparq-select", "q"], ["-sparq", "0", "-k1", "16"],
+])
+def test_llama_bench_refuses_sparq_values_without_sparq(smollm2_path, args):
+    res = run(["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", *args], timeout=60)
+    assert res.returncode != 0
+    flag = next(a for a in args if a != "-sparq" and a.startswith("-"))
+    assert f"error: {flag} has no effect without -sparq 1" in res.stderr
+    assert "| model" not in res.stdout  # refused before any test
+
+
+def test_llama_bench_skips_an_invalid_test_and_runs_the_others(smollm2_path):
+    base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-o", "json"]
+    # window 8 > k2 4: invalid before loading; k1 65 > head_dim 64: refused by the model's context
+    res = run([*base, "-sparq", "0,1", "-k1", "8,65", "-k2", "64,4", "-sparq-window", "8"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout)
+    assert [(r["sparq"], r["k1"], r["k2"]) for r in rows] == [(False, None, None), (True, 8, 64)]
+    skipped = [line for line in res.stderr.splitlines() if line.startswith("llama-bench: skipping the test with")]
+    assert len(skipped) == 3, res.stderr[-3000:]
+    assert sum("window (8) + sinks (0) must not exceed k2 (4)" in line for line in skipped) == 2
+    assert any("-k1 65 -k2 64" in line and "k1 (65) exceeds the model's key head dim (64" in line for line in skipped)
+
+
+def test_llama_bench_fails_when_every_test_is_skipped(smollm2_path):
+    base = ["llama-bench", "-m", str(smollm2_path), "-p", "0", "-n", "2", "-r", "1", "-t", "2", "-sparq", "1"]
+    res = run([*base, "-k2", "4", "-sparq-window", "8"], timeout=120)
+    assert res.returncode != 0 and "every test was skipped" in res.stderr, res.stderr[-2000:]
+    res = run([*base, "-k1", "65"], timeout=120)
+    assert res.returncode != 0 and "every test was skipped" in res.stderr, res.stderr[-2000:]

@@ -174,3 +174,22 @@ def test_squeeze_prefill_applies_to_a_loaded_prefix(smollm2_path, document, tmp_
     got, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-prefill", "dense")
     assert "loaded a prepared prefix" in log and "dropped" not in log
     assert "48213" in got
+
+
+def _progress(log: str, what: str) -> list[tuple[int, str]]:
+    """(percent, the rest of the line) of each 'what the fixed prefix: N%...' progress line, in order."""
+    return [(int(m.group(1)), m.group(2)) for m in re.finditer(rf"{what} the fixed prefix: (\d+)%(.*)", log)]
+
+
+def test_preparing_logs_progress_over_both_phases(smollm2_path, document):
+    # batches of 128 tokens: the ~1k-token document's evaluation passes each quarter in its own batch
+    _, log = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "-b", "128", "-ub", "128")
+    n = int(re.search(r"evaluating the fixed prefix \((\d+) tokens\)", log).group(1))
+    evaluating = _progress(log, "evaluating")
+    assert [p for p, _ in evaluating] == [25, 50, 75, 100], log[-3000:]
+    done = [int(re.match(r" \((\d+) of (\d+) tokens\), [\d.]+ s", rest).group(1)) for _, rest in evaluating]
+    assert done == sorted(done) and done[-1] == n and done[0] >= n / 4, evaluating
+    # the clustering's last quarter is the line that says it is prepared
+    assert [p for p, _ in _progress(log, "clustering")] == [25, 50, 75], log[-3000:]
+    assert log.index("evaluating the fixed prefix: 100%") < log.index("clustering the fixed prefix: 25%") \
+        < log.index("prepared the fixed prefix in")

@@ -95,6 +95,16 @@ def test_prompt_after_the_prefix_answers_as_the_python_api(server, smollm2_path,
     assert text["content"] == got[0]
 
 
+def test_start_up_logs_progress(server, tokens):
+    # the evaluation (one batch here: the prefix is shorter than -b) and the clustering, each line with the time so far
+    log = server.log()
+    n = len(tokens[0])
+    assert re.search(rf"evaluating the fixed prefix: 100% \({n} of {n} tokens\), [\d.]+ s", log), log[-3000:]
+    clustering = re.findall(r"clustering the fixed prefix: (\d+)%, [\d.]+ s", log)
+    assert clustering == ["25", "50", "75"], log[-3000:]
+    assert log.index("clustering the fixed prefix: 75%") < log.index("prepared the fixed prefix in")
+
+
 def test_other_prompts_run_in_the_other_slot_and_keep_the_prefix(server, tokens):
     prefix, question, _ = tokens
     first = server.complete(prefix + question)

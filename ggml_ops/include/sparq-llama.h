@@ -75,6 +75,12 @@ struct llama_sparq_params {
     int32_t select;          // enum llama_sparq_select
 };
 
+// What min_n_kv = -1 resolves to per layer: the measured cell counts from which SparQ beats dense attention, with the
+// layer's KV in host memory, or on a GPU for MHA layers and for GQA layers (several query heads per KV head).
+#define LLAMA_SPARQ_MIN_N_KV_HOST    512
+#define LLAMA_SPARQ_MIN_N_KV_GPU_MHA 24576
+#define LLAMA_SPARQ_MIN_N_KV_GPU_GQA 49152
+
 // enabled = false, k1 = 0 (by the index), k2 = 128, window = -1 (k2/4), sinks = 0, mean auto, policy sparq,
 // sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1, index q8, select qsigma
 // (docs/quality.md: the selection agreement and task results behind them).
@@ -94,6 +100,15 @@ SPARQ_API struct llama_sparq_params llama_get_sparq(const struct llama_context *
 
 // The reason for the last failed llama_set_sparq on this thread ("" if none).
 SPARQ_API const char * llama_sparq_last_error(void);
+
+// One line saying what the context runs: SparQ on or off; when on, k1/k2/index/select, how many layers SparQ
+// decodes and, per reason, how many stay dense, and the cached-cell count below which layers stay dense (per kind
+// of layer where the measured defaults differ). Written like snprintf (NUL-terminated, truncated to size); returns
+// the length of the whole line, or -1 when ctx is NULL.
+SPARQ_API int32_t llama_sparq_summary(const struct llama_context * ctx, char * buf, size_t size);
+
+// Logs that line at INFO through llama_log_set's callback (the bindings that show llama.cpp's log show it).
+SPARQ_API void llama_sparq_log_summary(const struct llama_context * ctx);
 
 // Field-by-field equality (graph reuse compares settings with it).
 static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct llama_sparq_params b) {

@@ -148,6 +148,18 @@ def llama_sparq_last_error() -> bytes:
     """The reason for the last failed llama_set_sparq on this thread ("" if none)."""
 
 
+# SPARQ_API int32_t llama_sparq_summary(const struct llama_context * ctx, char * buf, size_t size);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int32)
+def llama_sparq_summary(ctx: int | None, buf: Any, size: int, /) -> int:
+    """One line saying what the context runs (snprintf-like: the whole line's length, -1 for a NULL ctx)."""
+
+
+# SPARQ_API void llama_sparq_log_summary(const struct llama_context * ctx);
+@c_function(libllama, [ctypes.c_void_p], None)
+def llama_sparq_log_summary(ctx: int | None, /) -> None:
+    """Logs that line at INFO through llama.cpp's log callback."""
+
+
 # ===================================================================================================
 # sparq-llama.h (libllama): centroid-sparse attention over a prepared fixed prefix
 

@@ -44,6 +44,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from . import eval as ev
     from .eval import report
 
+    if args.plot:
+        # before the evaluation (minutes): a run that was asked for a plot and cannot make one is an error
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError("--plot needs matplotlib, which is not installed: pip install 'sparq-llama[bench]' "
+                              "(or pip install matplotlib), or leave --plot out") from None
     overrides = {}
     if args.tasks:
         overrides["tasks"] = tuple(args.tasks.split(","))
@@ -51,8 +58,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     data = ev.run(cfg, out, fresh=args.fresh, progress=not args.no_progress)
     print(report.markdown(data))
-    if args.plot:
-        report.plot(data, Path(args.plot))
+    if args.plot and not report.plot(data, Path(args.plot)):
+        return 1
     return 0
 
 

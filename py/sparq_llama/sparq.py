@@ -273,7 +273,7 @@ def to_kwargs(config: SparqConfig) -> dict[str, Any]:
 
 
 _C_FUNCTIONS = (C.llama_sparq_default_params, C.llama_sparq_check, C.llama_set_sparq, C.llama_get_sparq,
-                C.llama_sparq_last_error)
+                C.llama_sparq_last_error, C.llama_sparq_summary, C.llama_sparq_log_summary)
 
 
 def available() -> bool:
@@ -324,6 +324,23 @@ def apply(ctx: Any, config: SparqConfig) -> None:
     if lib.llama_set_sparq(_ctx_ptr(ctx), ctypes.byref(p)) != 0:
         reason = (lib.llama_sparq_last_error() or b"").decode(errors="replace") or "no reason given"
         raise ValueError(f"llama_set_sparq failed: {reason}")
+
+
+def summary(ctx: Any) -> str:
+    """One line saying what `ctx` runs: SparQ on or off, in how many layers, why the others stay dense, and below how
+    many cached cells layers stay dense (llama_sparq_summary)."""
+    if ctx is None:
+        raise ValueError("summary() needs a llama_context")
+    lib = _api()
+    n = lib.llama_sparq_summary(_ctx_ptr(ctx), None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    lib.llama_sparq_summary(_ctx_ptr(ctx), buf, n + 1)
+    return buf.value.decode(errors="replace")
+
+
+def log_summary(ctx: Any) -> None:
+    """Log that line through llama.cpp's log (shown where llama.cpp's INFO lines are: `Llama(verbose=True)`)."""
+    _api().llama_sparq_log_summary(_ctx_ptr(ctx))
 
 
 def read(ctx: Any) -> SparqConfig:

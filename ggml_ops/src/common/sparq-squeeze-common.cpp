@@ -12,6 +12,26 @@
 #include <iterator>
 #include <string>
 
+// Progress of a start-up step that takes seconds (evaluating and clustering an 8k-token prefix on 2 cores takes about
+// 24 s): one log line at each quarter of the work passed, with the time so far.
+struct squeeze_progress_log {
+    const char * what;
+    int64_t      t0      = ggml_time_us();
+    int          quarter = 0;
+
+    explicit squeeze_progress_log(const char * what) : what(what) {}
+
+    void update(double fraction, const std::string & detail = "") {
+        const int q = std::min(4, (int) (fraction*4.0 + 1e-9));
+        if (q <= quarter) {
+            return;
+        }
+        quarter = q;
+        LOG_INF("squeeze_prepare_prefix: %s the fixed prefix: %d%%%s, %.1f s\n", what, 25*q,
+                detail.empty() ? "" : (" (" + detail + ")").c_str(), (ggml_time_us() - t0)/1e6);
+    }
+};
+
 static bool squeeze_load_prefix(llama_context * ctx, const common_params & params, llama_seq_id seq_id,
                                 std::vector<llama_token> & prefix) {
     prefix.resize(llama_n_ctx_seq(ctx));
@@ -113,6 +133,7 @@ static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & pa
     const int n_batch = std::max(1, (int) llama_n_batch(ctx));
     llama_batch batch = llama_batch_init(n_batch, 0, 1);
     bool ok = true;
+    squeeze_progress_log eval_progress("evaluating");
     for (size_t i = 0; ok && i < prefix.size(); i += n_batch) {
         const int n = std::min((int) (prefix.size() - i), n_batch);
         batch.n_tokens = n;
@@ -124,6 +145,8 @@ static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & pa
             batch.logits[j]    = j == n - 1;
         }
         ok = llama_decode(ctx, batch) == 0;
+        eval_progress.update((double) (i + n)/(double) prefix.size(),
+                             std::to_string(i + n) + " of " + std::to_string(prefix.size()) + " tokens");
     }
     llama_batch_free(batch);
     if (!ok) {
@@ -131,7 +154,17 @@ static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & pa
         return false;
     }
     const int64_t t0 = ggml_time_us();
-    if (llama_squeeze_prepare(ctx, seq_id, prefix.data(), (int32_t) prefix.size(), &params.squeeze_params) != 0) {
+    // the last quarter is the line that says it is prepared
+    squeeze_progress_log prepare_progress("clustering");
+    llama_squeeze_params sqp = params.squeeze_params;
+    sqp.progress_callback = [](float f, void * user) {
+        if (f < 1.0f) {
+            static_cast<squeeze_progress_log *>(user)->update(f);
+        }
+        return true;
+    };
+    sqp.progress_callback_user_data = &prepare_progress;
+    if (llama_squeeze_prepare(ctx, seq_id, prefix.data(), (int32_t) prefix.size(), &sqp) != 0) {
         LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
         return false;
     }

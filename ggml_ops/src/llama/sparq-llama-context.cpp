@@ -233,6 +233,110 @@ void llama_context::sparq_sync() {
 }
 
 //
+// what the context runs, in one line
+//
+
+static std::string sparq_summary(const llama_context & ctx) {
+    const llama_sparq_params & p = ctx.get_sparq();
+    if (!p.enabled) {
+        return "SparQ: off (dense attention in every layer)";
+    }
+    const auto & hparams = ctx.get_model().hparams;
+    std::vector<llama_kv_cache *> caches;
+    std::string err;
+    sparq_caches(ctx.get_memory(), true, caches, err);
+
+    // per reason, in the order first met, how many layers stay dense; per kind of layer that runs SparQ, the
+    // cell count below which it stays dense
+    std::vector<std::pair<std::string, int>> dense;
+    std::vector<std::pair<std::string, int32_t>> min_kv;
+    auto count = [](auto & list, const std::string & key) -> auto & {
+        for (auto & e : list) {
+            if (e.first == key) {
+                return e;
+            }
+        }
+        list.emplace_back(key, 0);
+        return list.back();
+    };
+    const uint32_t n_layer = hparams.n_layer();
+    int n_active = 0;
+    uint32_t head_dim = 0; // of the first layer that runs SparQ (k1's automatic value is a share of it)
+    for (uint32_t il = 0; il < n_layer; ++il) {
+        const sparq_kv_layer * L = nullptr;
+        for (auto * kv : caches) {
+            if ((L = kv->sparq_layer((int32_t) il)) != nullptr) {
+                break;
+            }
+        }
+        if (L != nullptr && L->active) {
+            ++n_active;
+            head_dim = head_dim ? head_dim : hparams.n_embd_head_k(il);
+            const bool host = sparq_on_host(L->k);
+            const bool mha  = hparams.n_head(il) == hparams.n_head_kv(il);
+            const char * kind = host ? "KV in host memory" : mha ? "KV on a GPU, MHA layers" : "KV on a GPU, GQA layers";
+            count(min_kv, kind).second = sparq_min_n_kv(p, host, mha);
+            continue;
+        }
+        std::string why = L != nullptr ? L->reason :
+                          hparams.is_swa(il) ? "sliding-window layer (its read is bounded; --sparq-swa includes it)" :
+                          "not an attention layer of the KV cache (recurrent or without a cache)";
+        count(dense, why).second++;
+    }
+
+    const bool q8 = p.index == LLAMA_SPARQ_INDEX_Q8;
+    std::string k1 = std::to_string(p.k1);
+    if (p.k1 == 0) {
+        const char * share = q8 ? "head_dim/2" : "head_dim/4";
+        k1 = head_dim ? std::to_string(q8 ? head_dim/2 : head_dim/4) + " (" + share + ")" : std::string("0 (") + share + ")";
+    }
+    std::string out = "SparQ: on, k1 = " + k1 + ", k2 = " + std::to_string(p.k2) + ", index = " + (q8 ? "q8" : "f16") +
+                      ", select = " + (p.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q");
+    if (p.policy != LLAMA_SPARQ_POLICY_SPARQ) {
+        out += std::string(", policy = ") + (p.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : "window");
+    }
+    out += "; runs in " + std::to_string(n_active) + " of " + std::to_string(n_layer) + " layers";
+    if (n_active < (int) n_layer) {
+        out += ", " + std::to_string(n_layer - n_active) + " dense:";
+        for (size_t i = 0; i < dense.size(); ++i) {
+            out += (i ? "; " : " ") + std::to_string(dense[i].second) + " " + dense[i].first;
+        }
+    }
+    if (n_active > 0) {
+        out += "; dense below ";
+        if (p.min_n_kv >= 0) {
+            out += std::to_string(p.min_n_kv) + " cached cells";
+        } else if (min_kv.size() == 1) {
+            out += std::to_string(min_kv[0].second) + " cached cells (the measured default with the " + min_kv[0].first +
+                   "; --sparq-min-kv / sparq_min_n_kv sets it)";
+        } else {
+            for (size_t i = 0; i < min_kv.size(); ++i) {
+                out += (i ? " / " : "") + std::to_string(min_kv[i].second) + " (" + min_kv[i].first + ")";
+            }
+            out += " cached cells (measured defaults; --sparq-min-kv / sparq_min_n_kv sets it)";
+        }
+    }
+    return out;
+}
+
+int32_t llama_sparq_summary(const struct llama_context * ctx, char * buf, size_t size) {
+    if (ctx == nullptr) {
+        return -1;
+    }
+    const std::string s = sparq_summary(*ctx);
+    if (buf != nullptr && size > 0) {
+        snprintf(buf, size, "%s", s.c_str());
+    }
+    return (int32_t) s.size();
+}
+
+void llama_sparq_log_summary(const struct llama_context * ctx) {
+    if (ctx != nullptr) {
+        LLAMA_LOG_INFO("%s: %s\n", __func__, sparq_summary(*ctx).c_str());
+    }
+}
+
+//
 // testing: the derived KV state as host arrays
 //
 

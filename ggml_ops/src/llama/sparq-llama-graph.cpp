@@ -349,13 +349,6 @@ sparq_graph_input * sparq_input(llm_graph_result * res, const llama_ubatch & uba
         ubatch.n_tokens, n_seq_max, sparq_graph_input::one_seq_per_token(ubatch))));
 }
 
-// Whether a (view of a) cache tensor lives in host memory: the CPU's measured default applies there, the GPU's
-// elsewhere (sparq_min_n_kv).
-bool sparq_on_host(const ggml_tensor * t) {
-    const ggml_tensor * src = t->view_src ? t->view_src : t;
-    return src->buffer == nullptr || ggml_backend_buffer_is_host(src->buffer);
-}
-
 void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
     if (!L->logged) {
         L->logged = true;

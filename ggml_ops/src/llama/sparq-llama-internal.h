@@ -93,9 +93,16 @@ ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, gg
 // 0.96x of dense at 16k and 1.18x at 32k; the Llama-3-8B shape (4 query heads per KV head) at 0.92x at 32k
 // and 1.06x at 64k. A GQA row reads its K and V rows once for several heads, so dense attention is cheaper
 // per head there and SparQ pays off later.
-constexpr int32_t SPARQ_DEFAULT_MIN_N_KV         = 512;
-constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_MHA = 24576;
-constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_GQA = 49152;
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV         = LLAMA_SPARQ_MIN_N_KV_HOST;
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_MHA = LLAMA_SPARQ_MIN_N_KV_GPU_MHA;
+constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_GQA = LLAMA_SPARQ_MIN_N_KV_GPU_GQA;
+
+// Whether a (view of a) cache tensor lives in host memory: the CPU's measured default applies there, the GPU's
+// elsewhere (sparq_min_n_kv).
+inline bool sparq_on_host(const ggml_tensor * t) {
+    const ggml_tensor * src = t->view_src ? t->view_src : t;
+    return src->buffer == nullptr || ggml_backend_buffer_is_host(src->buffer);
+}
 
 // The settings' automatic values, resolved (one definition for the graph, the check and the log).
 inline int32_t sparq_min_n_kv(const llama_sparq_params & p, bool kv_on_host = true, bool mha = true) {

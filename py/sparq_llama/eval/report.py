@@ -157,7 +157,7 @@ def plot(data: dict[str, Any], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed (pip install 'sparq-llama[bench]'): no plot")
+        log.error("matplotlib is not installed (pip install 'sparq-llama[bench]'): no plot written to %s", path)
         return False
     rows = [s for s in data.get("summary") or summaries(data) if s["length"] is None]
     tasks = [t for t in TASK_ORDER if any(s["task"] == t for s in rows)]
