@@ -56,7 +56,7 @@ def servers(tmp_path_factory):
                                               stdout=log, stderr=subprocess.STDOUT))
             endpoints.append(f"127.0.0.1:{port}")
         deadline = time.time() + 30
-        for proc, ep, i in zip(procs, endpoints, range(2)):
+        for i, (proc, ep) in enumerate(zip(procs, endpoints)):
             while not _listening(ep):
                 assert proc.poll() is None, f"ggml-rpc-server exited: {(logs / f'server{i}.log').read_text()[-2000:]}"
                 assert time.time() < deadline, f"ggml-rpc-server on {ep} did not listen within 30 s"
@@ -176,6 +176,8 @@ def test_sparq_over_rpc(smollm2_path, servers):
     local, _ = completion(smollm2_path, *gen, *SPARQ, "--k2", "128")
 
     assert_layers_on_rpc(log)
+    n_prompt = re.search(r"prompt eval time =.*/\s*(\d+) tokens", log)
+    assert n_prompt and int(n_prompt.group(1)) > 128, "the prompt must fill more than k2 cells"
     assert "SparQ on: k1 = 0 (head_dim/2), k2 = 128" in log, log[-2000:]
     assert "SparQ: dense attention for layer" not in log
     for op in ("SPARQ_ATTN", "SPARQ_VSUM_ROWS"):  # the attention and the running sums --sparq-select qsigma reads
