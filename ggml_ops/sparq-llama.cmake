@@ -61,5 +61,8 @@ set(_info_defs
 if (GGML_CUDA)
     list(APPEND _info_defs SPARQ_WITH_CUDA)
 endif()
+if (GGML_RPC)
+    list(APPEND _info_defs SPARQ_WITH_RPC)
+endif()
 set_source_files_properties("${SPARQ_OPS_DIR}/src/sparq-llama-info.cpp" TARGET_DIRECTORY llama
     PROPERTIES COMPILE_DEFINITIONS "${_info_defs}")

@@ -13,7 +13,15 @@ def test_build_info_reports_our_build():
     assert info["llama_cpp_python"] == PIN["version"]
     assert info["ops"] == ["sparq_attn", "centroid_attn"]
     assert info["backends"][0] == "CPU"
-    assert set(info["backends"]) <= {"CPU", "CUDA"}
+    assert set(info["backends"]) <= {"CPU", "CUDA", "RPC"}
+    assert "RPC" in info["backends"]  # the package always builds the RPC backend (ggml-rpc-server, --rpc)
+
+
+def test_rpc_backend_is_registered():
+    # what the build info says, as llama.cpp itself sees it: the RPC backend is in the loaded libraries
+    from llama_cpp import llama_cpp as lc
+
+    assert lc.llama_supports_rpc() == ("RPC" in sparq_llama.build_info()["backends"])
 
 
 def test_build_info_is_from_the_loaded_libllama():

@@ -61,6 +61,7 @@ def test_pack_round_trip_and_stale_pack_rejected(tmp_path):
         names = set(tar.getnames())
     for needed in ("llama.cpp/CMakeLists.txt", "llama.cpp/src/llama.cpp", "llama.cpp/ggml/src/ggml.c",
                    "llama.cpp/ggml/src/ggml-cuda/fattn.cu", "llama.cpp/tools/server/server.cpp",
+                   "llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp", "llama.cpp/tools/rpc/rpc-server.cpp",
                    "llama.cpp/.sparq-llama-pin.json"):
         assert needed in names, needed
     assert not any(n.startswith(("llama.cpp/docs/", "llama.cpp/ggml/src/ggml-vulkan/")) for n in names)

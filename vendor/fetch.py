@@ -33,12 +33,12 @@ PATCH_DIR = VENDOR_DIR / "patches"
 DEFAULT_DEST = VENDOR_DIR / "llama.cpp"
 MARKER = ".sparq-llama-pin.json"
 
-# What a build of the CPU and CUDA backends with the tools needs. Everything else (docs, models,
+# What a build of the CPU, CUDA and RPC backends with the tools needs. Everything else (docs, models,
 # other backends, the web UI's sources, examples) is left out of a pack.
 PACK_KEEP = [
     "CMakeLists.txt", "CMakePresets.json", "LICENSE", "cmake", "licenses", "include", "src", "common",
     "vendor", "tools", "tests", "scripts", "benches", MARKER,
-    "ggml/CMakeLists.txt", "ggml/cmake", "ggml/include", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda",
+    "ggml/CMakeLists.txt", "ggml/cmake", "ggml/include", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda", "ggml/src/ggml-rpc",
     "models/ggml-vocab-llama-bpe.gguf", "models/ggml-vocab-llama-spm.gguf",
 ]
 PACK_DROP_PREFIXES = ["tools/ui/src", "tools/ui/static", "tools/ui/tests", "tools/ui/e2e", "tools/server/tests"]
@@ -224,7 +224,7 @@ def _keep_in_pack(rel: str) -> bool:
     if any(rel == p or rel.startswith(p + "/") for p in PACK_DROP_PREFIXES):
         return False
     if rel.startswith("ggml/src/") and rel.count("/") >= 3:
-        return any(rel.startswith(p + "/") for p in ("ggml/src/ggml-cpu", "ggml/src/ggml-cuda"))
+        return any(rel.startswith(p + "/") for p in ("ggml/src/ggml-cpu", "ggml/src/ggml-cuda", "ggml/src/ggml-rpc"))
     if rel.startswith("ggml/src/"):
         return True
     return any(rel == p or rel.startswith(p + "/") for p in PACK_KEEP)

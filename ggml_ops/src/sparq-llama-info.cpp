@@ -31,6 +31,9 @@ static const char * const k_backends[] = {
 #ifdef SPARQ_WITH_CUDA
     "CUDA",
 #endif
+#ifdef SPARQ_WITH_RPC
+    "RPC",
+#endif
     nullptr,
 };
 

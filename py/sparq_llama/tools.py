@@ -14,7 +14,7 @@ BIN_DIR = Path(__file__).resolve().parent / "bin"
 
 TOOLS = (
     "llama-cli", "llama-completion", "llama-bench", "llama-batched-bench", "llama-perplexity",
-    "llama-server", "llama-tokenize", "llama-quantize", "llama-gguf-split",
+    "llama-server", "llama-tokenize", "llama-quantize", "llama-gguf-split", "ggml-rpc-server",
 )
 
 
@@ -49,3 +49,4 @@ def llama_server() -> None: _exec("llama-server")
 def llama_tokenize() -> None: _exec("llama-tokenize")
 def llama_quantize() -> None: _exec("llama-quantize")
 def llama_gguf_split() -> None: _exec("llama-gguf-split")
+def ggml_rpc_server() -> None: _exec("ggml-rpc-server")
