@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Retrieval accuracy with a prepared fixed prefix (centroid-sparse attention) vs dense, on SmolLM2.
+"""Retrieval accuracy with a prepared fixed prefix (centroid-sparse attention) vs dense, on SmolLM2 (`--model gemma3`:
+Gemma-3-270M).
 
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
     python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc[:it]]]]]
@@ -37,10 +38,11 @@ from sparq_llama.models import fetch
 from tqdm import tqdm
 
 
-def retrieval_setup(length: int, n: int, threads: int, seed: int = 0) -> tuple[Engine, list[tasks.Example]]:
-    """SmolLM2 and n retrieval examples of `length` tokens, needles at depths spread over 0.1 .. 0.9 (the seed picks
+def retrieval_setup(length: int, n: int, threads: int, seed: int = 0,
+                    model: str = "smollm2") -> tuple[Engine, list[tasks.Example]]:
+    """The model and n retrieval examples of `length` tokens, needles at depths spread over 0.1 .. 0.9 (the seed picks
     the haystack, needles and distractors: another seed is a held-out set)."""
-    engine = Engine(EngineConfig(str(fetch("smollm2")), n_ctx=length + 64, n_threads=threads))
+    engine = Engine(EngineConfig(str(fetch(model)), n_ctx=length + 64, n_threads=threads))
     depths = tuple(round(0.1 + 0.8 * i / max(1, n - 1), 3) for i in range(n))
     return engine, tasks.retrieval_examples(engine, lengths=(length,), depths=depths, n_per_cell=1,
                                             n_distractors=2, seed=seed)
@@ -160,6 +162,7 @@ def main() -> int:
     ap.add_argument("--centroids", type=float, default=squeeze.SqueezeConfig().centroids,
                     help="cluster fraction of settings that name none (default: SqueezeConfig's)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2", help="a model of sparq_llama.models (smollm2, gemma3)")
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
     ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_quality.json", help="the file of all sets")
     ap.add_argument("--purpose", choices=PURPOSES, default=None,
@@ -195,7 +198,7 @@ def main() -> int:
             var["init"] = rest[5]
         settings.append((spec if rest else f"keep{float(keep):g}-{group}",
                          squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels, **var)))
-    engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed)
+    engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed, args.model)
 
     def score_settings(ex: tasks.Example) -> dict[str, dict]:
         out = {}
@@ -213,7 +216,7 @@ def main() -> int:
     acc = accuracy(records, names)
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
     sets.append({"purpose": args.purpose or ("held-out" if args.seed else "development"),
-                 **provenance("squeeze_quality"), "model": "smollm2", "length": args.length, "n": len(records),
+                 **provenance("squeeze_quality"), "model": args.model, "length": args.length, "n": len(records),
                  "settings": {name: config.__dict__ for name, config in settings},
                  "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,
                  "wall_s": round(time.time() - t0, 1), "examples": records})

@@ -30,6 +30,27 @@ def test_matches_reference_on_separated_blobs(n_threads: int) -> None:
         np.testing.assert_allclose(got[h].variances, want[h].variances, rtol=1e-4, atol=1e-7)
 
 
+def test_centred_rows_match_the_reference() -> None:
+    # keys as a prefix's often are: blobs around one large shared key (Gemma-3's mean key holds about half of a key's
+    # energy), clustered by the directions of the keys minus their mean; the table stays that of the keys themselves
+    rng = np.random.default_rng(14)
+    problems = []
+    for h in range(3):
+        keys, truth = blobs(rng, 8, 25, 32, spread=0.3)
+        problems.append(keys[np.argsort(truth, kind="stable")] + 6.0 * rng.standard_normal(32))
+    x = np.stack(problems).astype(np.float32)
+    got = ops.kmeans_cosine(x, 8, n_iter=10, center=True, n_threads=2)
+    for h in range(3):
+        x64 = x[h].astype(np.float64)
+        want = kmeans_cosine(x64, 8, n_iter=10, center=True)
+        assert got[h].assignment.tolist() == want.assignment.tolist()
+        assert want.assignment.tolist() != kmeans_cosine(x64, 8, n_iter=10).assignment.tolist()  # centring matters here
+        np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
+        for c in np.flatnonzero(want.sizes):
+            np.testing.assert_allclose(want.centroids[c], x64[want.assignment == c].mean(0), rtol=1e-12, atol=1e-12)
+
+
 def test_random_keys_converge_to_the_reference_fixed_point() -> None:
     # overlapping clusters: float32 and float64 may part ways at near-ties, so check the properties instead:
     # deterministic, a fixed point (every row sits with its most similar centroid direction), a proper table

@@ -202,7 +202,7 @@ static std::string kpp_seed_rows(ggml_backend_t backend, ggml_gallocr * galloc, 
 namespace km = sparq_kmeans_detail;
 
 std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_clusters, int n_iter,
-                             sparq_kmeans_result & res, sparq_kmeans_init init, int64_t head0) {
+                             sparq_kmeans_result & res, sparq_kmeans_init init, int64_t head0, bool center) {
     const int64_t d = x->ne[0], P = x->ne[1], H = x->ne[2];
     if (x->type != GGML_TYPE_F32 || x->ne[3] != 1 || !ggml_is_contiguous(x)) {
         return "k-means: x must be a contiguous f32 [d, P, H] tensor";
@@ -229,10 +229,15 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
         return "k-means: could not allocate its state on the backend";
     }
     std::unique_ptr<ggml_gallocr, km::gallocr_deleter> galloc(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)));
-    {  // the unit rows
+    {  // the unit rows (of the rows minus each problem's mean row where centred)
         km::ctx_ptr ctx = km::graph_context();
         ggml_cgraph * gf = ggml_new_graph(ctx.get());
-        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_l2_norm(ctx.get(), x, 1e-30f), xn));
+        ggml_tensor * rows = x;
+        if (center) {
+            ggml_tensor * by_component = ggml_cont(ctx.get(), ggml_permute(ctx.get(), x, 1, 0, 2, 3));  // [P, d, H]
+            rows = ggml_sub(ctx.get(), x, ggml_reshape_3d(ctx.get(), ggml_mean(ctx.get(), by_component), d, 1, H));
+        }
+        ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_l2_norm(ctx.get(), rows, 1e-30f), xn));
         if (!km::run_graph(backend, galloc.get(), gf)) {
             return "k-means: the normalising graph failed";
         }

@@ -70,7 +70,10 @@ static std::string cluster_heads(ggml_backend_t backend, ggml_tensor * k_cache, 
     if (!ggml_gallocr_alloc_graph(galloc.get(), gf) || ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
         return "gathering the prefix keys failed on " + std::string(ggml_backend_name(backend));
     }
-    return sparq_kmeans_run(backend, x, n_cent, n_iter, res, init, h0);  // problem h is the layer's head h0 + h
+    // problem h is the layer's head h0 + h. The keys are compared minus their mean key: a shared part shifts every
+    // score of a query alike but dominates the keys' directions (on Gemma-3 about half of a key's energy), so
+    // clusters of the raw directions group keys whose scores differ (docs/quality.md, "Cluster recall")
+    return sparq_kmeans_run(backend, x, n_cent, n_iter, res, init, h0, /*center =*/ true);
 }
 
 // Coarse level: k-means of the fine centroids (their components) per head on `backend`; the coarse table is the
