@@ -17,18 +17,20 @@ row, over the clustered cells only (the others are read exactly anyway):
 and the same three at the row's own budget (suffix _b: the row's best-scoring clusters up to `keep` of the clustered
 cells), which takes the calibration's transfer from the prefix's last rows to the question out of the comparison.
 
-Rules (name: clustering / scoring):
-    current        k-means of the keys, 10% clusters; score with the variance term (w = 1), group max (the defaults)
-    w0             the same clusters, the paper's centroid-only score (w = 0)
-    mean-removed   k-means of the keys minus the prefix's mean key (the mean shifts every score of a query alike but
-                   dominates cosine similarity); the table (centroid, variances) of the original keys
+Rules (name: clustering / scoring; every one scores with the variance term, w = 1, group max, 10% clusters unless it
+says otherwise):
+    centred        k-means of the keys minus the prefix's mean key (the mean shifts every score of a query alike but
+                   dominates the keys' directions); the table (centroid, variances) of the keys themselves: the default
+    keys           k-means of the keys themselves (the paper's, and the default before centring)
+    w0             the keys' clusters, the paper's centroid-only score (w = 0)
     q-weighted     k-means of (k - mean) * rms(q) per component (rms over the calibration queries of the group):
                    distances that follow the score's, not the keys' raw geometry
     20%            k-means of the keys, 20% clusters
-    group-mean     the current clusters, group mean
+    group-mean     the keys' clusters, group mean
 
     python bench/squeeze_recall.py --model gemma3 --length 4096 --n 6 --seed 31
-    python bench/squeeze_recall.py --model smollm2 --length 4096 --n 3 --rules current,mean-removed,q-weighted
+    python bench/squeeze_recall.py --model gemma3 --length 8192 --n 6 --seed 32 --rules keys,w0,centred,q-weighted,20% --append
+    python bench/squeeze_recall.py --model smollm2 --length 4096 --n 3 --rules keys,centred,q-weighted,20%
 Writes bench/results/squeeze_recall_<model>.json (per rule: means per layer and overall, per-example rows).
 """
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from record import RESULTS, provenance, write_record
+from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import reference_squeeze as rs
 from sparq_llama.eval import tasks
 from sparq_llama.eval.agreement import QKCapture
@@ -54,16 +56,16 @@ METRICS = ("recall", "mass", "kept", "needle", "recall_b", "mass_b", "needle_b")
 
 @dataclass(frozen=True)
 class Rule:
-    cluster: str          # "keys", "mean-removed", "q-weighted"
+    cluster: str          # "keys", "centred", "q-weighted"
     centroids: float = 0.1
     var_weight: float = 1.0
     group: str = "max"
 
 
 RULES = {
-    "current": Rule("keys"),
+    "centred": Rule("centred"),
+    "keys": Rule("keys"),
     "w0": Rule("keys", var_weight=0.0),
-    "mean-removed": Rule("mean-removed"),
     "q-weighted": Rule("q-weighted"),
     "20%": Rule("keys", centroids=0.2),
     "group-mean": Rule("keys", group="mean"),
@@ -90,7 +92,7 @@ def clusters(rule: Rule, keys: np.ndarray, q_calib: np.ndarray, cache: dict) -> 
     if key not in cache:
         if rule.cluster == "keys":
             x = keys
-        elif rule.cluster == "mean-removed":
+        elif rule.cluster == "centred":
             x = keys - keys.mean(axis=0)
         else:  # q-weighted
             x = (keys - keys.mean(axis=0)) * np.sqrt((q_calib.reshape(-1, keys.shape[1]) ** 2).mean(axis=0))
@@ -196,6 +198,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-calib", type=int, default=100)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
     rules = args.rules.split(",")
     unknown = [r for r in rules if r not in RULES]
@@ -238,7 +241,7 @@ def main() -> int:
         pl = " ".join(f"{il}:{v['recall']:.2f}/{v['needle']:.2f}" for il, v in s["per_layer"].items())
         print(f"{name:>14} {s['recall']:>10.3f} {s['mass']:>6.3f} {s['kept']:>6.3f} {s['needle']:>6.3f} | "
               f"{'':>20} {s['recall_b']:>6.3f} {s['mass_b']:>6.3f} {s['needle_b']:>6.3f} | {pl}")
-    write_record(out, dict(provenance("squeeze_recall"),
+    (append_run if args.append else write_record)(out, dict(provenance("squeeze_recall"),
                            params=dict(model=args.model, length=args.length, n=args.n, seed=args.seed, keep=args.keep,
                                        n_calib=args.n_calib, top_k=TOP_K, rules={r: RULES[r].__dict__ for r in rules}),
                            layers=layers, summary=summary, examples=per_example))
