@@ -5,6 +5,7 @@ import io
 import json
 import re
 import subprocess
+import urllib.request
 
 import pytest
 from conftest import Server, run
@@ -249,6 +250,28 @@ def test_llama_server_logs_what_runs(smollm2_path, tmp_path):
     finally:
         srv.close()
     assert len(lines) == 1 and ON_DEFAULTS in lines[0] and HOST_DEFAULT in lines[0], lines
+
+
+@pytest.mark.parametrize("sparq", [True, False])
+def test_llama_server_props_say_what_runs(smollm2_path, tmp_path, sparq):
+    args = ["--sparq", "--k2", "64", "--sparq-index", "f16", "--sparq-min-kv", "0"] if sparq else []
+    srv = Server(["llama-server", "-m", str(smollm2_path), "-c", "1024", "-t", "2", "--no-warmup", *args],
+                 tmp_path / "server.log")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/props", timeout=30) as r:
+            props = json.loads(r.read())
+        lines = _summaries(srv.log())
+    finally:
+        srv.close()
+    sp = props["sparq"]
+    assert len(lines) == 1 and lines[0].endswith(sp["summary"]) and sp["summary"].startswith("SparQ: "), (sp, lines)
+    if sparq:
+        assert (sp["enabled"], sp["k1"], sp["k2"], sp["index"], sp["select"], sp["min_n_kv"]) == \
+            (True, 0, 64, "f16", "qsigma", 0), sp
+        assert "runs in 30 of 30 layers" in sp["summary"], sp
+    else:
+        assert sp["enabled"] is False and sp["summary"].startswith("SparQ: off"), sp
+    assert props["squeeze"]["enabled"] is False and props["squeeze"]["keep"] == pytest.approx(0.1)
 
 
 def test_min_kv_help_states_the_measured_defaults():

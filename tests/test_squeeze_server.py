@@ -7,10 +7,12 @@ and llama-cli (which runs the server in-process) answers through it."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,14 @@ def test_start_up_logs_progress(server, tokens):
     clustering = re.findall(r"clustering the fixed prefix: (\d+)%, [\d.]+ s", log)
     assert clustering == ["25", "50", "75"], log[-3000:]
     assert log.index("clustering the fixed prefix: 75%") < log.index("prepared the fixed prefix in")
+
+
+def test_props_name_the_prefix_settings(server, document):
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/props", timeout=30) as r:
+        sq = json.loads(r.read())["squeeze"]
+    assert (sq["enabled"], sq["prefix_file"], sq["loaded_from"], sq["group"], sq["init"], sq["prefill"]) == \
+        (True, document, "", "max", "even", "auto"), sq
+    assert sq["keep"] == pytest.approx(float(KEEP)) and sq["centroids"] == pytest.approx(0.1) and sq["levels"] == 1, sq
 
 
 def test_other_prompts_run_in_the_other_slot_and_keep_the_prefix(server, tokens):

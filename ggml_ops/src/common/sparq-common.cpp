@@ -1,8 +1,11 @@
 // sparq-llama: see sparq-common.h.
 #include "sparq-common.h"
 
+#include "common.h"
 #include "log.h"
 #include "sparq-llama.h"
+
+#include <nlohmann/json.hpp>
 
 #include <cerrno>
 #include <climits>
@@ -30,6 +33,52 @@ void common_sparq_report(const llama_context * ctx) {
 std::string common_sparq_last_report() {
     std::lock_guard<std::mutex> lock(g_report_mutex);
     return g_last_report;
+}
+
+// The name of enum value i in names (in the enum's order), "?" for a value outside it
+template <size_t N>
+static const char * enum_name(const char * const (&names)[N], int32_t i) {
+    return i >= 0 && (size_t) i < N ? names[i] : "?";
+}
+
+std::string common_sparq_props(const common_params & params) {
+    static const char * const means[]    = { "auto", "on", "off" };
+    static const char * const policies[] = { "sparq", "exact", "window" };
+    static const char * const indexes[]  = { "f16", "q8" };
+    static const char * const selects[]  = { "q", "qsigma" };
+    static const char * const groups[]   = { "max", "mean" };
+    static const char * const inits[]    = { "even", "kpp" };
+    static const char * const prefills[] = { "auto", "sparse", "dense" };
+    const llama_sparq_params & sp = params.sparq;
+    const llama_squeeze_params & sq = params.squeeze_params;
+    nlohmann::ordered_json j = {
+        { "sparq", {
+            { "enabled",  sp.enabled },
+            { "k1",       sp.k1 },
+            { "k2",       sp.k2 },
+            { "window",   sp.window },
+            { "sinks",    sp.sinks },
+            { "mean",     enum_name(means, sp.mean) },
+            { "policy",   enum_name(policies, sp.policy) },
+            { "index",    enum_name(indexes, sp.index) },
+            { "select",   enum_name(selects, sp.select) },
+            { "min_n_kv", sp.min_n_kv },
+            { "summary",  common_sparq_last_report() },
+        } },
+        { "squeeze", {
+            { "enabled",     params.squeeze },
+            { "prefix_file", params.squeeze_prefix_file },
+            { "loaded_from", params.squeeze_load },
+            { "keep",        sq.keep },
+            { "centroids",   sq.centroids },
+            { "levels",      sq.levels },
+            { "var_weight",  sq.var_weight },
+            { "group",       enum_name(groups, sq.group) },
+            { "init",        enum_name(inits, sq.init) },
+            { "prefill",     enum_name(prefills, params.squeeze_prefill) },
+        } },
+    };
+    return j.dump();
 }
 
 int common_sparq_parse_int(const std::string & value) {

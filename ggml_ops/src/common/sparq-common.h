@@ -14,6 +14,14 @@ void common_sparq_report(const llama_context * ctx);
 // The line common_sparq_report logged last in this process ("" when none did).
 std::string common_sparq_last_report();
 
+// The SparQ and centroid-sparse settings of the tools' parameters as one JSON object's text (llama-server's /props):
+// {"sparq": {"enabled", "k1" (0: by the index), "k2", "window", "sinks", "mean", "policy", "index", "select",
+// "min_n_kv" (-1: the measured defaults), "summary": what the context runs (the line common_sparq_report logged)},
+// "squeeze": {"enabled", "prefix_file", "loaded_from", "keep", "centroids", "levels", "var_weight", "group",
+// "init", "prefill"}}.
+struct common_params;
+std::string common_sparq_props(const common_params & params);
+
 // An integer option's value: the whole string must be a decimal integer in int's range; otherwise
 // std::invalid_argument saying what was expected and what was given (the parser names the option).
 int common_sparq_parse_int(const std::string & value);
