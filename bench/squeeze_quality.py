@@ -138,8 +138,9 @@ def load_sets(path: Path) -> list[dict[str, Any]]:
 
 def save_sets(path: Path, sets: list[dict[str, Any]]) -> dict[str, Any]:
     summary = summarise(sets)
-    write_record(path, {"bench": "squeeze_quality", "model": "smollm2", "task": "needle retrieval with 2 distractors",
-                        "summary": summary, "sets": sets})
+    models = sorted({s.get("model", "smollm2") for s in sets})  # sets before --model existed ran SmolLM2
+    write_record(path, {"bench": "squeeze_quality", "model": ", ".join(models),
+                        "task": "needle retrieval with 2 distractors", "summary": summary, "sets": sets})
     return summary
 
 
