@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Soak test of llama-server: many concurrent requests against 4 slots, dense vs SparQ vs a squeezed prefix.
 
-Per configuration one llama-server on 127.0.0.1 (SmolLM2 by default, 4 slots, one cache stream), then `--requests`
+Per configuration one llama-server on 127.0.0.1 (SmolLM2 by default, 4 slots of `--n-ctx` cells), then `--requests`
 completions from `--clients` threads at once: prompts of mixed lengths (a few lines to most of a slot's context)
 cut from the package's public-domain texts, streamed or not (alternating), greedy, `n_predict` 16-64. For the
 squeezed prefix every prompt starts with the prefix document and asks about it, so each runs over the prepared
-prefix. Reported per configuration: requests that failed (HTTP error, a broken stream, an empty answer; target 0),
-p50 / p99 latency of a request, generated tokens per second over the run, and the server's resident memory sampled
-every second (start, peak, end).
+prefix; "dense-prefix" sends the same requests to a dense server (whose slots reuse the prefix from their prompt
+caches), the baseline of the squeezed one. Reported per configuration: requests that failed (HTTP error, a broken
+stream, a reply without its stop reason; target 0), answers the model ended at once (empty: the model's, not
+failures), p50 / p99 latency of a request, generated tokens per second over the run, and the server's resident
+memory sampled every second (start, peak, end).
 
-    python bench/server_soak.py                               # dense, sparq, squeeze: 100 requests each
+    python bench/server_soak.py                               # dense, sparq, dense-prefix, squeeze: 100 requests each
     python bench/server_soak.py --configs sparq --requests 20 # a quick check
 Writes bench/results/server_soak.json (every request's status and latency, the memory samples).
 """
@@ -40,8 +42,10 @@ from sparq_llama.models import fetch
 CONFIGS = {
     "dense": [],
     "sparq": ["--sparq", "--sparq-min-kv", "0"],          # SparQ on every step, short prompts included
+    "dense-prefix": [],                                    # the squeeze requests, dense (the slots' prompt caches)
     "squeeze": ["--squeeze", "--squeeze-prefix-file"],     # + the document's path
 }
+WITH_PREFIX = ("dense-prefix", "squeeze")
 N_SLOTS = 4
 
 
@@ -113,9 +117,8 @@ class Server:
                 return dict(ok=False, error=f"HTTP {resp.status}: {resp.read()[:300]!r}", s=time.time() - t0)
             if not stream:
                 reply = json.loads(resp.read())
-                text, n_gen = reply.get("content", ""), reply.get("tokens_predicted", 0)
             else:
-                text, n_gen, done = "", 0, False
+                text, reply = "", None
                 for raw in resp:
                     line = raw.decode().strip()
                     if not line.startswith("data: "):
@@ -123,13 +126,16 @@ class Server:
                     event = json.loads(line[6:])
                     text += event.get("content", "")
                     if event.get("stop"):
-                        n_gen, done = event.get("tokens_predicted", 0), True
+                        reply = {**event, "content": text}
                         break
-                if not done:
+                if reply is None:
                     return dict(ok=False, error="the stream ended without its final event", s=time.time() - t0)
-            if n_gen == 0 or not text:
-                return dict(ok=False, error="empty answer", s=time.time() - t0)
-            return dict(ok=True, s=time.time() - t0, n_gen=n_gen)
+            stop = reply.get("stop_type", "")
+            if stop not in ("eos", "limit", "word"):
+                return dict(ok=False, error=f"no stop reason in the reply ({stop!r})", s=time.time() - t0)
+            # an answer the model ends at once (end of sequence first) is the model's, not a failure of the server
+            return dict(ok=True, s=time.time() - t0, n_gen=reply.get("tokens_predicted", 0), stop=stop,
+                        empty=not reply.get("content"))
         except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
             return dict(ok=False, error=f"{type(e).__name__}: {e}", s=time.time() - t0)
         finally:
@@ -170,7 +176,7 @@ def soak(server: Server, work: list[tuple[str, int, bool]], clients: int) -> dic
     lat = sorted(r["s"] for r in results if r["ok"])
     mem = [kib for _, kib in server.samples if kib]
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
-    return dict(n=len(results), errors=sum(not r["ok"] for r in results),
+    return dict(n=len(results), errors=sum(not r["ok"] for r in results), empty=sum(r.get("empty", 0) for r in results),
                 error_examples=[r["error"] for r in results if not r["ok"]][:5],
                 p50_s=q[49], p99_s=q[98], wall_s=round(wall, 1),
                 gen_tps=sum(r.get("n_gen", 0) for r in results) / wall,
@@ -203,12 +209,12 @@ def main() -> int:
         extra = CONFIGS[name] + ([str(tmp / "doc.txt")] if name == "squeeze" else [])
         server = Server(binary, model, extra, args.n_ctx, args.threads, tmp / f"{name}.log")
         try:
-            work = prompts(args.requests, args.n_ctx, prefix if name == "squeeze" else None, args.seed)
+            work = prompts(args.requests, args.n_ctx, prefix if name in WITH_PREFIX else None, args.seed)
             rows[name] = dict(command=server.cmd, env=server.env, **soak(server, work, args.clients))
         finally:
             server.close()
         r = rows[name]
-        print(f"{name:>8}: {r['n']} requests, {r['errors']} errors, p50 {r['p50_s']:.2f} s, p99 {r['p99_s']:.2f} s, "
+        print(f"{name:>12}: {r['n']} requests, {r['errors']} errors, {r['empty']} empty answers, p50 {r['p50_s']:.2f} s, p99 {r['p99_s']:.2f} s, "
               f"{r['gen_tps']:.1f} generated tok/s, RSS MiB start/peak/end "
               f"{r['rss_mib']['start']:.0f}/{r['rss_mib']['peak']:.0f}/{r['rss_mib']['end']:.0f}", flush=True)
     write_record(args.out, dict(provenance("server_soak"), params=vars(args) | {"out": str(args.out)},
