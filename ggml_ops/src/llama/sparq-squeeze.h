@@ -126,8 +126,9 @@ std::vector<state_part> state_file_parts(const std::vector<uint8_t> & file);
 // (exactly, or at its start when rec has no parts: nothing recorded): "" or the reason, naming the file and the part.
 std::string verify_state(const char * path, const std::vector<uint8_t> & file, const char * sidecar,
                          const state_record & rec, const std::vector<int32_t> & prefix);
-// llama_squeeze_load_state_file from a file's bytes already read (and verified).
-std::string load_state(llama_context * ctx, int32_t seq_id, const char * path, const std::vector<uint8_t> & file,
+// llama_squeeze_load_state_file from a file's bytes already read (and verified); the bytes are reused as the state
+// llama.cpp reads, so file's contents are undefined afterwards.
+std::string load_state(llama_context * ctx, int32_t seq_id, const char * path, std::vector<uint8_t> & file,
                        int32_t * tokens_out, size_t capacity, size_t * n_out);
 
 // Whether the device holding this layer's cache can run ggml_centroid_attn on it (sparq-squeeze-cluster.cpp).

@@ -104,7 +104,7 @@ struct cache_state {
     std::vector<std::pair<size_t, size_t>> blocks;
 };
 
-// The file's memory state [at, end) read as n_caches caches' states that end exactly at the file's end; with parts,
+// The file's memory state from at read as n_caches caches' states that end exactly at the file's end; with parts,
 // their parts (the stream counts are counted with the following block's cells).
 bool read_caches(const std::vector<uint8_t> & file, size_t at, size_t n_caches, std::vector<cache_state> & caches,
                  std::vector<state_part> * parts) {
@@ -163,7 +163,8 @@ std::string state_header(const char * path, const std::vector<uint8_t> & file, u
     return "";
 }
 
-std::string load_state_bytes(llama_context * ctx, int32_t seq_id, const char * path, const std::vector<uint8_t> & file,
+// file's bytes are reused for the in-memory state where its layout allows (a KV state may be gigabytes).
+std::string load_state_bytes(llama_context * ctx, int32_t seq_id, const char * path, std::vector<uint8_t> & file,
                              int32_t * tokens_out, size_t capacity, size_t * n_out) {
     uint32_t n_tokens = 0;
     std::string err = state_header(path, file, n_tokens);
@@ -193,13 +194,12 @@ std::string load_state_bytes(llama_context * ctx, int32_t seq_id, const char * p
     std::memcpy(tokens_out, file.data() + 3*sizeof(uint32_t), (size_t) n_tokens*sizeof(int32_t));
 
     // the in-memory state: the prologue, then per cache the destination's stream count and the file's blocks (n_stream
-    // - 1 empty blocks after a one-stream state's block); another memory (recurrent, hybrid): the file's state as is
-    std::vector<uint8_t> state(empty.begin(), empty.begin() + n_prologue);
+    // - 1 empty blocks after a one-stream state's block); the file's state as is when the stream counts agree or for
+    // another memory (recurrent, hybrid), the prologue then written over the header's last 8 bytes
+    std::vector<uint8_t> state;
     std::vector<cache_state> caches;
     bool same = true;
-    if (!kv_layout) {
-        state.insert(state.end(), file.begin() + at, file.end());
-    } else {
+    if (kv_layout) {
         if (!read_caches(file, at, n_caches, caches, nullptr)) {
             return std::string(path) + " does not read as a KV state of this model's cache to its end (damaged, cut "
                    "short, or saved from another model)";
@@ -211,16 +211,26 @@ std::string load_state_bytes(llama_context * ctx, int32_t seq_id, const char * p
                        "load into a context of " + std::to_string(n_stream);
             }
         }
-        for (const cache_state & c : caches) {
-            const uint8_t * count = reinterpret_cast<const uint8_t *>(&n_stream);
-            state.insert(state.end(), count, count + sizeof(uint32_t));
-            for (const auto & [offset, len] : c.blocks) {
-                state.insert(state.end(), file.begin() + offset, file.begin() + offset + len);
+        if (!same) {
+            state.assign(empty.begin(), empty.begin() + n_prologue);
+            for (const cache_state & c : caches) {
+                const uint8_t * count = reinterpret_cast<const uint8_t *>(&n_stream);
+                state.insert(state.end(), count, count + sizeof(uint32_t));
+                for (const auto & [offset, len] : c.blocks) {
+                    state.insert(state.end(), file.begin() + offset, file.begin() + offset + len);
+                }
+                state.resize(state.size() + (n_stream - c.n_stream)*sizeof(uint32_t), 0);
             }
-            state.resize(state.size() + (n_stream - c.n_stream)*sizeof(uint32_t), 0);
         }
     }
-    if (llama_state_seq_set_data(ctx, state.data(), state.size(), seq_id) != state.size()) {
+    const uint8_t * data = state.data();
+    size_t size = state.size();
+    if (state.empty()) {
+        std::memcpy(file.data() + at - n_prologue, empty.data(), n_prologue);  // tokens_out holds the tokens already
+        data = file.data() + at - n_prologue;
+        size = file.size() - (at - n_prologue);
+    }
+    if (llama_state_seq_set_data(ctx, data, size, seq_id) != size) {
         return std::string("llama_state_seq_set_data failed on ") + path + " (another model, or more cells than the "
                "context holds; see the log)";
     }
@@ -324,7 +334,7 @@ std::string verify_state(const char * path, const std::vector<uint8_t> & file, c
     return "";
 }
 
-std::string load_state(llama_context * ctx, int32_t seq_id, const char * path, const std::vector<uint8_t> & file,
+std::string load_state(llama_context * ctx, int32_t seq_id, const char * path, std::vector<uint8_t> & file,
                        int32_t * tokens_out, size_t capacity, size_t * n_out) {
     return load_state_bytes(ctx, seq_id, path, file, tokens_out, capacity, n_out);
 }
