@@ -129,7 +129,7 @@ def test_threads_and_wait_policy():
 
 
 def test_demo_runs_dense_and_sparq_side_by_side(smollm2_path):
-    n_prompt, n_gen, k1, k2 = 500, 16, 16, 128  # a prompt of one ubatch (its prefill once timed as 10 us)
+    n_prompt, n_gen, k1, k2 = 500, 16, 16, 128  # one ubatch: llama.cpp's perf counters miss its prefill
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # unset: the demo sets it
     res = subprocess.run([shutil.which("sparq-llama"), "demo", "--n-prompt", str(n_prompt), "--n-gen", str(n_gen),
                           "--n-ctx", "2048", "--k1", str(k1), "--k2", str(k2), "--repeats", "2"],
