@@ -147,7 +147,7 @@ def test_loaded_prefix_recalibrated_answers_as_prepared_at_that_keep(smollm2_pat
 def test_missing_or_mismatched_files_fail(smollm2_path, document, tmp_path):
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-p", QUESTION, "--squeeze",
                "--squeeze-load", str(tmp_path / "none.state")], timeout=120)
-    assert res.returncode != 0 and "failed to load the prefix's KV state" in res.stderr
+    assert res.returncode != 0 and "failed to load the prepared prefix: cannot open" in res.stderr
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-p", QUESTION, "--squeeze",
                "--squeeze-prefix-file", str(tmp_path / "none.txt")], timeout=120)
     assert res.returncode != 0 and "cannot read --squeeze-prefix-file" in res.stderr

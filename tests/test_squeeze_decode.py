@@ -17,6 +17,7 @@ import struct
 
 import numpy as np
 import pytest
+import squeeze_files
 from sparq_llama import Llama, SparqConfig, ops, reference_squeeze
 from sparq_llama import squeeze as squeeze_api
 from test_sparq_decode import (
@@ -397,9 +398,11 @@ def test_preparation_is_deterministic(llm, doc, tmp_path):
 
 
 def downgrade_sidecar(data: bytes, version: int) -> bytes:
-    """A sidecar of the current format (3) rewritten in format 1 or 2 as older builds wrote it: no var_weight and
-    no table width (tables of d + 1 floats: the variance columns dropped), and format 1 without the calibration
-    queries. The file must hold a var_weight-0 preparation (the only rule those formats know)."""
+    """A sidecar of the current format (4) rewritten in format 1 or 2 as older builds wrote it: unframed (format 3),
+    then no var_weight and no table width (tables of d + 1 floats: the variance columns dropped), and format 1
+    without the calibration queries. The file must hold a var_weight-0 preparation (the only rule those formats
+    know)."""
+    data = squeeze_files.as_version_3(data)
     at = 0
 
     def take(n: int) -> bytes:
@@ -495,8 +498,11 @@ def test_mismatched_sidecar_fails_clearly(llm, doc, tmp_path):
         "format version 99": good[:4] + struct.pack("<I", 99) + good[8:],
         # the numbers in the other byte order (a file from a big-endian machine, read here)
         "other byte order": good[:4] + good[4:8][::-1] + good[8:],
-        "different model": good[:16] + bytes([good[16] ^ 1]) + good[17:],
+        # a consistent file (its checksums written for its bytes) whose model fingerprint differs
+        "different model": squeeze_files.replace_part(good, 0, squeeze_files.flip(
+            good[squeeze_files.parts(good)[0].payload:][:squeeze_files.parts(good)[0].length], 8)),
         "truncated": good[:len(good) // 2],
+        "header checksum mismatch": squeeze_files.flip(good, 40),
     }
     for expect, data in cases.items():
         path.write_bytes(data)
@@ -533,9 +539,10 @@ def test_calibration_tokens_over_several_ubatches(llm, doc, questions):
 
 
 def test_damaged_kv_state_fails_clearly(llm, smollm2_path, doc, questions, tmp_path):
-    """The saved prefix's KV state is read through llama_squeeze_load_state_file, which checks its layout first:
+    """A saved prefix's KV state alone is read through llama_squeeze_load_state_file, which checks its layout first:
     llama.cpp's own loader aborts the process on a file cut short. A damaged file is a ValueError; the good one then
-    loads and answers as saved."""
+    loads and answers as saved. (A pair saved together is also checked against its sidecar's checksums:
+    test_squeeze_integrity.py.)"""
     llm.prepare_fixed_context(doc, keep=0.2, **SETTINGS)
     path = tmp_path / "doc.state"
     llm.save_fixed_context(str(path))
@@ -555,7 +562,7 @@ def test_damaged_kv_state_fails_clearly(llm, smollm2_path, doc, questions, tmp_p
     for expect, data in cases.items():
         bad.write_bytes(data)
         with pytest.raises(ValueError, match=expect.strip()):
-            llm.load_fixed_context(str(bad))
+            squeeze_api.load_state_file(llm.ctx, str(bad), N_CTX)
     other = Llama(str(smollm2_path), n_ctx=N_CTX, flash_attn=True, n_threads=1, n_threads_batch=1, verbose=False)
     try:
         assert other.load_fixed_context(str(path)).prepared

@@ -251,7 +251,7 @@ def test_saved_prefix_loads_and_answers_the_same(server, smollm2_path, tokens, d
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--squeeze", "--squeeze-prefix-file", "/nonexistent.txt"], "cannot read --squeeze-prefix-file"),
-    (["--squeeze", "--squeeze-load", "/nonexistent.state"], "failed to load the prefix's KV state"),
+    (["--squeeze", "--squeeze-load", "/nonexistent.state"], "failed to load the prepared prefix: cannot open"),
 ])
 def test_bad_prefix_fails_at_start(smollm2_path, args, message):
     res = run(["llama-server", "-m", str(smollm2_path), "--port", str(free_port()), "-c", "2048", "-t", "2",

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import squeeze_files
 from conftest import free_port, run
 from sparq_llama import Llama
 from sparq_llama import squeeze as squeeze_api
@@ -157,8 +158,8 @@ def test_server_with_a_stream_per_slot_loads_the_saved_prefix(gemma3_path, doc_a
 
 @pytest.mark.parametrize("cut", [1, 4096])
 def test_server_refuses_a_truncated_saved_prefix_clearly(gemma3_path, saved, tmp_path, cut):
-    # the two caches' states are found by reading the first one's layout: a file that does not read to its end
-    # exactly is refused at start, with a stream per slot and with one stream
+    # a file cut short is refused at start, with a stream per slot and with one stream: its size is not the one its
+    # sidecar records (whose record names the parts of both caches' states, found by reading the first one's layout)
     data = Path(saved).read_bytes()
     bad = tmp_path / "bad.state"
     bad.write_bytes(data[:-cut])
@@ -168,12 +169,17 @@ def test_server_refuses_a_truncated_saved_prefix_clearly(gemma3_path, saved, tmp
                    "--squeeze", "--squeeze-load", str(bad), "--port", str(free_port())], timeout=120)
         assert res.returncode != 0, kv_args
         out = res.stderr + res.stdout
-        assert "failed to load the prefix's KV state" in out and "does not read as a KV state" in out, out[-3000:]
-    # the Python API reads it the same way (llama.cpp's loader would abort the process here)
+        assert "failed to load the prepared prefix" in out and "bad.state has" in out and "records" in out, out[-3000:]
+    names = [name for name, *_ in squeeze_files.state_record(Path(saved + ".squeeze").read_bytes())[1]]
+    assert "cache 0 layer 0 K" in names and "cache 1 layer 0 K" in names, names
+    # the Python API refuses it the same way; the KV state alone fails its layout check (llama.cpp's loader would
+    # abort the process here)
     llm = _gemma(gemma3_path)
     try:
-        with pytest.raises(ValueError, match="does not read as a KV state"):
+        with pytest.raises(ValueError, match="bad.state has .* records"):
             llm.load_fixed_context(str(bad))
+        with pytest.raises(ValueError, match="does not read as a KV state"):
+            squeeze_api.load_state_file(llm.ctx, str(bad), 2048)
     finally:
         llm.close()
 

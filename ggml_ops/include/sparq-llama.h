@@ -182,12 +182,14 @@ SPARQ_API int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_
 SPARQ_API int32_t llama_squeeze_n_calib(const struct llama_squeeze_params * params, int32_t n_prefix);
 
 // Writes the prepared prefix (clusters, assignments by position, thresholds, prefix tokens, calibration queries) to a sidecar file
-// with a format version and the model's fingerprint. Save the KV state itself with llama_state_seq_save_file.
+// with a format version, the model's fingerprint and each part's checksum. Save the KV state itself with
+// llama_state_seq_save_file; llama_squeeze_save_files saves both, the sidecar then recording the state's checksums.
 SPARQ_API int32_t llama_squeeze_save(struct llama_context * ctx, const char * path);
 
 // Reads a sidecar written by llama_squeeze_save for the same model into seq_id, whose cells must already hold
 // the prefix (llama_state_seq_load_file first). tokens (may be NULL) are compared with the saved prefix tokens
-// (n_tokens >= the prefix length; only the prefix is compared). A version, model or token mismatch fails clearly.
+// (n_tokens >= the prefix length; only the prefix is compared). A version, model, token or checksum mismatch fails
+// clearly, with the prepared prefix unchanged.
 SPARQ_API int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id, const char * path,
                                      const int32_t * tokens, int32_t n_tokens);
 
@@ -199,6 +201,22 @@ SPARQ_API int32_t llama_squeeze_load(struct llama_context * ctx, int32_t seq_id,
 // (*n_token_out of them), or -1 with the reason in llama_squeeze_last_error(); seq_id is emptied first.
 SPARQ_API int32_t llama_squeeze_load_state_file(struct llama_context * ctx, int32_t seq_id, const char * path,
                                                 int32_t * tokens_out, size_t n_token_capacity, size_t * n_token_out);
+
+// Saves a prepared prefix as a pair of files: the KV state of its sequence (llama_state_seq_save_file with the prefix's
+// tokens; remove what follows the prefix first) to state_path, then its sidecar to sidecar_path, which records the
+// state file's size and the checksums of its parts besides its own parts' checksums. Returns 0, or -1 with the
+// reason in llama_squeeze_last_error().
+SPARQ_API int32_t llama_squeeze_save_files(struct llama_context * ctx, const char * state_path, const char * sidecar_path);
+
+// Loads a pair saved by llama_squeeze_save_files into seq_id: both files are read and verified first (the sidecar's
+// parts against their checksums, the model's fingerprint and cache layout, the KV state against what the sidecar
+// records: its tokens, size and parts' checksums); any mismatch fails with the file and the part named and leaves the
+// context as it was. Then the KV state is loaded as llama_squeeze_load_state_file does (seq_id emptied first) and the
+// prefix installed. A sidecar of an older format (no checksums) loads with a warning. Returns 0 with the tokens in
+// tokens_out (*n_token_out of them), or -1 with the reason in llama_squeeze_last_error().
+SPARQ_API int32_t llama_squeeze_load_files(struct llama_context * ctx, int32_t seq_id, const char * state_path,
+                                           const char * sidecar_path, int32_t * tokens_out, size_t n_token_capacity,
+                                           size_t * n_token_out);
 
 // A new keep (and keep_coarse, two levels; 0: min(1, 2*keep)) for the prepared prefix: the thresholds are calibrated
 // again on the calibration queries kept since preparing (or loaded from a version-2 sidecar), with the same clusters,

@@ -246,6 +246,23 @@ def llama_squeeze_load_state_file(ctx: int | None, seq_id: int, path: bytes, tok
     """Loads a sequence state file into seq_id, its layout checked first: 0 with its tokens, or -1."""
 
 
+# SPARQ_API int32_t llama_squeeze_save_files(struct llama_context * ctx, const char * state_path, const char * sidecar_path);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int32)
+def llama_squeeze_save_files(ctx: int | None, state_path: bytes, sidecar_path: bytes, /) -> int:
+    """Writes the prepared prefix's KV state and its sidecar, which records the state's checksums: 0, or -1."""
+
+
+# SPARQ_API int32_t llama_squeeze_load_files(struct llama_context * ctx, int32_t seq_id, const char * state_path,
+#                                            const char * sidecar_path, int32_t * tokens_out, size_t n_token_capacity,
+#                                            size_t * n_token_out);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p, ctypes.c_char_p, c_int32_p, ctypes.c_size_t,
+                       c_size_t_p], ctypes.c_int32)
+def llama_squeeze_load_files(ctx: int | None, seq_id: int, state_path: bytes, sidecar_path: bytes, tokens_out: Any,
+                             n_token_capacity: int, n_token_out: Any, /) -> int:
+    """Verifies a saved KV state and sidecar, then loads both into seq_id: 0 with the tokens, or -1 (nothing
+    changed when a file fails its checks)."""
+
+
 # SPARQ_API int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float keep, float keep_coarse);
 @c_function(libllama, [ctypes.c_void_p, ctypes.c_float, ctypes.c_float], ctypes.c_int32)
 def llama_squeeze_recalibrate(ctx: int | None, keep: float, keep_coarse: float, /) -> int:

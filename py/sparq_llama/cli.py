@@ -86,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--n-ctx", type=int, default=d.n_ctx, help="context size, >= prompt + generation "
                       "(default: %(default)s)")
     demo.add_argument("-t", "--threads", "--n-threads", dest="n_threads", type=int, default=d.n_threads,
-                      help="CPU threads (default: all cores)")
+                      help="CPU threads (default: the cores not busy: cores minus the load average)")
+    demo.add_argument("--repeats", type=int, default=d.repeats,
+                      help="interleaved rounds of a dense and a SparQ run; the report gives the median and range "
+                           "(default: %(default)s)")
     demo.add_argument("--seed", type=int, default=d.seed)
     demo.add_argument("--k1", type=int, default=d.k1,
                       help="SparQ: query components for the approximate scores (default: %(default)s)")

@@ -212,10 +212,7 @@ class Llama(_UpstreamLlama):
             raise ValueError("the cache no longer holds the whole fixed context")
         self._ctx.kv_cache_seq_rm(-1, n, -1)
         self.n_tokens = n
-        arr = (_lc.llama_token * n)(*tokens)
-        if _lc.llama_state_seq_save_file(self.ctx, str(path).encode(), info.seq_id, arr, n) == 0:
-            raise ValueError(f"saving the KV state of the fixed context to {path} failed")
-        _squeeze.save(self.ctx, _squeeze.sidecar_path(path))
+        _squeeze.save_files(self.ctx, path, _squeeze.sidecar_path(path))
 
     def recalibrate_fixed_context(self, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
         """Read a different fraction of the prepared fixed context: its threshold is calibrated again for `keep`
@@ -232,23 +229,25 @@ class Llama(_UpstreamLlama):
         return _squeeze.set_prefill(self.ctx, mode)
 
     def load_fixed_context(self, path: str) -> SqueezeInfo:
-        """Load a fixed context saved by `save_fixed_context` (KV state and clusters); replaces the cache."""
+        """Load a fixed context saved by `save_fixed_context` (KV state and clusters); replaces the cache.
+
+        Both files are verified first (each part's checksum, that they were saved together, the model): a damaged
+        or mismatched file is a ValueError naming the file and the part, and the context is left as it was."""
         sidecar = _squeeze.sidecar_path(path)
         import os
         for p in (path, sidecar):
             if not os.path.exists(p):
                 raise ValueError(f"fixed context {path}: {p} does not exist")
-        self.reset()
-        self._ctx.kv_cache_clear()
         try:
-            tokens = _squeeze.load_state_file(self.ctx, path, self.n_ctx())
+            tokens = _squeeze.load_files(self.ctx, path, sidecar, self.n_ctx())
         except ValueError as e:
-            raise ValueError(f"loading the KV state {path} failed: {e}") from None
-        n = len(tokens)
+            raise ValueError(f"loading the fixed context {path} failed: {e}") from None
+        n = len(tokens)  # sequence 0, this Llama's one sequence, now holds the prefix alone
+        self.reset()
         self.input_ids[:n] = tokens
         self.n_tokens = n
         self._requires_eval = True  # logits of restored state are not live: replay the last token
-        return _squeeze.load(self.ctx, sidecar, tokens)
+        return _squeeze.info(self.ctx)
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling re-creates the Llama from its constructor arguments: carry the SparQ settings too

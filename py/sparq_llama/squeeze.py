@@ -134,6 +134,7 @@ class SqueezeInfo:
 
 _C_FUNCTIONS = (C.llama_squeeze_default_params, C.llama_squeeze_check, C.llama_squeeze_prepare,
                 C.llama_squeeze_save, C.llama_squeeze_load, C.llama_squeeze_load_state_file,
+                C.llama_squeeze_save_files, C.llama_squeeze_load_files,
                 C.llama_squeeze_recalibrate, C.llama_squeeze_set_prefill, C.llama_squeeze_clear,
                 C.llama_squeeze_get_info, C.llama_squeeze_seq_sparse, C.llama_squeeze_last_error)
 
@@ -214,6 +215,24 @@ def load_state_file(ctx: Any, path: str, capacity: int, *, seq_id: int = 0) -> l
     if _api().llama_squeeze_load_state_file(_ctx_ptr(ctx), _int32("seq_id", seq_id), str(path).encode(), tokens,
                                             capacity, ctypes.byref(n_out)) != 0:
         raise _error("llama_squeeze_load_state_file")
+    return list(tokens[:n_out.value])
+
+
+def save_files(ctx: Any, state_path: str, sidecar_path: str) -> None:
+    """llama_squeeze_save_files: the prepared prefix's KV state, then its sidecar recording the state's checksums."""
+    if _api().llama_squeeze_save_files(_ctx_ptr(ctx), str(state_path).encode(), str(sidecar_path).encode()) != 0:
+        raise _error("llama_squeeze_save_files")
+
+
+def load_files(ctx: Any, state_path: str, sidecar_path: str, capacity: int, *, seq_id: int = 0) -> list[int]:
+    """llama_squeeze_load_files: both files verified (checksums, pairing, model), then loaded into seq_id; the state's
+    tokens. ValueError naming the file and the part on failure, the context then unchanged by a file that fails its
+    checks."""
+    tokens = (ctypes.c_int32 * capacity)()
+    n_out = ctypes.c_size_t(0)
+    if _api().llama_squeeze_load_files(_ctx_ptr(ctx), _int32("seq_id", seq_id), str(state_path).encode(),
+                                       str(sidecar_path).encode(), tokens, capacity, ctypes.byref(n_out)) != 0:
+        raise _error("llama_squeeze_load_files")
     return list(tokens[:n_out.value])
 
 

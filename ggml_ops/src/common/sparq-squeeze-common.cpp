@@ -36,17 +36,15 @@ static bool squeeze_load_prefix(llama_context * ctx, const common_params & param
                                 std::vector<llama_token> & prefix) {
     prefix.resize(llama_n_ctx_seq(ctx));
     size_t n = 0;
-    // llama_squeeze_load_state_file: the file's layout checked first, a one-stream state loaded into -np N's streams
-    if (llama_squeeze_load_state_file(ctx, seq_id, params.squeeze_load.c_str(), prefix.data(), prefix.size(), &n) != 0) {
-        LOG_ERR("%s: failed to load the prefix's KV state: %s\n", __func__, llama_squeeze_last_error());
+    // both files verified before either is applied; the KV state's layout checked, a one-stream state loaded into
+    // -np N's streams
+    const std::string sidecar = params.squeeze_load + ".squeeze";
+    if (llama_squeeze_load_files(ctx, seq_id, params.squeeze_load.c_str(), sidecar.c_str(), prefix.data(),
+                                 prefix.size(), &n) != 0) {
+        LOG_ERR("%s: failed to load the prepared prefix: %s\n", __func__, llama_squeeze_last_error());
         return false;
     }
     prefix.resize(n);
-    const std::string sidecar = params.squeeze_load + ".squeeze";
-    if (llama_squeeze_load(ctx, seq_id, sidecar.c_str(), prefix.data(), (int32_t) n) != 0) {
-        LOG_ERR("%s: %s\n", __func__, llama_squeeze_last_error());
-        return false;
-    }
     LOG_INF("%s: loaded a prepared prefix of %zu tokens from '%s'\n", __func__, n, params.squeeze_load.c_str());
     const auto & args = params.squeeze_args;
     if (std::find(args.begin(), args.end(), "--squeeze-keep") != args.end()) {
@@ -173,8 +171,7 @@ static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & pa
             __func__, (ggml_time_us() - t0)/1e6, (double) info.threshold, 100.0*info.kept_calib);
     if (!params.squeeze_save.empty()) {
         const std::string sidecar = params.squeeze_save + ".squeeze";
-        if (llama_state_seq_save_file(ctx, params.squeeze_save.c_str(), seq_id, prefix.data(), prefix.size()) == 0 ||
-            llama_squeeze_save(ctx, sidecar.c_str()) != 0) {
+        if (llama_squeeze_save_files(ctx, params.squeeze_save.c_str(), sidecar.c_str()) != 0) {
             LOG_ERR("%s: failed to save the prepared prefix to '%s' and '%s': %s\n", __func__,
                     params.squeeze_save.c_str(), sidecar.c_str(), llama_squeeze_last_error());
             return false;

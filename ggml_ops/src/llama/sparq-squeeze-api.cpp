@@ -97,6 +97,27 @@ int32_t llama_squeeze_save(struct llama_context * ctx, const char * path) {
     return sparq_squeeze_result(__func__, sparq_squeeze_access::save(*ctx, path));
 }
 
+int32_t llama_squeeze_save_files(struct llama_context * ctx, const char * state_path, const char * sidecar_path) {
+    if (ctx == nullptr || state_path == nullptr || sidecar_path == nullptr) {
+        return sparq_squeeze_result(__func__, "ctx, state_path and sidecar_path must not be NULL");
+    }
+    ctx->synchronize();
+    return sparq_squeeze_result(__func__, sparq_squeeze_access::save_files(*ctx, state_path, sidecar_path));
+}
+
+int32_t llama_squeeze_load_files(struct llama_context * ctx, int32_t seq_id, const char * state_path,
+                                 const char * sidecar_path, int32_t * tokens_out, size_t n_token_capacity,
+                                 size_t * n_token_out) {
+    if (ctx == nullptr || state_path == nullptr || sidecar_path == nullptr || tokens_out == nullptr ||
+        n_token_out == nullptr || seq_id < 0) {
+        return sparq_squeeze_result(__func__, "null argument or negative seq_id");
+    }
+    *n_token_out = 0;
+    ctx->synchronize();
+    return sparq_squeeze_result(__func__, sparq_squeeze_access::load_files(*ctx, seq_id, state_path, sidecar_path,
+                                                                           tokens_out, n_token_capacity, n_token_out));
+}
+
 int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float keep, float keep_coarse) {
     if (ctx == nullptr) {
         return sparq_squeeze_result(__func__, "ctx must not be NULL");

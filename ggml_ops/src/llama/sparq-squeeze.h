@@ -7,7 +7,8 @@
 //   sparq-squeeze-calibrate.cpp  the thresholds from the calibration queries (and recalibrating at a new keep)
 //   sparq-squeeze-sidecar.cpp    saving and loading a prepared prefix (the sidecar file)
 //   sparq-squeeze-api.cpp        the llama_squeeze_* C API
-//   sparq-state-file.cpp         loading a saved prefix's KV state: checked, and into a context of other stream counts
+//   sparq-state-file.cpp         loading a saved prefix's KV state: checked, and into a context of other stream counts;
+//                                its parts' checksums (recorded in the sidecar)
 #pragma once
 
 #include "sparq-llama-internal.h"
@@ -15,11 +16,29 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 class llama_kv_cache;
 struct llama_context;
+
+namespace sparq_squeeze_detail {
+
+// A byte range of a saved KV state file and the checksum of its bytes (hash64), named for messages ("layer 3 V").
+struct state_part {
+    std::string name;
+    uint64_t    offset = 0, length = 0, hash = 0;
+};
+
+// What a sidecar records of the KV state file saved with it: its size and its parts, which cover it in order (none:
+// a sidecar saved alone, by llama_squeeze_save).
+struct state_record {
+    uint64_t                size = 0;
+    std::vector<state_part> parts;
+};
+
+}  // namespace sparq_squeeze_detail
 
 struct sparq_squeeze_access {
     static uint64_t next_generation();
@@ -54,7 +73,11 @@ struct sparq_squeeze_access {
     // context side (sparq-squeeze-prepare.cpp, -cluster.cpp, -calibrate.cpp, -sidecar.cpp)
     static std::string prepare(llama_context & ctx, int32_t seq_id, const int32_t * tokens, int32_t n_prefix,
                                const llama_squeeze_params & params);
-    static std::string save(llama_context & ctx, const char * path);
+    // the sidecar; with rec, it records the KV state file saved with it
+    static std::string save(llama_context & ctx, const char * path,
+                            const sparq_squeeze_detail::state_record * rec = nullptr);
+    // the KV state of the prefix's sequence to state_path, then its sidecar recording that file's parts
+    static std::string save_files(llama_context & ctx, const char * state_path, const char * sidecar_path);
     // prepare's steps
     static int select_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st);
     static std::string capture_queries(llama_context & ctx, squeeze_kv_state & st, const int32_t * tokens,
@@ -68,6 +91,17 @@ struct sparq_squeeze_access {
     static std::string recalibrate(llama_context & ctx, float keep, float keep_coarse);
     static std::string load(llama_context & ctx, int32_t seq_id, const char * path, const int32_t * tokens,
                             int32_t n_tokens);
+    // a sidecar's bytes parsed and checked against this context (model, cache layout, tokens), nothing applied
+    static std::string parse_sidecar(llama_context & ctx, const llama_kv_cache & kv, const char * path,
+                                     const std::vector<uint8_t> & file, const int32_t * tokens, int32_t n_tokens,
+                                     squeeze_kv_state & st, sparq_squeeze_detail::state_record & rec,
+                                     uint32_t & version);
+    // a parsed sidecar's prefix installed over seq_id's cells, which must hold it (its KV state loaded)
+    static std::string apply_sidecar(llama_context & ctx, llama_kv_cache & kv,
+                                     const std::shared_ptr<squeeze_kv_state> & st, int32_t seq_id, const char * path);
+    // both files verified (the sidecar's parts, the KV state against the sidecar's record) before either is applied
+    static std::string load_files(llama_context & ctx, int32_t seq_id, const char * state_path,
+                                  const char * sidecar_path, int32_t * tokens_out, size_t capacity, size_t * n_out);
     static void clear(llama_context & ctx);
     static llama_kv_cache * cache(llama_context & ctx, std::string & err);
     static void reset_graphs(llama_context & ctx);
@@ -79,6 +113,23 @@ struct sparq_squeeze_access {
 int32_t sparq_squeeze_result(const char * fn, const std::string & err);
 
 namespace sparq_squeeze_detail {
+
+// A checksum of n bytes (64 bits; detects damage, not forgery). Its definition is the file format's: the tests
+// carry a Python copy of it (sparq-state-file.cpp).
+uint64_t hash64(const void * data, size_t n);
+// The whole of a file, or why not ("" on success).
+std::string read_file(const char * path, std::vector<uint8_t> & bytes);
+// A saved KV state file's parts, in order, with their checksums: its header and tokens, then per cache and stream
+// the cells and each layer's K and V (one part for a memory that is not KV caches).
+std::vector<state_part> state_file_parts(const std::vector<uint8_t> & file);
+// Whether file (read from path) is the KV state that sidecar recorded in rec, holding the sidecar's prefix tokens
+// (exactly, or at its start when rec has no parts: nothing recorded): "" or the reason, naming the file and the part.
+std::string verify_state(const char * path, const std::vector<uint8_t> & file, const char * sidecar,
+                         const state_record & rec, const std::vector<int32_t> & prefix);
+// llama_squeeze_load_state_file from a file's bytes already read (and verified); the bytes are reused as the state
+// llama.cpp reads, so file's contents are undefined afterwards.
+std::string load_state(llama_context * ctx, int32_t seq_id, const char * path, std::vector<uint8_t> & file,
+                       int32_t * tokens_out, size_t capacity, size_t * n_out);
 
 // Whether the device holding this layer's cache can run ggml_centroid_attn on it (sparq-squeeze-cluster.cpp).
 bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_cache, int64_t d, int64_t d_v, int64_t n_head,
