@@ -204,6 +204,24 @@ def test_kmeans_matches_cpu_and_reference_on_separated_blobs(d: int) -> None:
         np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
 
 
+def test_centred_kmeans_matches_cpu_and_reference() -> None:
+    # a prefix's keys are clustered minus their mean key (a permute, mean and sub before the normalisation): blobs
+    # around a shared offset, the same assignment as the CPU and the float64 reference, the table of the raw keys
+    rng = np.random.default_rng(41)
+    problems = []
+    for h in range(3):
+        keys, truth = blobs(rng, 12, 40, 64, spread=0.3 / math.sqrt(64))
+        problems.append(keys[np.argsort(truth, kind="stable")] + 4.0 * rng.standard_normal(64))
+    x = np.stack(problems).astype(np.float32)
+    got = ops.kmeans_cosine(x, 12, n_iter=10, center=True, backend="cuda")
+    cpu = ops.kmeans_cosine(x, 12, n_iter=10, center=True, n_threads=2)
+    for h in range(3):
+        want = kmeans_cosine(x[h].astype(np.float64), 12, n_iter=10, center=True)
+        assert got[h].assignment.tolist() == cpu[h].assignment.tolist() == want.assignment.tolist()
+        np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("n_iter", [1, 2, 4])
 def test_kmeans_iterations_match_cpu_on_a_7b_head_shape(n_iter: int) -> None:
     # d = 128, 150 clusters per head, each iteration count: the same assignments and sizes as the CPU, the
