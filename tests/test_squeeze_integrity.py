@@ -12,22 +12,10 @@ import squeeze_files as sf
 from conftest import run
 from sparq_llama import Llama
 from sparq_llama import squeeze as squeeze_api
-from test_squeeze_decode import N_CTX, N_PREFIX, SETTINGS, _back_to_prefix, _greedy_after
+from test_squeeze_decode import N_PREFIX, SETTINGS, _back_to_prefix, _greedy_after
+from test_squeeze_decode import llm, toks  # noqa: F401  (the decode tests' model and text fixtures)
 
 from llama_cpp import llama_cpp as lc  # isort: skip
-
-
-@pytest.fixture(scope="module")
-def llm(smollm2_path):
-    llm = Llama(str(smollm2_path), n_ctx=N_CTX, flash_attn=True, n_threads=1, n_threads_batch=1, verbose=False)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="module")
-def toks(llm) -> list[int]:
-    from test_sparq_decode import TEXT
-    return llm.tokenize(TEXT.encode(), add_bos=True)
 
 
 @pytest.fixture(scope="module")
