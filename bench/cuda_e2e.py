@@ -2,7 +2,7 @@
 """Benchmark (b): end-to-end decode speed on CUDA, dense flash attention vs SparQ, with llama-bench.
 
 Random-weight GGUFs of the Llama-2-7B and Llama-3-8B shapes (Q8_0 weights, f16 KV; sparq_llama.eval.random_gguf),
-llama-bench tg32 at depths 4k / 16k / 32k / 64k, -fa 1 -ngl 99, SparQ at the default index (q8 + qsigma, k1 = d/2:
+llama-bench tg32 at depths 4k / 8k / 16k / 32k / 64k, -fa 1 -ngl 99, SparQ at the default index (q8 + qsigma, k1 = d/2:
 1/8 of dense bytes), k2 = 128 on every layer
 (-sparq-min-kv 0). Writes bench/results/cuda_e2e.json: rows {model_shape, depth, dense_tps, sparq_tps, speedup},
 the targets, and llama-bench's raw JSON.
@@ -74,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", type=Path, required=True, help="directory with llama-bench")
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"))
-    ap.add_argument("--depths", default="4096,16384,32768,65536")
+    ap.add_argument("--depths", default="4096,8192,16384,32768,65536")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "cuda_e2e.json")
     args = ap.parse_args()

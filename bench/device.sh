@@ -22,7 +22,7 @@
 #   SPARQ_COMMIT=$(git rev-parse --short HEAD) BASE_COMMIT=<sha> SEQS=4096,32768,65536 BATCHES=1 ROUNDS=2 \
 #       bash bench/device.sh build test op       # -> cuda_op.json / cuda_op_base.json (per round), a table of both
 #
-# Knobs (environment): OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
+# Knobs (environment): TARGETS (the build's CMake targets, default the library and the five tools), OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
 # SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
 # switch SPARQ_CUDA_SELECT), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
 # CUDA_ARCH (default 90), OUT (default /tmp/out). ccache is used where the machine has it, or where .device/debs
@@ -79,7 +79,7 @@ cmake_build() {  # source-tree build-dir log-prefix source-pack
     cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
         -DSPARQ_LLAMA_SOURCE="$pack" -DPython3_EXECUTABLE="$(command -v python3)" "${launcher[@]}" \
         > "$OUT/$log-configure.log" 2>&1 || { tail -30 "$OUT/$log-configure.log"; return 1; }
-    cmake --build "$dir" --target llama llama-bench llama-batched-bench llama-completion llama-server -j "$(nproc)" \
+    cmake --build "$dir" --target ${TARGETS:-llama llama-bench llama-batched-bench llama-completion llama-server} -j "$(nproc)" \
         > "$OUT/$log-build.log" 2>&1 || { grep -B2 -A12 "error" "$OUT/$log-build.log" | head -80; return 1; }
 }
 

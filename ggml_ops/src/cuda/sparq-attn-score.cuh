@@ -93,9 +93,9 @@ __device__ __forceinline__ void load_kt8(const char * row, int64_t j0, raw8<T> &
 // ---- kernel A: a q8_0 index read by warps ---------------------------------------------------------------
 // Where K^T is 16-byte aligned with strides of whole 16 bytes (a.vec_kt_q8), a warp's 256 cells of a row are 8 whole
 // blocks, 272 contiguous bytes starting at a multiple of 16: Q8_WARP_PIECES lanes copy them with 16-byte asynchronous
-// copies (cp.async, evict-first in L2 like the other K^T loads) into the warp's area of shared memory, q8_unroll rows
-// at a time in two stages (the next rows' copies fly while the current ones are used, and no registers wait for
-// them), and each thread reads its block's scale and 8 values from there. A thread reading its own block takes
+// copies (cp.async, evict-first in L2 like the other K^T loads) into the warp's area of shared memory, Q8_ROWS rows
+// a stage in a ring of Q8_RING stages (the next rows' copies fly while the current ones are used, and no registers
+// wait for them), and each thread reads its block's scale and 8 values from there. A thread reading its own block takes
 // 5 two-byte loads per row, and with half of f16's bytes in flight per load it left kernel A latency bound: the q8
 // index at k1 = 64 took the time of the f16 index at k1 = 64, twice its bytes (H100, Llama-2 heads: 101 vs 88 us for
 // the op at 32k against the f16 index at k1 = 32, the same bytes; 255 vs 193 at 128k).
@@ -105,14 +105,17 @@ constexpr int Q8_WARP_PIECES = Q8_WARP_BYTES/16;
 constexpr int Q8_STAGE_ROW   = Q8_WARP_BYTES + 16;  // + a piece: a thread reads its 8 values as 3 aligned words
 static_assert(QK8_0 % A_CELLS == 0, "a thread's cells lie in one block");
 static_assert(Q8_WARP_BYTES % 16 == 0 && Q8_WARP_PIECES <= WARP_SIZE, "a warp's blocks are whole 16-byte pieces");
-// K^T rows per stage: as kernel A's register loads for 1-2 heads per pass; half as many for more heads, whose
-// products take 4-8 times the time per row
-__host__ __device__ constexpr int q8_unroll(int ng) { return ng <= 2 ? 16 : 8; }
-// Kernel A's dynamic shared memory: the query components (or rows), then the warps' two stages where vec_kt_q8
+// K^T rows per stage, and stages in a warp's ring: Q8_RING - 1 stages (24 rows) are in flight while one is used. Two
+// stages of 16 rows (8 with 3 or more heads per pass) left kernel A latency bound where rows are few: with Llama-3
+// heads (8 KV heads, B = 1) it streamed 0.5 TB/s at 32k, each warp waiting on 8 round trips of 8 rows (H100, the op's
+// timeline: kernel A 34 us at 32k, 67 us at 128k). The ring takes the same shared memory as two stages of 16 rows.
+constexpr int Q8_ROWS = 8;
+constexpr int Q8_RING = 4;
+// Kernel A's dynamic shared memory: the query components (or rows), then the warps' rings where vec_kt_q8
 __host__ __device__ constexpr size_t a_qs_bytes(int ng, int64_t k1, int64_t d) {
     return ((sizeof(float)*ng*(k1 > d ? k1 : d)) + 15) & ~size_t(15);
 }
-__host__ __device__ constexpr size_t a_stage_bytes(int ng) { return size_t(A_WARPS)*2*q8_unroll(ng)*Q8_STAGE_ROW; }
+__host__ __device__ constexpr size_t a_stage_bytes() { return size_t(A_WARPS)*Q8_RING*Q8_ROWS*Q8_STAGE_ROW; }
 
 // Whether this device code has the asynchronous copies (sm_80 and later CUDA); a.vec_kt_q8 is set by the host for such
 // devices, and other code reads the index by threads whatever it says.
@@ -152,19 +155,22 @@ __device__ __forceinline__ void copies_wait() {
 template <int NG>
 __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int * i1_buf, const float * qs,
                                int64_t first_cell, uint8_t * stage, float (&acc)[NG][A_CELLS]) {
-    constexpr int U = q8_unroll(NG);
+    constexpr int U = Q8_ROWS;
     const int lane = threadIdx.x % WARP_SIZE, k1 = a.p.k1;
     const int64_t first_block = first_cell / QK8_0, n_blocks = (a.n_kv + QK8_0 - 1) / QK8_0;
     const int n_valid = (int) (n_blocks - first_block < Q8_WARP_BLOCKS ? n_blocks - first_block : Q8_WARP_BLOCKS);
     const int piece = min(max(n_valid*(int) sizeof(block_q8_0) - 16*lane, 0), 16);
     const char * src = piece > 0 ? ktb + first_block*(int64_t) sizeof(block_q8_0) + 16*lane : ktb;  // a valid address
-    const auto issue = [&](int i, int buf) {
-        if (lane < Q8_WARP_PIECES) {
+    const int n_stages = (k1 + U - 1) / U;
+    // stage t's copies into its ring slot, as one commit group; past the last stage an empty group, so that every
+    // round commits one and the wait below always leaves Q8_RING - 1 groups in flight
+    const auto issue = [&](int t) {
+        if (t < n_stages && lane < Q8_WARP_PIECES) {
             const uint64_t pol = l2_evict_first();
 #pragma unroll
             for (int uu = 0; uu < U; ++uu) {
-                copy16_async(stage + (buf*U + uu)*Q8_STAGE_ROW + 16*lane,
-                             src + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1, piece, pol);
+                copy16_async(stage + ((t % Q8_RING)*U + uu)*Q8_STAGE_ROW + 16*lane,
+                             src + (int64_t) i1_buf[min(t*U + uu, k1 - 1)]*a.kt_nb1, piece, pol);
             }
         }
         copies_commit();
@@ -173,22 +179,22 @@ __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int
     const int blk = (int) sizeof(block_q8_0)*(lane / (QK8_0/A_CELLS));
     const int val = blk + (int) sizeof(half) + A_CELLS*(lane % (QK8_0/A_CELLS));
     const int shift = 8*(val % 4);
-    issue(0, 0);
+#pragma unroll
+    for (int t = 0; t < Q8_RING - 1; ++t) {
+        issue(t);
+    }
 #pragma unroll 1
-    for (int i = 0, buf = 0; i < k1; i += U, buf ^= 1) {
-        if (i + U < k1) {
-            issue(i + U, buf ^ 1);
-            copies_wait<1>();
-        } else {
-            copies_wait<0>();
-        }
+    for (int t = 0; t < n_stages; ++t) {
+        issue(t + Q8_RING - 1);  // into the slot used in round t - 1 (released by that round's last __syncwarp)
+        copies_wait<Q8_RING - 1>();  // stage t's group is complete
         __syncwarp();
+        const int i = t*U;
 #pragma unroll
         for (int uu = 0; uu < U; ++uu) {
             if (i + uu >= k1) {
                 continue;
             }
-            const uint8_t * row = stage + (buf*U + uu)*Q8_STAGE_ROW;
+            const uint8_t * row = stage + ((t % Q8_RING)*U + uu)*Q8_STAGE_ROW;
             const float xscale = __half2float(*(const half *) (row + blk));
             const uint32_t * w = (const uint32_t *) (row + (val & ~3));
             const uint32_t lo = i8_bias(__funnelshift_r(w[0], w[1], shift));
@@ -208,7 +214,7 @@ __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int
                 }
             }
         }
-        __syncwarp();  // the stage is refilled by the next round's copies
+        __syncwarp();  // the slot is refilled by the next round's copies
     }
 }
 
@@ -681,7 +687,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             // wherever the first one exists (those past n_kv are hidden).
             const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
             if (std::is_same_v<T, block_q8_0> && Q8_WARP_COPIES && a.vec_kt_q8) {
-                uint8_t * stage = (uint8_t *) qs + a_qs_bytes(NG, k1, d) + (size_t) warp*(a_stage_bytes(NG)/A_WARPS);
+                uint8_t * stage = (uint8_t *) qs + a_qs_bytes(NG, k1, d) + (size_t) warp*(a_stage_bytes()/A_WARPS);
                 q8_scores_warp<NG>(a, ktb, i1_buf, qs, j0 - (int64_t) lane*A_CELLS, stage, acc);
             } else {
                 kt_scores_thread<T, NG>(a, ktb, i1_buf, qs, j0, acc);

@@ -505,7 +505,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.alpha    = (float *)    (base + plan.alpha);
 
     const size_t smem_q = query_smem(a);
-    const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes(ng) : 0);
+    const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes() : 0);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
