@@ -24,7 +24,8 @@
 #
 # Knobs (environment): TARGETS (the build's CMake targets, default the library and the five tools), OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
 # SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
-# switch SPARQ_CUDA_SELECT), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
+# switch SPARQ_CUDA_SELECT), SPARQ_TESTS_K (a pytest -k expression for the SparQ op tests), TEST_PARTS (which of the
+# test stage's parts run, default "sparq centroid model"), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
 # CUDA_ARCH (default 90), OUT (default /tmp/out). ccache is used where the machine has it, or where .device/debs
 # carries its Debian packages (unpacked into /tmp/cc; `apt-get download ccache libhiredis0.14`); cache in build/ccache.
 #
@@ -40,6 +41,7 @@ BUILD=$REPO/build/cuda
 BASE_SRC=$REPO/build/base-src
 BASE_BUILD=$BASE_SRC/build/cuda   # same depth below its tree as build/cuda: ccache (base dir $REPO) shares the upstream objects
 SELECT=${SELECT:-auto cluster sweep}
+TEST_PARTS=${TEST_PARTS:-sparq centroid model}
 BASE_SELECT=${BASE_SELECT:-auto}
 export PYTHONUNBUFFERED=1 DEVICE_SH_STAGES="$*"
 export SPARQ_COMMIT=${SPARQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -143,14 +145,15 @@ stage_test() {
     while read -r name tree build commit; do
         paths=$SELECT; [ "$name" = base ] && paths=$BASE_SELECT
         for path in $paths; do
+            [[ " $TEST_PARTS " == *" sparq "* ]] || break
             check "test_sparq_${path}_$name" "$tree" "$build" "$commit" SPARQ_CUDA_SELECT=$path -- \
-                python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py || rc=1
+                python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py ${SPARQ_TESTS_K:+-k "$SPARQ_TESTS_K"} || rc=1
         done
-        check "test_centroid_$name" "$tree" "$build" "$commit" -- \
-            python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py || rc=1
-        check "test_model_gpu_$name" "$tree" "$build" "$commit" -- \
+        [[ " $TEST_PARTS " == *" centroid "* ]] && { check "test_centroid_$name" "$tree" "$build" "$commit" -- \
+            python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py || rc=1; }
+        [[ " $TEST_PARTS " == *" model "* ]] && { check "test_model_gpu_$name" "$tree" "$build" "$commit" -- \
             python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py tests/test_lib_isolation.py \
-            tests/test_sparq_kv_index_cuda.py || rc=1
+            tests/test_sparq_kv_index_cuda.py || rc=1; }
     done < <(builds)
     return $rc
 }

@@ -393,8 +393,18 @@ static __device__ void row_query(const sparq_args & a, const row_coords & c, con
     query_factors(a, G, d, i1, sigma, fac, [&](int64_t g) { return q_row(a, c.h*G + g, c); });
 }
 
+// The row's queries into qrow [G][d] (shared), every head's loads in flight together; read by row_query_fast after a
+// barrier (kernel Q issues them before the key statistics, so that both take one round trip).
+static __device__ void load_query_rows(const sparq_args & a, const row_coords & c, float * qrow) {
+    const int d = (int) a.d, G = (int) a.group;
+    for (int idx = threadIdx.x; idx < G*d; idx += blockDim.x) {
+        qrow[idx] = q_row(a, c.h*G + idx / d, c)[idx % d];
+    }
+}
+
 // row_query's results (the same I1, the same factors bit for bit) in fewer dependent steps, for kernel Q: the row's
-// queries are read from global memory once, into qrow [G][d] (row_query reads them three times); each component's
+// queries are read from global memory once, into qrow [G][d] by load_query_rows before a barrier (row_query reads
+// them three times); each component's
 // rank is counted by R consecutive lanes (as many as fit, up to a warp) over a 1/R share of the others (row_query:
 // one thread over all d); I1 is compacted in order by one warp's ballots (row_query: each selected component
 // counts the selected ones below it, O(d) serial loads). The factors: query_factors over the same values, as
@@ -404,10 +414,6 @@ static __device__ void row_query_fast(const sparq_args & a, const row_coords & c
                                       float * qrow, int * i1, float * fac) {
     const int d = (int) a.d, G = (int) a.group, k1 = a.p.k1, nt = (int) blockDim.x;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    for (int idx = threadIdx.x; idx < G*d; idx += nt) {  // every head's loads in flight together
-        qrow[idx] = q_row(a, c.h*G + idx / d, c)[idx % d];
-    }
-    __syncthreads();
     for (int i = threadIdx.x; i < d; i += nt) {
         float sum = 0.0f;  // in head order, as the CPU
         for (int g = 0; g < G; ++g) {
@@ -557,11 +563,16 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     const int k1 = a.p.k1;
     float * smq   = (float *) (smq_d + (QSIGMA ? query_red_doubles(a) : 0));
     float * sigma = QSIGMA ? smq + 2*d : nullptr;
-    if constexpr (QSIGMA) {
-        key_sigma(a, c, sigma, smq_d);
+    float * qrow = query_fast(d, G) ? smq + (QSIGMA ? 3 : 2)*d : nullptr;
+    if (qrow) {
+        load_query_rows(a, c, qrow);  // in flight with the key statistics' loads
     }
-    if (query_fast(d, G)) {
-        float * qrow = smq + (QSIGMA ? 3 : 2)*d;
+    if constexpr (QSIGMA) {
+        key_sigma(a, c, sigma, smq_d);  // ends with a barrier
+    } else if (qrow) {
+        __syncthreads();
+    }
+    if (qrow) {
         row_query_fast(a, c, sigma, smq, (int *) (smq + d), qrow, i1, fac);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
             const int64_t g = idx / k1, i = idx % k1;
