@@ -1,8 +1,11 @@
-"""ggml_sparq_vsum_rows (a decode step's running V sums in one node) against its float64 oracle.
+"""ggml_sparq_vsum_rows (a decode step's running V sums in one node) and ggml_sparq_kstat_rows (the same op with the
+keys' squares: the running key statistics) against their float64 oracles.
 
 The op's column t is table[idx[t]] + [round(v[t]), 1] per KV head, with v rounded to the cache's type; each
 component is one float32 addition of two float32 values, so the float64 oracle rounded to float32 is exact and
-the comparison is bit for bit. The CUDA kernel runs the same cases in tests/test_op_sparq_attn_cuda.py.
+the comparison is bit for bit. The squares of f16 and bf16 keys are exact in float32, so the key statistics
+are too; for f32 keys the square is one more rounding, and a compiler may fuse it with the addition (1 ulp). The
+CUDA kernel runs the same cases in tests/test_op_sparq_attn_cuda.py.
 """
 from __future__ import annotations
 
@@ -92,3 +95,48 @@ def test_bad_arguments_fail_clearly():
         ops.vsum_rows(table, v, idx, v_dtype="q8_0")
     with pytest.raises(ValueError, match="v_ld"):
         ops.vsum_rows(table, v, idx, v_ld=4)
+
+
+def kstat_rows_reference(table: np.ndarray, k: np.ndarray, idx: np.ndarray, k_dtype: str = "f16") -> np.ndarray:
+    """float64 oracle of `ops.kstat_rows`: table[idx] + [r, r*r, 1] per KV head, r = kv_round(k), r*r in float32."""
+    r = ops.kv_round(np.asarray(k, dtype=np.float32), k_dtype).astype(np.float32)
+    sq = (r * r).astype(np.float32)
+    aug = np.concatenate([r.astype(np.float64), sq.astype(np.float64), np.ones(np.shape(k)[:2] + (1,))], axis=-1)
+    return (np.asarray(table, dtype=np.float32).astype(np.float64)[np.asarray(idx)] + aug).astype(np.float32)
+
+
+def kstat_case(rng: np.random.Generator, n_seq: int, n_head_kv: int, d: int, n_tokens: int):
+    """vsum_case's values as keys, and a table of running sums and sums of squares (non-negative) with counts."""
+    table, k, idx = vsum_case(rng, n_seq, n_head_kv, d, n_tokens)
+    sq = np.abs(rng.normal(0.0, 3000.0, (n_seq, n_head_kv, d))).astype(np.float32)
+    return np.concatenate([table[..., :d], sq, table[..., d:]], axis=-1), k, idx
+
+
+def assert_kstat_equal(got: np.ndarray, want: np.ndarray, k_dtype: str) -> None:
+    if k_dtype == "f32":
+        np.testing.assert_array_almost_equal_nulp(got, want, nulp=1)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("case", VSUM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kstat_rows_equals_reference(case):
+    n_seq, n_head_kv, d, n_tokens, k_ld, k_dtype = case
+    rng = np.random.default_rng(n_seq * 1000 + d + 1)
+    table, k, idx = kstat_case(rng, n_seq, n_head_kv, d, n_tokens)
+    got = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2)
+    assert got.shape == (n_tokens, n_head_kv, 2 * d + 1)
+    assert_kstat_equal(got, kstat_rows_reference(table, k, idx, k_dtype), k_dtype)
+
+
+def test_kstat_rows_bad_arguments_fail_clearly():
+    rng = np.random.default_rng(4)
+    table, k, idx = kstat_case(rng, 2, 2, 8, 2)
+    with pytest.raises(ValueError, match="shapes do not agree"):
+        ops.kstat_rows(table[..., :-1], k, idx)
+    with pytest.raises(ValueError, match="shapes do not agree"):
+        ops.kstat_rows(table[..., 8:], k, idx)  # a V-sum table: d + 1 wide
+    with pytest.raises(ValueError, match="k_dtype"):
+        ops.kstat_rows(table, k, idx, k_dtype="q4_0")
+    with pytest.raises(ValueError, match="not a table row"):
+        ops.kstat_rows(table, k, np.array([0, 5], dtype=np.int32))

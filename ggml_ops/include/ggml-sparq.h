@@ -118,6 +118,27 @@ GGML_API struct ggml_tensor * ggml_sparq_vsum_rows(
         struct ggml_tensor  * idx,
         enum ggml_type        v_type);
 
+// ggml_sparq_kstat_rows: one decode step's running key statistics (the kstat rows ggml_sparq_attn_set_kstat takes),
+// the same op with the squares added:
+//   table  [(2*d+1)*n_head_kv, n_seq] f32: per sequence, per KV head the sum of the keys, the sum of their squares
+//          (component by component) and their count
+//   k      [d, n_head_kv, n_tokens] f32 with contiguous components: the tokens' new keys
+//   k_type f32, f16 or bf16: the type the cache stores K as (each component rounded to it first, r below)
+//   result [(2*d+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [r, r*r, 1], r*r a float32
+//          product (exact for f16 and bf16 keys) added with one float addition
+// It replaces reading the keys back from the cache, squaring them and concatenating (three more nodes a layer).
+GGML_API const char * ggml_sparq_kstat_rows_check(
+        const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * idx,
+        enum ggml_type k_type);
+
+// Builds the op; aborts with ggml_sparq_kstat_rows_check's message on invalid arguments.
+GGML_API struct ggml_tensor * ggml_sparq_kstat_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * table,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * idx,
+        enum ggml_type        k_type);
+
 // Resolved parameters stored in the op (window, mean and scale made explicit), for backends.
 struct ggml_sparq_op_params {
     int32_t k1, k2, window, sinks;

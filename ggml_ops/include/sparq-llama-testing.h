@@ -51,9 +51,10 @@ struct llama_context;
 SPARQ_API int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out,
                                          size_t n_out, int64_t * ne_out, char * err, size_t err_size);
 
-// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows): table [n_seq][(d_v + 1)*n_head_kv] f32,
-// v [n_tokens][n_head_kv][v_ld] f32 (the op sees the first d_v of each v_ld components: a strided view),
-// idx [n_tokens] i32, v_type a ggml_type (f32, f16, bf16); out [n_tokens][(d_v + 1)*n_head_kv] f32.
+// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows), or with squares of ggml_sparq_kstat_rows
+// (ops.kstat_rows): table [n_seq][(W*d_v + 1)*n_head_kv] f32 (W = 2 with squares, else 1), v [n_tokens][n_head_kv][v_ld]
+// f32 (the op sees the first d_v of each v_ld components: a strided view), idx [n_tokens] i32, v_type a ggml_type
+// (f32, f16, bf16); out [n_tokens][(W*d_v + 1)*n_head_kv] f32.
 struct vsum_rows_eval_args {
     const char * device;   // NULL or "": the CPU
     int          n_threads;
@@ -63,6 +64,7 @@ struct vsum_rows_eval_args {
     const float * v;
     const int32_t * idx;
     float       * out;
+    int          squares;  // 0: ggml_sparq_vsum_rows, 1: ggml_sparq_kstat_rows
 };
 SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
 

@@ -223,31 +223,57 @@ void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos) 
     op->src[6] = pos;
 }
 
-const char * ggml_sparq_vsum_rows_check(
+// The checks of ggml_sparq_vsum_rows (squares 0: [v, 1] per head) and ggml_sparq_kstat_rows (1: [k, k*k, 1]).
+static const char * sum_rows_check(
         const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
-        enum ggml_type v_type) {
+        enum ggml_type v_type, int squares) {
     if (!table || !v || !idx) {
-        return vsum_fail("table, v and idx are required");
+        return vsum_fail("table, %s and idx are required", squares ? "k" : "v");
     }
     const int64_t d_v = v->ne[0], n_head_kv = v->ne[1], n_tokens = v->ne[2];
     if (v->type != GGML_TYPE_F32 || v->ne[3] != 1 || v->nb[0] != sizeof(float)) {
-        return vsum_fail("v must be f32 [d_v, n_head_kv, n_tokens] with contiguous components");
+        return squares ? vsum_fail("k must be f32 [d, n_head_kv, n_tokens] with contiguous components")
+                       : vsum_fail("v must be f32 [d_v, n_head_kv, n_tokens] with contiguous components");
     }
-    if (table->type != GGML_TYPE_F32 || table->ne[0] != (d_v + 1)*n_head_kv || table->ne[1] < 1 ||
+    const int64_t width = ((squares ? 2 : 1)*d_v + 1)*n_head_kv;
+    if (table->type != GGML_TYPE_F32 || table->ne[0] != width || table->ne[1] < 1 ||
         table->ne[2] != 1 || table->ne[3] != 1 || table->nb[0] != sizeof(float)) {
-        return vsum_fail("table must be f32 [(d_v+1)*n_head_kv=%lld, n_seq >= 1] with "
-                          "contiguous rows, got %s [%lld, %lld, %lld, %lld]", (long long) ((d_v + 1)*n_head_kv),
-                          ggml_type_name(table->type), (long long) table->ne[0], (long long) table->ne[1],
-                          (long long) table->ne[2], (long long) table->ne[3]);
+        return vsum_fail("table must be f32 [%s*n_head_kv=%lld, n_seq >= 1] with "
+                          "contiguous rows, got %s [%lld, %lld, %lld, %lld]", squares ? "(2*d+1)" : "(d_v+1)",
+                          (long long) width, ggml_type_name(table->type), (long long) table->ne[0],
+                          (long long) table->ne[1], (long long) table->ne[2], (long long) table->ne[3]);
     }
     if (idx->type != GGML_TYPE_I32 || idx->ne[0] != n_tokens || idx->ne[1] != 1 || idx->ne[2] != 1 ||
         idx->ne[3] != 1 || idx->nb[0] != sizeof(int32_t)) {
         return vsum_fail("idx must be i32 [n_tokens=%lld]", (long long) n_tokens);
     }
     if (v_type != GGML_TYPE_F32 && v_type != GGML_TYPE_F16 && v_type != GGML_TYPE_BF16) {
-        return vsum_fail("v_type must be f32, f16 or bf16, got %s", ggml_type_name(v_type));
+        return vsum_fail("%s must be f32, f16 or bf16, got %s", squares ? "k_type" : "v_type", ggml_type_name(v_type));
     }
     return NULL;
+}
+
+static struct ggml_tensor * sum_rows_op(
+        struct ggml_context * ctx, struct ggml_tensor * table, struct ggml_tensor * v, struct ggml_tensor * idx,
+        enum ggml_type v_type, int squares) {
+    const char * err = sum_rows_check(table, v, idx, v_type, squares);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, table->ne[0], v->ne[2]);
+    const int32_t op_params[2] = { (int32_t) v_type, squares };
+    ggml_set_op_params(result, op_params, sizeof(op_params));
+    result->op     = GGML_OP_SPARQ_VSUM_ROWS;
+    result->src[0] = table;
+    result->src[1] = v;
+    result->src[2] = idx;
+    return result;
+}
+
+const char * ggml_sparq_vsum_rows_check(
+        const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
+        enum ggml_type v_type) {
+    return sum_rows_check(table, v, idx, v_type, 0);
 }
 
 struct ggml_tensor * ggml_sparq_vsum_rows(
@@ -256,16 +282,20 @@ struct ggml_tensor * ggml_sparq_vsum_rows(
         struct ggml_tensor  * v,
         struct ggml_tensor  * idx,
         enum ggml_type        v_type) {
-    const char * err = ggml_sparq_vsum_rows_check(table, v, idx, v_type);
-    if (err) {
-        GGML_ABORT("%s", err);
-    }
-    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, table->ne[0], v->ne[2]);
-    const int32_t op_params[1] = { (int32_t) v_type };
-    ggml_set_op_params(result, op_params, sizeof(op_params));
-    result->op     = GGML_OP_SPARQ_VSUM_ROWS;
-    result->src[0] = table;
-    result->src[1] = v;
-    result->src[2] = idx;
-    return result;
+    return sum_rows_op(ctx, table, v, idx, v_type, 0);
+}
+
+const char * ggml_sparq_kstat_rows_check(
+        const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * idx,
+        enum ggml_type k_type) {
+    return sum_rows_check(table, k, idx, k_type, 1);
+}
+
+struct ggml_tensor * ggml_sparq_kstat_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * table,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * idx,
+        enum ggml_type        k_type) {
+    return sum_rows_op(ctx, table, k, idx, k_type, 1);
 }

@@ -145,14 +145,18 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
     ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
-    ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, (a->d_v + 1)*a->n_head_kv, a->n_seq);
+    const int64_t width = ((a->squares ? 2 : 1)*a->d_v + 1)*a->n_head_kv;
+    ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, width, a->n_seq);
     ggml_tensor * v_full = ggml_new_tensor_3d(c, GGML_TYPE_F32, a->v_ld, a->n_head_kv, a->n_tokens);
     ggml_tensor * v      = ggml_view_3d(c, v_full, a->d_v, a->n_head_kv, a->n_tokens, v_full->nb[1], v_full->nb[2], 0);
     ggml_tensor * idx    = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
-    if (const char * msg = ggml_sparq_vsum_rows_check(table, v, idx, (ggml_type) a->v_type)) {
+    const ggml_type v_type = (ggml_type) a->v_type;
+    if (const char * msg = a->squares ? ggml_sparq_kstat_rows_check(table, v, idx, v_type)
+                                      : ggml_sparq_vsum_rows_check(table, v, idx, v_type)) {
         return fail(err, err_size, "%s", msg);
     }
-    ggml_tensor * out = ggml_sparq_vsum_rows(c, table, v, idx, (ggml_type) a->v_type);
+    ggml_tensor * out = a->squares ? ggml_sparq_kstat_rows(c, table, v, idx, v_type)
+                                   : ggml_sparq_vsum_rows(c, table, v, idx, v_type);
     return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
                       { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size);
 }

@@ -223,26 +223,41 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
     by the op, as the cache stores them), idx [n_tokens] (each token's table row). With v_ld the op reads v
     through a strided view (v_ld >= d_v components per row). Returns [n_tokens, n_head_kv, d_v + 1] float32:
     table[idx] + [round(v), 1] (`kv_round` gives round(v))."""
+    return _sum_rows(table, v, idx, v_dtype, v_ld, n_threads, backend, squares=False)
+
+
+def kstat_rows(table: np.ndarray, k: np.ndarray, idx: np.ndarray, *, k_dtype: str = "f16", k_ld: int | None = None,
+               n_threads: int | None = None, backend: str = "cpu") -> np.ndarray:
+    """ggml_sparq_kstat_rows on a backend: a decode step's key statistics. table [n_seq, n_head_kv, 2d + 1] (per
+    sequence and KV head the sum of the keys, the sum of their squares, the count), k [n_tokens, n_head_kv, d],
+    idx [n_tokens]. Returns [n_tokens, n_head_kv, 2d + 1] float32: table[idx] + [r, r*r, 1], r = round(k)."""
+    return _sum_rows(table, k, idx, k_dtype, k_ld, n_threads, backend, squares=True)
+
+
+def _sum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str, v_ld: int | None, n_threads: int | None,
+              backend: str, squares: bool) -> np.ndarray:
     tab = np.ascontiguousarray(table, dtype=np.float32)
     vv = np.asarray(v, dtype=np.float32)
     ix = np.ascontiguousarray(idx, dtype=np.int32)
+    width = 2 if squares else 1
     if tab.ndim != 3 or vv.ndim != 3 or ix.ndim != 1:
-        raise ValueError("table must be [n_seq, n_head_kv, d_v + 1], v [n_tokens, n_head_kv, d_v], idx [n_tokens]")
-    n_seq, n_head_kv, width = tab.shape
+        raise ValueError(f"table must be [n_seq, n_head_kv, {width}*d + 1], the rows [n_tokens, n_head_kv, d], "
+                         "idx [n_tokens]")
+    n_seq, n_head_kv, tab_width = tab.shape
     n_tokens, _, d_v = vv.shape
-    if vv.shape[1] != n_head_kv or width != d_v + 1 or ix.shape[0] != n_tokens:
-        raise ValueError(f"shapes do not agree: table {tab.shape}, v {vv.shape}, idx {ix.shape}")
+    if vv.shape[1] != n_head_kv or tab_width != width * d_v + 1 or ix.shape[0] != n_tokens:
+        raise ValueError(f"shapes do not agree: table {tab.shape}, rows {vv.shape}, idx {ix.shape}")
     if v_dtype not in _GGML_TYPES:
-        raise ValueError(f"v_dtype must be one of {sorted(_GGML_TYPES)}, got {v_dtype!r}")
+        raise ValueError(f"{'k_dtype' if squares else 'v_dtype'} must be one of {sorted(_GGML_TYPES)}, got {v_dtype!r}")
     ld = d_v if v_ld is None else int(v_ld)
     padded = np.zeros((n_tokens, n_head_kv, max(ld, d_v)), dtype=np.float32)
     padded[..., :d_v] = vv
     padded[..., d_v:] = np.nan  # never read: a kernel that reads past d_v turns its sums into NaN
-    out = np.zeros((n_tokens, n_head_kv, d_v + 1), dtype=np.float32)
+    out = np.zeros((n_tokens, n_head_kv, width * d_v + 1), dtype=np.float32)
     args = VsumRowsEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
                             v_type=_GGML_TYPES[v_dtype], d_v=d_v, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
                             v_ld=ld, table=tab.ctypes.data, v=padded.ctypes.data, idx=ix.ctypes.data,
-                            out=out.ctypes.data)
+                            out=out.ctypes.data, squares=int(squares))
     _call(C.sparq_llama_eval_vsum_rows, args)
     return out
 

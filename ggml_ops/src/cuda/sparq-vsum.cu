@@ -1,8 +1,8 @@
-// CUDA kernel of ggml_sparq_vsum_rows. Semantics: ggml_ops/include/ggml-sparq.h; the CPU kernel
+// CUDA kernel of ggml_sparq_vsum_rows and ggml_sparq_kstat_rows (op parameter 1: the squares too). Semantics: ggml_ops/include/ggml-sparq.h; the CPU kernel
 // (ggml_ops/src/cpu/sparq-vsum-cpu.cpp) is the reference.
 //
 // One block per (token, KV head): thread i adds component i of the token's rounded value to its sequence's
-// table row, and one thread adds the count. It replaces the six small kernels a decode step's V-sum upkeep took
+// table row (and its square where SQUARES), and one thread adds the count. It replaces the six small kernels a decode step's V-sum upkeep took
 // (two casts, a concat, get_rows, add and the copy) with one; the rounding is CUDA's round-to-nearest-even
 // conversion, as ggml-cuda's own cast to the cache type.
 #include "sparq-vsum.cuh"
@@ -36,22 +36,36 @@ __device__ __forceinline__ float round_to_cache(float x) {
     }
 }
 
-template <ggml_type V_TYPE>
+template <ggml_type V_TYPE, bool SQUARES>
 __global__ void __launch_bounds__(VS_THREADS) vsum_rows_kernel(const vsum_args a) {
+    constexpr int W = SQUARES ? 2 : 1;  // per head: W*d_v sums and the count
     pdl_wait();
     const int64_t t = blockIdx.x, h = blockIdx.y;
     const int32_t row = *(const int32_t *) (a.idx + t*a.i_nb0);
     if (row < 0 || row >= a.n_seq) {  // a caller's bug (the CPU asserts); leave the column unwritten
         return;
     }
-    const float * tab = (const float *) (a.table + row*a.t_nb1) + h*(a.d_v + 1);
+    const float * tab = (const float *) (a.table + row*a.t_nb1) + h*(W*a.d_v + 1);
     const float * vh  = (const float *) (a.v + h*a.v_nb1 + t*a.v_nb2);
-    float * out = (float *) (a.dst + t*a.o_nb1) + h*(a.d_v + 1);
+    float * out = (float *) (a.dst + t*a.o_nb1) + h*(W*a.d_v + 1);
     for (int64_t i = threadIdx.x; i < a.d_v; i += VS_THREADS) {
-        out[i] = tab[i] + round_to_cache<V_TYPE>(vh[i]);
+        const float r = round_to_cache<V_TYPE>(vh[i]);
+        out[i] = tab[i] + r;
+        if constexpr (SQUARES) {
+            out[a.d_v + i] = __fadd_rn(tab[a.d_v + i], __fmul_rn(r, r));  // no contraction: the CPU's two roundings
+        }
     }
     if (threadIdx.x == 0) {
-        out[a.d_v] = tab[a.d_v] + 1.0f;
+        out[W*a.d_v] = tab[W*a.d_v] + 1.0f;
+    }
+}
+
+template <ggml_type V_TYPE>
+void launch_of(bool squares, const ggml_cuda_kernel_launch_params & lp, const vsum_args & a) {
+    if (squares) {
+        ggml_cuda_kernel_launch(vsum_rows_kernel<V_TYPE, true>, lp, a);
+    } else {
+        ggml_cuda_kernel_launch(vsum_rows_kernel<V_TYPE, false>, lp, a);
     }
 }
 
@@ -70,7 +84,9 @@ bool ggml_cuda_sparq_vsum_rows_supported(int device, const ggml_tensor * op) {
 void ggml_cuda_sparq_vsum_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * table = dst->src[0], * v = dst->src[1], * idx = dst->src[2];
     GGML_ASSERT(ggml_cuda_sparq_vsum_rows_supported(ctx.device, dst));
-    GGML_ASSERT(table->ne[0] == (v->ne[0] + 1)*v->ne[1] && dst->ne[0] == table->ne[0] && dst->ne[1] == v->ne[2]);
+    const bool squares = ggml_get_op_params_i32(dst, 1) != 0;
+    GGML_ASSERT(table->ne[0] == ((squares ? 2 : 1)*v->ne[0] + 1)*v->ne[1] && dst->ne[0] == table->ne[0] &&
+                dst->ne[1] == v->ne[2]);
     vsum_args a = {};
     a.table = (const char *) table->data; a.v = (const char *) v->data; a.idx = (const char *) idx->data;
     a.dst = (char *) dst->data;
@@ -82,8 +98,8 @@ void ggml_cuda_sparq_vsum_rows(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const dim3 grid((unsigned) v->ne[2], (unsigned) v->ne[1]);
     const ggml_cuda_kernel_launch_params lp(grid, VS_THREADS, 0, ctx.stream());
     switch ((ggml_type) ggml_get_op_params_i32(dst, 0)) {
-        case GGML_TYPE_F16:  ggml_cuda_kernel_launch(vsum_rows_kernel<GGML_TYPE_F16>,  lp, a); break;
-        case GGML_TYPE_BF16: ggml_cuda_kernel_launch(vsum_rows_kernel<GGML_TYPE_BF16>, lp, a); break;
-        default:             ggml_cuda_kernel_launch(vsum_rows_kernel<GGML_TYPE_F32>,  lp, a); break;
+        case GGML_TYPE_F16:  launch_of<GGML_TYPE_F16>(squares, lp, a);  break;
+        case GGML_TYPE_BF16: launch_of<GGML_TYPE_BF16>(squares, lp, a); break;
+        default:             launch_of<GGML_TYPE_F32>(squares, lp, a);  break;
     }
 }

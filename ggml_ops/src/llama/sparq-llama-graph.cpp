@@ -356,6 +356,14 @@ void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
     }
 }
 
+// x [d, h, n_tokens] as the sum ops read it (contiguous components, any row strides): x itself where it is (a
+// decode step's one token counts too: ggml_n_dims would call it 2-dimensional), else a copy.
+ggml_tensor * rows_as_3d(ggml_context * ctx0, ggml_tensor * x, int64_t d, int64_t h, int64_t n_tokens) {
+    const bool as_is = x->nb[0] == sizeof(float) && x->ne[0] == d && x->ne[1] == h && x->ne[2] == n_tokens &&
+                       x->ne[3] == 1;
+    return as_is ? x : ggml_cont_3d(ctx0, x, d, h, n_tokens);
+}
+
 // A running per-sequence sum table (table [(d_v + 1)*n_head_kv, n_seq_max]: per head d_v sums and a count) takes
 // this ubatch's rows v_cur [d_v, n_head_kv, n_tokens]; returns the sums each row sees (NULL unless select), after
 // adding the graph's nodes that write the table back. The V sums pass V and its cache type (the rows are rounded
@@ -370,8 +378,7 @@ ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, sparq_gra
     if (inp->one_seq_each && plain_type) {
         // a decode step: each row is its sequence's sums plus its own value, and is the sequence's new row of
         // the table (the rows are distinct): one node, then the write back
-        ggml_tensor * v3 = v_cur->nb[0] == sizeof(float) && ggml_n_dims(v_cur) == 3 && v_cur->ne[0] == d_v &&
-                           v_cur->ne[1] == h ? v_cur : ggml_cont_3d(ctx0, v_cur, d_v, h, n_tokens);
+        ggml_tensor * v3 = rows_as_3d(ctx0, v_cur, d_v, h, n_tokens);
         ggml_tensor * rows = ggml_sparq_vsum_rows(ctx0, tab, v3, inp->seq_idx, type_v);
         ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
         ggml_build_forward_expand(gf, rows);
@@ -482,11 +489,22 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     ggml_tensor * kstat_rows = nullptr; // [(2*d_k + 1)*n_head_kv, n_tokens]: the key statistics each row sees
     if (k_cur && L->kstat) {
         inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);
-        // the keys as stored (rounded to K's type) and their squares, per head: [2*d_k, n_head_kv, n_tokens]
-        ggml_tensor * r3 = ggml_reshape_3d(ctx0, cache_rows(L->k), d_k, n_head_kv, n_tokens);
-        ggml_tensor * k2 = ggml_concat(ctx0, r3, ggml_sqr(ctx0, r3), 0);
-        kstat_rows = build_vsum_upkeep(ctx0, gf, inp, L->kstat, k2, GGML_TYPE_F32, 2*d_k, n_head_kv, select,
-                                       need_future);
+        const ggml_type k_type = mctx_cur->type_k();
+        if (inp->one_seq_each && k_cur->type == GGML_TYPE_F32 &&
+            (k_type == GGML_TYPE_F32 || k_type == GGML_TYPE_F16 || k_type == GGML_TYPE_BF16)) {
+            // a decode step over a float cache: the new keys rounded to K's type as the cache write rounds them,
+            // their squares and counts added in one node, then written back
+            ggml_tensor * k3 = rows_as_3d(ctx0, k_cur, d_k, n_head_kv, n_tokens);
+            kstat_rows = ggml_sparq_kstat_rows(ctx0, L->kstat, k3, inp->seq_idx, k_type);
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx0, L->kstat, kstat_rows, inp->seq_idx));
+            ggml_build_forward_expand(gf, kstat_rows);
+        } else {
+            // the keys as stored (rounded to K's type) and their squares, per head: [2*d_k, n_head_kv, n_tokens]
+            ggml_tensor * r3 = ggml_reshape_3d(ctx0, cache_rows(L->k), d_k, n_head_kv, n_tokens);
+            ggml_tensor * k2 = ggml_concat(ctx0, r3, ggml_sqr(ctx0, r3), 0);
+            kstat_rows = build_vsum_upkeep(ctx0, gf, inp, L->kstat, k2, GGML_TYPE_F32, 2*d_k, n_head_kv, select,
+                                           need_future);
+        }
     }
 
     if (!cparams.causal_attn) {
