@@ -7,13 +7,15 @@ set(SPARQ_OPS_DIR "${CMAKE_CURRENT_LIST_DIR}")
 target_include_directories(ggml-base PUBLIC "${SPARQ_OPS_DIR}/include")
 target_sources(ggml-base PRIVATE "${SPARQ_OPS_DIR}/src/ggml-sparq.c" "${SPARQ_OPS_DIR}/src/ggml-centroid.c")
 target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/centroid-attn-cpu.cpp"
-                               "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/sparq-vsum-cpu.cpp")
+                               "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/sparq-vsum-cpu.cpp"
+                               "${SPARQ_OPS_DIR}/src/cpu/sparq-index-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
 if (GGML_CUDA)
     # the kernels include ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our headers. sparq-attn.cu is the
     # SparQ op's one translation unit: the sparq-attn-*.cuh headers hold its kernels.
     target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu" "${SPARQ_OPS_DIR}/src/cuda/sparq-vsum.cu"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-index.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-common.cuh" "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-score.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-cluster.cuh"

@@ -1,6 +1,6 @@
-"""SparQ's index and key statistics with the KV cache on a GPU (skipped without a CUDA device): the writes and the
-rebuild are plain ggml ops (get_rows, mul, cont, set_rows into f16 or q8_0 rows, the one-hot sums), so the CUDA
-backend runs them; the checks are test_sparq_kv_index.py's (the index and the key statistics against the cache's
+"""SparQ's index and key statistics with the KV cache on a GPU (skipped without a CUDA device): the index writes and
+the rebuild (ggml_sparq_index_write into f16 or q8_0 rows), the decode steps' key statistics (ggml_sparq_kstat_rows)
+and the rebuild's one-hot sums run on the CUDA backend; the checks are test_sparq_kv_index.py's (the index and the key statistics against the cache's
 own keys, read back), after decodes, a removal in the middle, a state load and two sequences decoding in one
 batch. Attention stays dense (min_n_kv above the view), so the op's CUDA support for the q8 index, qsigma and
 quantized caches is not needed here. A random-weight model of the Llama-2 layout (sparq_llama.eval.random_gguf,

@@ -139,6 +139,35 @@ GGML_API struct ggml_tensor * ggml_sparq_kstat_rows(
         struct ggml_tensor  * idx,
         enum ggml_type        k_type);
 
+// ggml_sparq_index_write: blocks of the index (K^T) recomputed from K, in one node (the derived KV state's upkeep after
+// a ubatch's K writes, and its rebuild).
+//   kt     [row_len, n_embd, n_stream] f32, f16, bf16 or q8_0, contiguous: per stream and key component a row of
+//          cells, in blocks of B cells (B = 32 for q8_0, else 1); row_len a multiple of B
+//   k      [n_embd, kv_size, n_stream] in a KV cache type (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1),
+//          contiguous: the cache's keys
+//   cells  [B*n_blk*ns] i32: per written block its B cells, as indices of k's rows over all streams
+//          (stream * kv_size + cell)
+//   mask   [B*n_blk*ns] f32 or NULL: each of those cells' factor (1 occupied, 0 empty: a block depends on its
+//          occupied cells only)
+//   blk    [n_blk, 1, ns] i64: the block numbers (within a component row) written in streams s0 .. s0 + ns - 1
+// For stream j < ns, block b < n_blk and component e < n_embd, the B cells from blk[b, j]*B of row e of kt's stream
+// s0 + j get x_u = k[e, cells[(j*n_blk + b)*B + u]] * mask[...], dequantized, converted to kt's type as
+// ggml_set_rows converts (q8_0: one block's scale amax/127 and rounded values). The result is kt itself (a view,
+// written in place), as for ggml_set_rows. It replaces get_rows, the mask product, a permuted copy and set_rows.
+GGML_API const char * ggml_sparq_index_write_check(
+        const struct ggml_tensor * kt, const struct ggml_tensor * k, const struct ggml_tensor * cells,
+        const struct ggml_tensor * mask, const struct ggml_tensor * blk, int32_t s0);
+
+// Builds the op; aborts with ggml_sparq_index_write_check's message on invalid arguments.
+GGML_API struct ggml_tensor * ggml_sparq_index_write(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * kt,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * cells,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * blk,
+        int32_t               s0);
+
 // Resolved parameters stored in the op (window, mean and scale made explicit), for backends.
 struct ggml_sparq_op_params {
     int32_t k1, k2, window, sinks;

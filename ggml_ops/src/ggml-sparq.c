@@ -299,3 +299,73 @@ struct ggml_tensor * ggml_sparq_kstat_rows(
         enum ggml_type        k_type) {
     return sum_rows_op(ctx, table, k, idx, k_type, 1);
 }
+
+static const char * index_fail(const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    const char * msg = sparq_vfail("ggml_sparq_index_write", fmt, args);
+    va_end(args);
+    return msg;
+}
+
+const char * ggml_sparq_index_write_check(
+        const struct ggml_tensor * kt, const struct ggml_tensor * k, const struct ggml_tensor * cells,
+        const struct ggml_tensor * mask, const struct ggml_tensor * blk, int32_t s0) {
+    if (!kt || !k || !cells || !blk) {
+        return index_fail("kt, k, cells and blk are required");
+    }
+    if (!sparq_float_type(kt->type) && kt->type != GGML_TYPE_Q8_0) {
+        return index_fail("kt must be f32, f16, bf16 or q8_0, got %s", ggml_type_name(kt->type));
+    }
+    if (!ggml_is_contiguous(kt) || kt->ne[3] != 1) {
+        return index_fail("kt must be a contiguous [row_len, n_embd, n_stream] tensor");
+    }
+    if (!sparq_kv_type_ok(k->type) || !ggml_is_contiguous(k) || k->ne[3] != 1) {
+        return index_fail("k must be a contiguous [n_embd, kv_size, n_stream] tensor in a KV cache type");
+    }
+    const int64_t B = ggml_blck_size(kt->type), row_len = kt->ne[0], n_embd = kt->ne[1], n_stream = kt->ne[2];
+    const int64_t kv_size = k->ne[1], n_blk = blk->ne[0], ns = blk->ne[2];
+    if (k->ne[0] != n_embd || k->ne[2] != n_stream || row_len % B != 0 || row_len < kv_size) {
+        return index_fail("kt [%lld, %lld, %lld] is not an index of k [%lld, %lld, %lld] (blocks of %lld cells)",
+                          (long long) row_len, (long long) n_embd, (long long) n_stream, (long long) k->ne[0],
+                          (long long) kv_size, (long long) k->ne[2], (long long) B);
+    }
+    if (k->ne[0] % ggml_blck_size(k->type) != 0) {
+        return index_fail("k's rows must be whole blocks of its type");
+    }
+    if (blk->type != GGML_TYPE_I64 || blk->ne[1] != 1 || blk->ne[3] != 1 || !ggml_is_contiguous(blk) ||
+        s0 < 0 || s0 + ns > n_stream) {
+        return index_fail("blk must be contiguous i64 [n_blk, 1, ns] with s0 + ns <= n_stream");
+    }
+    if (cells->type != GGML_TYPE_I32 || !ggml_is_contiguous(cells) || ggml_nelements(cells) != B*n_blk*ns) {
+        return index_fail("cells must be contiguous i32 [B*n_blk*ns = %lld]", (long long) (B*n_blk*ns));
+    }
+    if (mask && (mask->type != GGML_TYPE_F32 || !ggml_is_contiguous(mask) || ggml_nelements(mask) != B*n_blk*ns)) {
+        return index_fail("mask must be NULL or contiguous f32 [B*n_blk*ns = %lld]", (long long) (B*n_blk*ns));
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_sparq_index_write(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * kt,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * cells,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * blk,
+        int32_t               s0) {
+    const char * err = ggml_sparq_index_write_check(kt, k, cells, mask, blk, s0);
+    if (err) {
+        GGML_ABORT("%s", err);
+    }
+    struct ggml_tensor * result = ggml_view_tensor(ctx, kt);
+    const int32_t op_params[1] = { s0 };
+    ggml_set_op_params(result, op_params, sizeof(op_params));
+    result->op     = GGML_OP_SPARQ_INDEX_WRITE;
+    result->src[0] = kt;
+    result->src[1] = k;
+    result->src[2] = cells;
+    result->src[3] = blk;
+    result->src[4] = mask;
+    return result;
+}

@@ -306,38 +306,10 @@ ggml_tensor * llama_kv_cache::sparq_get_kt(ggml_context * ctx, int32_t il, uint3
 
 ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, ggml_tensor * cells, ggml_tensor * mask,
                                 ggml_tensor * blk, int64_t n_blk, int64_t ns, uint32_t s0) {
-    ggml_tensor * kt = L.kt;
-    ggml_tensor * k  = L.k;
-    GGML_ASSERT(kt && k);
-
-    const int64_t B        = sparq_index_block(kt);
-    const int64_t n_embd   = k->ne[0];
-    const int64_t kv_size  = k->ne[1];
-    const int64_t n_stream = k->ne[2];
-    const int64_t row_len  = kt->ne[0];
-    const int64_t n_cells  = B*n_blk*ns;
-
-    GGML_ASSERT(kt->ne[1] == n_embd && kt->ne[2] == n_stream && row_len % B == 0 && row_len >= kv_size);
-    GGML_ASSERT(s0 + ns <= n_stream);
-    GGML_ASSERT(cells->type == GGML_TYPE_I32 && ggml_nelements(cells) == n_cells);
-    GGML_ASSERT(mask == nullptr || (mask->type == GGML_TYPE_F32 && ggml_nelements(mask) == n_cells));
-    GGML_ASSERT(blk->type == GGML_TYPE_I64 && blk->ne[0] == n_blk && blk->ne[1] == 1 && blk->ne[2] == ns);
-
-    // the blocks' cells, dequantized: [n_embd, B*n_blk*ns] f32 (the cell index is global across the streams)
-    ggml_tensor * rows = ggml_get_rows(ctx, ggml_reshape_2d(ctx, k, n_embd, kv_size*n_stream), cells);
-    if (mask) {
-        // empty cells (and those past kv_size) count as 0, so a block depends on the occupied cells only
-        rows = ggml_mul(ctx, rows, ggml_reshape_2d(ctx, mask, 1, n_cells));
-    }
-    // [n_embd, B, n_blk, ns] -> [B, n_blk, n_embd, ns]: one row of B cells per (block, component)
-    rows = ggml_reshape_4d(ctx, rows, n_embd, B, n_blk, ns);
-    rows = ggml_cont(ctx, ggml_permute(ctx, rows, 2, 0, 1, 3));
-
-    // K^T of the streams as rows of B cells: [B, row_len/B, n_embd, ns]; blk picks the row within the component
-    // row and is shared by every component (set_rows broadcasts it over dim 2)
-    ggml_tensor * dst = ggml_view_4d(ctx, kt, B, row_len/B, n_embd, ns,
-            ggml_row_size(kt->type, B), kt->nb[1], kt->nb[2], kt->nb[2]*s0);
-    return ggml_set_rows(ctx, dst, rows, blk);
+    GGML_ASSERT(L.kt && L.k);
+    GGML_ASSERT(blk->ne[0] == n_blk && blk->ne[2] == ns);
+    // the blocks' cells of K (empty cells masked to 0, so a block depends on the occupied cells only) into K^T
+    return ggml_sparq_index_write(ctx, L.kt, L.k, cells, mask, blk, (int32_t) s0);
 }
 
 //
