@@ -160,6 +160,23 @@ def llama_sparq_log_summary(ctx: int | None, /) -> None:
     """Logs that line at INFO through llama.cpp's log callback."""
 
 
+class LlamaSparqRun(ctypes.Structure):
+    """struct llama_sparq_run (sparq-llama.h), field for field."""
+
+    _fields_ = [
+        ("n_tokens", ctypes.c_int32),
+        ("n_layers_sparq", ctypes.c_int32),
+        ("n_layers_centroid", ctypes.c_int32),
+        ("n_layers_dense", ctypes.c_int32),
+    ]
+
+
+# SPARQ_API struct llama_sparq_run llama_sparq_last_run(const struct llama_context * ctx, int32_t seq_id);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_int32], LlamaSparqRun)
+def llama_sparq_last_run(ctx: int | None, seq_id: int, /) -> LlamaSparqRun:
+    """What the attention layers of the last ubatch that held seq_id (-1: of the last ubatch) ran."""
+
+
 # ===================================================================================================
 # sparq-llama.h (libllama): centroid-sparse attention over a prepared fixed prefix
 

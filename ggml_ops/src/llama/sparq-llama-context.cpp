@@ -233,6 +233,42 @@ void llama_context::sparq_sync() {
 }
 
 //
+// what the last ubatches ran
+//
+
+// Called by llama_context::process_ubatch after each graph compute (patch 0003): the graph's counts (a reused graph
+// runs what it was built for) become the record of every sequence the ubatch holds.
+void llama_context::sparq_record_run(const llm_graph_result * res, const llama_ubatch & ubatch) {
+    GGML_ASSERT(res != nullptr);
+    llama_sparq_run run = {};
+    run.n_tokens = (int32_t) ubatch.n_tokens;
+    sparq_graph_run(res, run);
+
+    const size_t n_seq = cparams.n_seq_max;
+    if (sparq_runs.size() != n_seq + 1) {
+        sparq_runs.assign(n_seq + 1, llama_sparq_run{});
+    }
+    for (uint32_t i = 0; i < ubatch.n_seqs_unq; ++i) {
+        const llama_seq_id s = ubatch.seq_id_unq[i];
+        GGML_ASSERT(s >= 0 && (size_t) s < n_seq);
+        sparq_runs[s] = run;
+    }
+    sparq_runs[n_seq] = run;
+}
+
+llama_sparq_run llama_context::sparq_last_run(llama_seq_id seq_id) const {
+    const size_t n_seq = cparams.n_seq_max;
+    if (seq_id < -1 || seq_id >= (llama_seq_id) n_seq || sparq_runs.size() != n_seq + 1) {
+        return llama_sparq_run{};
+    }
+    return sparq_runs[seq_id < 0 ? n_seq : (size_t) seq_id];
+}
+
+struct llama_sparq_run llama_sparq_last_run(const struct llama_context * ctx, int32_t seq_id) {
+    return ctx != nullptr ? ctx->sparq_last_run(seq_id) : llama_sparq_run{};
+}
+
+//
 // what the context runs, in one line
 //
 
