@@ -438,6 +438,12 @@ def sparq_llama_read_kv_tensor(ctx: int | None, il: int, what: int, out: Any, n_
     """A layer's K (0), index K^T (1), V sums (2) or key statistics (3) as f32 host floats (tests)."""
 
 
+# SPARQ_API int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out);
+@c_function(libllama, [ctypes.c_void_p, c_size_t_p], ctypes.c_int)
+def sparq_llama_memory_breakdown(ctx: int | None, out: Any, /) -> int:
+    """llama.cpp's memory breakdown of a context over all buffer types: model, context, compute bytes (tests)."""
+
+
 # SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
 @c_function(libllama, _entry(VsumRowsEvalArgs), ctypes.c_int)
 def sparq_llama_eval_vsum_rows(args: Any, err: Any, err_size: int, /) -> int:

@@ -102,6 +102,17 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
     }
     gf_res_prev_active = nullptr;
 
+    if (model.hparams.no_alloc) {
+        // a context that measures memory (llama.cpp's parameter fitting) never decodes, which is where the reserve
+        // would happen: its compute buffer sizes must include SparQ's graphs now
+        try {
+            sched_reserve();
+        } catch (const std::exception & e) {
+            err = std::string("SparQ: reserving the compute graphs failed: ") + e.what();
+            return -1;
+        }
+    }
+
     return 0;
 }
 
@@ -375,6 +386,19 @@ void llama_sparq_log_summary(const struct llama_context * ctx) {
 //
 // testing: the derived KV state as host arrays
 //
+
+int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out) {
+    if (ctx == nullptr || out == nullptr) {
+        return 1;
+    }
+    out[0] = out[1] = out[2] = 0;
+    for (const auto & [buft, mb] : ctx->memory_breakdown()) {
+        out[0] += mb.model;
+        out[1] += mb.context;
+        out[2] += mb.compute;
+    }
+    return 0;
+}
 
 int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out, size_t n_out,
                                int64_t * ne_out, char * err, size_t err_size) {
