@@ -102,8 +102,9 @@ def test_fit_counts_sparq_derived_state_and_the_fitted_context_runs(model, promp
                                            "-p", "Hello", "-n", "1", "-no-cnv", "--no-warmup"])
 
     ratio = n_sparq / n_dense
-    print(f"\nfit on an {sparq_llama.devices()[0]['description']}: trained context {SHAPE.n_ctx_train}; fitted "
-          f"{n_dense} cells dense, {n_sparq} with SparQ ({ratio:.3f}; KV alone predicts "
+    gpu = next(d for d in sparq_llama.devices() if d["name"] == "CUDA0")
+    print(f"\nfit on {gpu['description']} ({gpu['memory_free'] / 2**30:.1f} GiB free): trained context "
+          f"{SHAPE.n_ctx_train}; fitted {n_dense} cells dense, {n_sparq} with SparQ ({ratio:.3f}; KV alone predicts "
           f"{KV_CELL / (KV_CELL + INDEX_CELL):.3f}); index + statistics {index and index.group(1)} MiB; "
           f"prompt {prompt_eval and prompt_eval.group(1)} tokens, {decode_eval and decode_eval.group(1)} decode steps "
           f"with SparQ; SparQ at the dense fit's {n_dense} cells: exit {rc_over}")
