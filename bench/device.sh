@@ -4,6 +4,8 @@
 #
 #   bench/device.sh build test              build (incremental in build/cuda; ~5.5 min cold), the CUDA tests
 #   bench/device.sh sanitize                compute-sanitizer memcheck and racecheck on the tests' small cases
+#   bench/device.sh fit                     -fit with SparQ on a GPU an 8B model nearly fills (tests/test_fit_cuda.py,
+#                                           about 3 min; its summary line in $OUT/test_fit_cuda.log and cuda_checks.json)
 #   bench/device.sh op                      benchmark (a): the op vs flash attention      -> $OUT/cuda_op.json
 #   bench/device.sh e2e                     benchmark (b): llama-bench end to end         -> $OUT/cuda_e2e.json
 #   bench/device.sh batched                 benchmark (c): llama-batched-bench            -> $OUT/cuda_batched.json
@@ -156,6 +158,12 @@ stage_test() {
             tests/test_sparq_kv_index_cuda.py || rc=1; }
     done < <(builds)
     return $rc
+}
+
+# llama.cpp's memory fitting with SparQ on: the fitted context leaves room for the derived state and runs (the head build)
+stage_fit() {
+    check "test_fit_cuda" "$REPO" "$BUILD" "$SPARQ_COMMIT" -- \
+        python3 -m pytest -q -s -p no:cacheprovider tests/test_fit_cuda.py
 }
 
 # compute-sanitizer over the CUDA op tests' small cases: SparQ rows through both selection paths (the cluster kernel

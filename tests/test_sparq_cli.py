@@ -274,6 +274,45 @@ def test_llama_server_props_say_what_runs(smollm2_path, tmp_path, sparq):
     assert props["squeeze"]["enabled"] is False and props["squeeze"]["keep"] == pytest.approx(0.1)
 
 
+def _completion_timings(srv: Server, prompt: str, n_predict: int, stream: bool) -> dict:
+    """The timings object of one /completion (the final event's when streaming); the prompt is never taken from
+    the slot's cache, so its evaluation is a prompt batch, and the first token comes from it."""
+    body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "temperature": 0, "cache_prompt": False,
+            "stream": stream}
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        if not stream:
+            return json.loads(r.read())["timings"]
+        events = [json.loads(line[len(b"data: "):]) for line in r.read().splitlines() if line.startswith(b"data: ")]
+    assert events and events[-1]["stop"] is True, events[-1:]
+    assert all("timings" not in e for e in events[:-1])  # timings come with the last event only
+    return events[-1]["timings"]
+
+
+# SparQ decodes a ubatch of one token per sequence once the cache view holds --sparq-min-kv cells (a view of at least
+# 256 here); the prompt's evaluation, which gives the first token, runs it only with --sparq-prefill. SmolLM2 has 30
+# attention layers.
+@pytest.mark.parametrize(("args", "want"), [
+    ([], lambda n: (0, 0)),                                                     # dense
+    (["--sparq"], lambda n: (0, 0)),                                            # a short chat: under 512 cells
+    (["--sparq", "--sparq-min-kv", "0"], lambda n: (n - 1, 30)),                # every decode step
+    (["--sparq", "--sparq-min-kv", "0", "--sparq-prefill"], lambda n: (n, 30)),  # the prompt's first token too
+])
+def test_llama_server_timings_say_whether_sparq_ran(smollm2_path, tmp_path, args, want):
+    srv = Server(["llama-server", "-m", str(smollm2_path), "-c", "1024", "-t", "2", "--no-warmup", *args],
+                 tmp_path / "server.log")
+    try:
+        prompt = "The capital of France is Paris. The capital of Italy is"
+        n_prompt = len(srv.post("/tokenize", {"content": prompt, "add_special": True})[1]["tokens"])
+        out = [_completion_timings(srv, prompt, 16, stream) for stream in (False, True, False)]
+    finally:
+        srv.close()
+    for t in out:
+        assert t["predicted_n"] == 16 and t["prompt_n"] == n_prompt, t
+        assert (t["sparq_tokens"], t["sparq_layers"]) == want(16), t
+
+
 def test_min_kv_help_states_the_measured_defaults():
     res = run(["llama-completion", "--help"], timeout=60)
     entry = _help_entry(res.stdout, "--sparq-min-kv N")

@@ -51,6 +51,11 @@ struct llama_context;
 SPARQ_API int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out,
                                          size_t n_out, int64_t * ne_out, char * err, size_t err_size);
 
+// What llama.cpp's memory breakdown (llama_get_memory_breakdown, which its parameter fitting reads) reports for a
+// context, summed over every buffer type: out[0] the model's bytes, out[1] the context's (KV caches with SparQ's
+// derived state), out[2] the compute buffers'. Returns 0, or 1 when ctx or out is NULL.
+SPARQ_API int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out);
+
 // One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows), or with squares of ggml_sparq_kstat_rows
 // (ops.kstat_rows): table [n_seq][(W*d_v + 1)*n_head_kv] f32 (W = 2 with squares, else 1), v [n_tokens][n_head_kv][v_ld]
 // f32 (the op sees the first d_v of each v_ld components: a strided view), idx [n_tokens] i32, v_type a ggml_type

@@ -110,6 +110,20 @@ SPARQ_API int32_t llama_sparq_summary(const struct llama_context * ctx, char * b
 // Logs that line at INFO through llama_log_set's callback (the bindings that show llama.cpp's log show it).
 SPARQ_API void llama_sparq_log_summary(const struct llama_context * ctx);
 
+// What the attention of one computed ubatch ran, per layer over the KV cache.
+struct llama_sparq_run {
+    int32_t n_tokens;          // tokens in the ubatch; 0: no ubatch recorded
+    int32_t n_layers_sparq;    // attention layers that ran SparQ (ggml_sparq_attn)
+    int32_t n_layers_centroid; // layers that ran centroid-sparse attention over a prepared prefix (ggml_centroid_attn)
+    int32_t n_layers_dense;    // layers that ran dense attention
+};
+
+// What the last ubatch computed (llama_decode, llama_encode) that held a token of seq_id ran; seq_id = -1: the last
+// ubatch computed, whatever its sequences. SparQ runs in decode ubatches (one token per sequence) once the cache view
+// holds min_n_kv cells, so a token sampled from this sequence's newest logits was predicted with SparQ when
+// n_layers_sparq > 0. All zero when no ubatch has held the sequence yet, or seq_id is out of [-1, n_seq_max).
+SPARQ_API struct llama_sparq_run llama_sparq_last_run(const struct llama_context * ctx, int32_t seq_id);
+
 // Field-by-field equality (graph reuse compares settings with it).
 static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct llama_sparq_params b) {
     return a.enabled == b.enabled && a.k1 == b.k1 && a.k2 == b.k2 && a.window == b.window &&

@@ -160,6 +160,23 @@ def llama_sparq_log_summary(ctx: int | None, /) -> None:
     """Logs that line at INFO through llama.cpp's log callback."""
 
 
+class LlamaSparqRun(ctypes.Structure):
+    """struct llama_sparq_run (sparq-llama.h), field for field."""
+
+    _fields_ = [
+        ("n_tokens", ctypes.c_int32),
+        ("n_layers_sparq", ctypes.c_int32),
+        ("n_layers_centroid", ctypes.c_int32),
+        ("n_layers_dense", ctypes.c_int32),
+    ]
+
+
+# SPARQ_API struct llama_sparq_run llama_sparq_last_run(const struct llama_context * ctx, int32_t seq_id);
+@c_function(libllama, [ctypes.c_void_p, ctypes.c_int32], LlamaSparqRun)
+def llama_sparq_last_run(ctx: int | None, seq_id: int, /) -> LlamaSparqRun:
+    """What the attention layers of the last ubatch that held seq_id (-1: of the last ubatch) ran."""
+
+
 # ===================================================================================================
 # sparq-llama.h (libllama): centroid-sparse attention over a prepared fixed prefix
 
@@ -419,6 +436,12 @@ def sparq_llama_eval_sparq_attn(args: Any, err: Any, err_size: int, /) -> int:
 def sparq_llama_read_kv_tensor(ctx: int | None, il: int, what: int, out: Any, n_out: int, ne_out: Any, err: Any,
                                err_size: int, /) -> int:
     """A layer's K (0), index K^T (1), V sums (2) or key statistics (3) as f32 host floats (tests)."""
+
+
+# SPARQ_API int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out);
+@c_function(libllama, [ctypes.c_void_p, c_size_t_p], ctypes.c_int)
+def sparq_llama_memory_breakdown(ctx: int | None, out: Any, /) -> int:
+    """llama.cpp's memory breakdown of a context over all buffer types: model, context, compute bytes (tests)."""
 
 
 # SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);

@@ -8,7 +8,7 @@ from typing import Any
 from . import sparq as _sparq
 from . import squeeze as _squeeze
 from ._lib import llama_cpp_bindings
-from .sparq import SparqConfig
+from .sparq import SparqConfig, SparqRun
 from .squeeze import SqueezeConfig, SqueezeInfo
 
 llama_cpp_bindings()  # must load our libllama before llama_cpp.llama binds it
@@ -96,6 +96,13 @@ class Llama(_UpstreamLlama):
         """What this context runs, in one line: SparQ on or off; when on, k1/k2/index/select, in how many layers, why
         the others stay dense, and below how many cached cells layers stay dense. Logged when the Llama is made."""
         return _sparq.summary(self.ctx)
+
+    @property
+    def sparq_last_run(self) -> SparqRun:
+        """What the attention layers of the last ubatch this Llama computed ran (SparQ, centroid-sparse or dense, in
+        how many layers each): whether the newest logits came from SparQ (`.ran_sparq`). SparQ runs in decode steps
+        once the cache holds `sparq_min_n_kv` cells, not while a prompt is evaluated (unless `sparq_prefill`)."""
+        return _sparq.last_run(self.ctx)
 
     @property
     def sparq(self) -> SparqConfig:

@@ -41,12 +41,14 @@ __all__ = [
     "SELECTS",
     "LlamaSparqParams",
     "SparqConfig",
+    "SparqRun",
     "apply",
     "available",
     "c_defaults",
     "check",
     "config_from_kwargs",
     "index_bytes",
+    "last_run",
     "read",
     "to_kwargs",
     "transfer_bytes",
@@ -273,7 +275,7 @@ def to_kwargs(config: SparqConfig) -> dict[str, Any]:
 
 
 _C_FUNCTIONS = (C.llama_sparq_default_params, C.llama_sparq_check, C.llama_set_sparq, C.llama_get_sparq,
-                C.llama_sparq_last_error, C.llama_sparq_summary, C.llama_sparq_log_summary)
+                C.llama_sparq_last_error, C.llama_sparq_summary, C.llama_sparq_log_summary, C.llama_sparq_last_run)
 
 
 def available() -> bool:
@@ -341,6 +343,30 @@ def summary(ctx: Any) -> str:
 def log_summary(ctx: Any) -> None:
     """Log that line through llama.cpp's log (shown where llama.cpp's INFO lines are: `Llama(verbose=True)`)."""
     _api().llama_sparq_log_summary(_ctx_ptr(ctx))
+
+
+@dataclass(frozen=True)
+class SparqRun:
+    """What the attention layers of one computed ubatch ran (llama_sparq_last_run): n_tokens is 0 when no ubatch was
+    recorded; the layer counts split the layers that attend over the KV cache."""
+
+    n_tokens: int
+    n_layers_sparq: int
+    n_layers_centroid: int
+    n_layers_dense: int
+
+    @property
+    def ran_sparq(self) -> bool:
+        """SparQ ran in at least one layer."""
+        return self.n_layers_sparq > 0
+
+
+def last_run(ctx: Any, seq_id: int = -1) -> SparqRun:
+    """What the last ubatch computed that held a token of `seq_id` ran (-1: the last ubatch computed)."""
+    if ctx is None:
+        raise ValueError("last_run() needs a llama_context")
+    r = _api().llama_sparq_last_run(_ctx_ptr(ctx), _int32("seq_id", seq_id))
+    return SparqRun(r.n_tokens, r.n_layers_sparq, r.n_layers_centroid, r.n_layers_dense)
 
 
 def read(ctx: Any) -> SparqConfig:

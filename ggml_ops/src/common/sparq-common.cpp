@@ -104,3 +104,41 @@ float common_sparq_parse_float(const std::string & value) {
     }
     return f;
 }
+
+// The settings of the living common_sparq_fit_scope. Fitting runs on the thread that loads the model, before any
+// context exists, and is not thread safe itself (it swaps the global log callback); a mutex keeps this consistent.
+static std::mutex          g_fit_mutex;
+static bool                g_fit_active = false;
+static std::string         g_fit_path_model;
+static llama_sparq_params  g_fit_sparq = {};
+
+common_sparq_fit_scope::common_sparq_fit_scope(const std::string & path_model, const llama_sparq_params & sparq) {
+    std::lock_guard<std::mutex> lock(g_fit_mutex);
+    GGML_ASSERT(!g_fit_active && "common_sparq_fit_scope does not nest");
+    g_fit_active     = true;
+    g_fit_path_model = path_model;
+    g_fit_sparq      = sparq;
+}
+
+common_sparq_fit_scope::~common_sparq_fit_scope() {
+    std::lock_guard<std::mutex> lock(g_fit_mutex);
+    g_fit_active = false;
+    g_fit_path_model.clear();
+}
+
+void common_sparq_fit_probe(llama_context * ctx, const char * path_model, const llama_context_params & cparams) {
+    llama_sparq_params sparq;
+    {
+        std::lock_guard<std::mutex> lock(g_fit_mutex);
+        if (!g_fit_active || !g_fit_sparq.enabled || path_model == nullptr || g_fit_path_model != path_model ||
+            cparams.ctx_type != LLAMA_CONTEXT_TYPE_DEFAULT) {
+            return;
+        }
+        sparq = g_fit_sparq;
+    }
+    GGML_ASSERT(ctx != nullptr);
+    if (llama_set_sparq(ctx, &sparq) != 0) {
+        // the context the tool creates next gets the same settings and fails with the same reason
+        LOG_WRN("%s: fitting to device memory without SparQ's derived KV state: %s\n", __func__, llama_sparq_last_error());
+    }
+}

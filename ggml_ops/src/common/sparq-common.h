@@ -3,6 +3,7 @@
 #pragma once
 
 #include "llama.h"
+#include "sparq-llama.h"
 
 #include <string>
 
@@ -28,3 +29,19 @@ int common_sparq_parse_int(const std::string & value);
 
 // The same for a floating-point value.
 float common_sparq_parse_float(const std::string & value);
+
+// llama.cpp's parameter fitting (-fit, common/fit.cpp) measures device memory with contexts it creates itself, on a
+// model loaded without allocating (no_alloc). While a common_sparq_fit_scope lives, those contexts of its model (the
+// main model's, not a draft's) get its SparQ settings (llama_set_sparq) before they are measured, so that the
+// fitted context leaves room for SparQ's derived KV state (the index, the V sums, the key statistics) and its graphs.
+// Scopes do not nest.
+struct common_sparq_fit_scope {
+    common_sparq_fit_scope(const std::string & path_model, const llama_sparq_params & sparq);
+    ~common_sparq_fit_scope();
+    common_sparq_fit_scope(const common_sparq_fit_scope &) = delete;
+    common_sparq_fit_scope & operator=(const common_sparq_fit_scope &) = delete;
+};
+
+// fit.cpp's hook, right after it creates a measuring context: applies the scope's settings when the context is of the
+// scope's model (path_model) and of the default type; otherwise (no scope, SparQ off, a draft or MTP context) nothing.
+void common_sparq_fit_probe(llama_context * ctx, const char * path_model, const llama_context_params & cparams);

@@ -102,6 +102,17 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
     }
     gf_res_prev_active = nullptr;
 
+    if (model.hparams.no_alloc) {
+        // a context that measures memory (llama.cpp's parameter fitting) never decodes, which is where the reserve
+        // would happen: its compute buffer sizes must include SparQ's graphs now
+        try {
+            sched_reserve();
+        } catch (const std::exception & e) {
+            err = std::string("SparQ: reserving the compute graphs failed: ") + e.what();
+            return -1;
+        }
+    }
+
     return 0;
 }
 
@@ -233,6 +244,42 @@ void llama_context::sparq_sync() {
 }
 
 //
+// what the last ubatches ran
+//
+
+// Called by llama_context::process_ubatch after each graph compute (patch 0003): the graph's counts (a reused graph
+// runs what it was built for) become the record of every sequence the ubatch holds.
+void llama_context::sparq_record_run(const llm_graph_result * res, const llama_ubatch & ubatch) {
+    GGML_ASSERT(res != nullptr);
+    llama_sparq_run run = {};
+    run.n_tokens = (int32_t) ubatch.n_tokens;
+    sparq_graph_run(res, run);
+
+    const size_t n_seq = cparams.n_seq_max;
+    if (sparq_runs.size() != n_seq + 1) {
+        sparq_runs.assign(n_seq + 1, llama_sparq_run{});
+    }
+    for (uint32_t i = 0; i < ubatch.n_seqs_unq; ++i) {
+        const llama_seq_id s = ubatch.seq_id_unq[i];
+        GGML_ASSERT(s >= 0 && (size_t) s < n_seq);
+        sparq_runs[s] = run;
+    }
+    sparq_runs[n_seq] = run;
+}
+
+llama_sparq_run llama_context::sparq_last_run(llama_seq_id seq_id) const {
+    const size_t n_seq = cparams.n_seq_max;
+    if (seq_id < -1 || seq_id >= (llama_seq_id) n_seq || sparq_runs.size() != n_seq + 1) {
+        return llama_sparq_run{};
+    }
+    return sparq_runs[seq_id < 0 ? n_seq : (size_t) seq_id];
+}
+
+struct llama_sparq_run llama_sparq_last_run(const struct llama_context * ctx, int32_t seq_id) {
+    return ctx != nullptr ? ctx->sparq_last_run(seq_id) : llama_sparq_run{};
+}
+
+//
 // what the context runs, in one line
 //
 
@@ -339,6 +386,19 @@ void llama_sparq_log_summary(const struct llama_context * ctx) {
 //
 // testing: the derived KV state as host arrays
 //
+
+int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out) {
+    if (ctx == nullptr || out == nullptr) {
+        return 1;
+    }
+    out[0] = out[1] = out[2] = 0;
+    for (const auto & [buft, mb] : ctx->memory_breakdown()) {
+        out[0] += mb.model;
+        out[1] += mb.context;
+        out[2] += mb.compute;
+    }
+    return 0;
+}
 
 int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out, size_t n_out,
                                int64_t * ne_out, char * err, size_t err_size) {

@@ -339,6 +339,32 @@ public:
     }
 };
 
+// What the graph's attention layers run, counted while it is built. It has no tensors: a reused graph keeps it.
+class sparq_graph_record : public llm_graph_input_i {
+public:
+    int32_t n_layers   = 0; // attention layers over a KV cache (each calls build_attn_sparq once)
+    int32_t n_sparq    = 0; // of them, with ggml_sparq_attn
+    int32_t n_centroid = 0; // of them, with ggml_centroid_attn
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_UNUSED(ubatch);
+    }
+
+    bool can_reuse(const llm_graph_params & params) override {
+        GGML_UNUSED(params);
+        return true;
+    }
+};
+
+sparq_graph_record * sparq_record(llm_graph_result * res) {
+    for (auto & inp : res->inputs) {
+        if (auto * r = dynamic_cast<sparq_graph_record *>(inp.get())) {
+            return r;
+        }
+    }
+    return static_cast<sparq_graph_record *>(res->add_input(std::make_unique<sparq_graph_record>()));
+}
+
 sparq_graph_input * sparq_input(llm_graph_result * res, const llama_ubatch & ubatch, uint32_t n_seq_max) {
     for (auto & inp : res->inputs) {
         if (auto * s = dynamic_cast<sparq_graph_input *>(inp.get())) {
@@ -419,6 +445,21 @@ ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, sparq_gra
 
 } // namespace
 
+void sparq_graph_run(const llm_graph_result * res, llama_sparq_run & out) {
+    out.n_layers_sparq    = 0;
+    out.n_layers_centroid = 0;
+    out.n_layers_dense    = 0;
+    for (const auto & inp : res->inputs) {
+        if (const auto * r = dynamic_cast<const sparq_graph_record *>(inp.get())) {
+            GGML_ASSERT(r->n_sparq + r->n_centroid <= r->n_layers);
+            out.n_layers_sparq    = r->n_sparq;
+            out.n_layers_centroid = r->n_centroid;
+            out.n_layers_dense    = r->n_layers - r->n_sparq - r->n_centroid;
+            return;
+        }
+    }
+}
+
 ggml_tensor * llm_graph_context::build_attn_sparq(
         const llama_kv_cache_context * mctx_cur,
         ggml_tensor * q,
@@ -432,6 +473,9 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
               float   kq_scale,
                 int   il) const {
     const llama_sparq_params & sp = cparams.sparq;
+    // every layer is counted as dense unless it returns one of the ops below
+    sparq_graph_record * record = sparq_record(res);
+    record->n_layers++;
     if (mctx_cur == nullptr) {
         return nullptr;
     }
@@ -441,9 +485,11 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     const sparq_kv_layer * L = sp.enabled ? kv->sparq_layer(il) : nullptr;
     if (L == nullptr || !L->active) {
         // a prepared prefix (centroid-sparse) without SparQ
-        return kv->squeeze && cparams.causal_attn ?
+        ggml_tensor * cur = kv->squeeze && cparams.causal_attn ?
             squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il, kq_b || sinks || v_mla, decode) :
             nullptr;
+        record->n_centroid += cur != nullptr;
+        return cur;
     }
 
     const uint32_t n_seq_max = kv->get_n_seq_max();
@@ -514,6 +560,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     if (kv->squeeze) {
         if (ggml_tensor * cur = squeeze_build_attn(ctx0, res, mctx_cur, q, kq_mask, kq_scale, softcap, il,
                                                    kq_b || sinks || v_mla, decode)) {
+            record->n_centroid++;
             return cur;
         }
     }
@@ -582,5 +629,6 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     cb(cur, "sparq_attn", il);
     cur = ggml_reshape_2d(ctx0, cur, cur->ne[0]*cur->ne[1], cur->ne[2]*cur->ne[3]);
     ggml_build_forward_expand(gf, cur);
+    record->n_sparq++;
     return cur;
 }

@@ -71,6 +71,11 @@ struct sparq_kv_state {
     }
 };
 
+// What the attention layers of a built graph run (build_attn_sparq counts them while it builds; a reused graph runs
+// what it was built for): out.n_layers_sparq/centroid/dense. All zero for a graph without attention over a KV cache.
+struct llm_graph_result;
+void sparq_graph_run(const llm_graph_result * res, llama_sparq_run & out);
+
 // The tensors build_attn_sparq adds to a graph at most, for llama_context::graph_max_nodes (patch 0003).
 struct llama_cparams;
 struct llama_model;

@@ -158,12 +158,27 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         if (ggml_get_first_tensor(ctx.get()) == nullptr) {
             continue; // only layers without K^T and V sums on this buffer type
         }
-        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        ggml_backend_buffer_t buf = nullptr;
+        size_t size = 0;
+        if (hparams.no_alloc) {
+            // a model loaded to measure memory (llama.cpp's parameter fitting): a dummy buffer, as the cache's own
+            // tensors get, and the size the tensors would take
+            buf  = ggml_backend_buft_alloc_buffer(buft, /*size =*/ 0);
+            size = ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.get(), buft);
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t != nullptr; t = ggml_get_next_tensor(ctx.get(), t)) {
+                t->buffer = buf;
+            }
+        } else {
+            buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+            size = buf ? ggml_backend_buffer_get_size(buf) : 0;
+        }
         if (buf == nullptr) {
             err = std::string("SparQ: failed to allocate the derived KV state in ") + ggml_backend_buft_name(buft);
             return false;
         }
-        ggml_backend_buffer_clear(buf, 0);
+        if (!hparams.no_alloc) {
+            ggml_backend_buffer_clear(buf, 0);
+        }
         std::string index_types; // the index types on this buffer (every layer's, usually one)
         for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t != nullptr; t = ggml_get_next_tensor(ctx.get(), t)) {
             const bool is_kt = std::string(ggml_get_name(t)).rfind("sparq_kt_", 0) == 0;
@@ -173,13 +188,14 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         }
         LLAMA_LOG_INFO("%s: %10s SparQ K^T (%s) + V-sum + key-stat buffer size = %8.2f MiB\n", __func__,
                 ggml_backend_buffer_name(buf), index_types.empty() ? "none" : index_types.c_str(),
-                ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+                size/1024.0/1024.0);
         st->ctxs_bufs.emplace_back(std::move(ctx), ggml_backend_buffer_ptr(buf));
     }
 
-    st->kt_dirty    = st->has_kt();
-    st->vsum_dirty  = st->has_vsum();
-    st->kstat_dirty = st->has_kstat();
+    // a measuring cache (no_alloc) holds nothing to derive and never decodes
+    st->kt_dirty    = !hparams.no_alloc && st->has_kt();
+    st->vsum_dirty  = !hparams.no_alloc && st->has_vsum();
+    st->kstat_dirty = !hparams.no_alloc && st->has_kstat();
     sparq = std::move(st);
     return true;
 }
@@ -255,6 +271,8 @@ bool llama_kv_cache::sparq_pending() const {
     return (sparq && (sparq->kt_dirty || sparq->vsum_dirty || sparq->kstat_dirty)) || (squeeze && squeeze->check);
 }
 
+// The derived state's buffers, counted like the cache's own (llama_get_memory_breakdown, llama.cpp's parameter fitting);
+// with a model loaded to measure memory (no_alloc) the sizes its tensors would take.
 void llama_kv_cache::sparq_memory_breakdown(std::map<ggml_backend_buffer_type_t, size_t> & ret) const {
     if (squeeze) {
         for (const auto & [ctx, buf] : squeeze->ctxs_bufs) {
@@ -265,7 +283,9 @@ void llama_kv_cache::sparq_memory_breakdown(std::map<ggml_backend_buffer_type_t,
         return;
     }
     for (const auto & [ctx, buf] : sparq->ctxs_bufs) {
-        ret[ggml_backend_buffer_get_type(buf.get())] += ggml_backend_buffer_get_size(buf.get());
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(buf.get());
+        ret[buft] += hparams.no_alloc ? ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.get(), buft) :
+                                        ggml_backend_buffer_get_size(buf.get());
     }
 }
 
