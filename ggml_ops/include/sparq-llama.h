@@ -249,9 +249,10 @@ struct llama_squeeze_info {
     int32_t n_clustered;       // of them clustered (the rest are the calibration tail, read exactly)
     int32_t n_layers;          // layers decoded with centroid attention (others stay dense, see the log)
     int32_t levels;
-    float   threshold;         // calibrated fine threshold T
-    float   threshold_coarse;  // levels = 2: the coarse threshold
-    float   kept_calib;        // mean kept fraction on the calibration queries at T
+    float   keep;              // the fine level's budget: each row reads its best clusters up to keep of the clustered cells
+    float   threshold_coarse;  // levels = 2: the calibrated coarse threshold
+    float   kept_calib;        // levels = 2: mean share of the clustered cells under kept coarse clusters on the
+                               // calibration queries (1 with one level)
     int32_t prefill;           // enum llama_squeeze_prefill
     float   var_weight;        // the kept rule's variance term (0: the mean rule, as sidecars before version 3)
 };

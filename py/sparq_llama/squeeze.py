@@ -125,9 +125,9 @@ class SqueezeInfo:
     n_clustered: int
     n_layers: int
     levels: int
-    threshold: float
-    threshold_coarse: float
-    kept_calib: float
+    keep: float  # the fine level's budget: each row reads its best clusters up to this share of the clustered cells
+    threshold_coarse: float  # two levels: the calibrated coarse threshold
+    kept_calib: float  # two levels: mean share of the clustered cells under kept coarse clusters on the calibration rows
     prefill: str = "auto"  # how a question's prefill reads the prefix: "auto", "sparse" or "dense" (set_prefill)
     var_weight: float = 0.0  # the kept rule's variance term (0: the mean rule; sidecars before version 3)
 
@@ -237,7 +237,8 @@ def load_files(ctx: Any, state_path: str, sidecar_path: str, capacity: int, *, s
 
 
 def recalibrate(ctx: Any, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
-    """llama_squeeze_recalibrate: the prepared prefix's thresholds for a new keep (same clusters). ValueError on failure."""
+    """llama_squeeze_recalibrate: a new keep for the prepared prefix (same clusters; two levels: the coarse threshold
+    calibrated again). ValueError on failure."""
     if _api().llama_squeeze_recalibrate(_ctx_ptr(ctx), float(keep), float(keep_coarse)) != 0:
         raise _error("llama_squeeze_recalibrate")
     return info(ctx)
@@ -265,7 +266,7 @@ def info(ctx: Any) -> SqueezeInfo:
     c = _api().llama_squeeze_get_info(_ctx_ptr(ctx))
     return SqueezeInfo(prepared=bool(c.prepared), seq_id=int(c.seq_id), n_prefix=int(c.n_prefix),
                        n_clustered=int(c.n_clustered), n_layers=int(c.n_layers), levels=int(c.levels),
-                       threshold=float(c.threshold), threshold_coarse=float(c.threshold_coarse),
+                       keep=float(c.keep), threshold_coarse=float(c.threshold_coarse),
                        kept_calib=float(c.kept_calib),
                        prefill=PREFILL_MODES[c.prefill] if 0 <= c.prefill < len(PREFILL_MODES) else str(c.prefill),
                        var_weight=float(c.var_weight))

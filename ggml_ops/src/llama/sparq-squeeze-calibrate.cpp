@@ -1,6 +1,7 @@
-// The threshold calibration of a prepared prefix (docs/design.md, "Prepared prefixes"): one threshold T over all
-// layers, KV heads and calibration rows such that the mean kept fraction of the clustered prefix reaches `keep` (the
-// largest such T, as sparq_llama.reference_squeeze.calibrate_threshold): a histogram of the scores by their float
+// The coarse threshold calibration of a two-level prepared prefix (docs/design.md, "Prepared prefixes"): one
+// threshold T over all layers, KV heads and calibration rows such that the mean share of the clustered prefix under
+// the kept coarse clusters reaches `keep_coarse` (the largest such T, as
+// sparq_llama.reference_squeeze.calibrate_threshold; the fine level is kept by the op's per-row budget): a histogram of the scores by their float
 // bits, then an exact pass over the one bin where the target is crossed (O(n), no sort of every score; that pass
 // scores only the clusters near the bin, from the normalisers the first pass kept). Also recalibration of a
 // prepared prefix at a new keep, and its evaluation over host arrays for tests (sparq-llama-testing.h).
@@ -467,16 +468,17 @@ static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int gro
     return t;
 }
 
-// Both thresholds (the coarse one first, two levels); returns the mean kept fraction at them.
+// The coarse threshold (two levels; 0 with one level: the fine level is kept by the op's per-row budget, which
+// needs no calibration); returns the mean share of the clustered cells under the kept coarse clusters (1 with one
+// level).
 static float calibrate_levels(const std::vector<calib_layer> & cls, int n_rows, int group, int levels, float keep,
-                       float keep_coarse, int n_threads, float * threshold, float * threshold_coarse) {
+                       float keep_coarse, int n_threads, float * threshold_coarse) {
     float kept = 1.0f;
     *threshold_coarse = 0.0f;
     if (levels == 2) {
         const float keep_c = keep_coarse > 0.0f ? keep_coarse : std::min(1.0f, 2.0f*keep);
         *threshold_coarse = calibrate(cls, n_rows, group, true, 0.0f, keep_c, n_threads, &kept);
     }
-    *threshold = calibrate(cls, n_rows, group, false, *threshold_coarse, keep, n_threads, &kept);
     return kept;
 }
 
@@ -484,8 +486,8 @@ static float calibrate_levels(const std::vector<calib_layer> & cls, int n_rows, 
 
 namespace sqp = sparq_squeeze_detail;
 
-// Step 3: the thresholds (st.threshold, st.threshold_coarse, st.kept_calib) from the calibration queries in
-// st.calib_q at st.params.keep (and keep_coarse).
+// Step 3: two levels, the coarse threshold (st.threshold_coarse, st.kept_calib) from the calibration queries in
+// st.calib_q at st.params.keep_coarse.
 std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st) {
     const auto & hp = ctx.model.hparams;
     const int32_t n_calib = st.n_prefix - st.n_clustered;
@@ -513,8 +515,7 @@ std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const ll
         cls.push_back(std::move(cl));
     }
     st.kept_calib = sqp::calibrate_levels(cls, n_calib, st.params.group, st.params.levels, st.params.keep, st.params.keep_coarse,
-                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st.threshold,
-                                           &st.threshold_coarse);
+                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st.threshold_coarse);
     return "";
 }
 
@@ -529,7 +530,7 @@ std::string sparq_squeeze_access::recalibrate(llama_context & ctx, float keep, f
     if (st == nullptr || !st->ready) {
         return "no prepared prefix to recalibrate";
     }
-    if (st->calib_q.empty()) {
+    if (st->calib_q.empty() && st->params.levels == 2) {
         return "this prefix was loaded from a sidecar without its calibration queries (format version 1): prepare it "
                "again, or save it with this build, to recalibrate";
     }
@@ -546,13 +547,13 @@ std::string sparq_squeeze_access::recalibrate(llama_context & ctx, float keep, f
         st->params = before;
         return err;
     }
-    // graphs carry the threshold: a new generation keeps them from being reused
+    // graphs carry keep and the coarse threshold: a new generation keeps them from being reused
     st->generation = next_generation();
     reset_graphs(ctx);
-    LLAMA_LOG_INFO("%s: centroid-sparse prefix recalibrated to keep %.3g: T = %.4g%s, kept on the calibration queries %.1f%%\n",
-                   __func__, (double) keep, (double) st->threshold,
-                   st->params.levels == 2 ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "",
-                   100.0*st->kept_calib);
+    LLAMA_LOG_INFO("%s: centroid-sparse prefix set to keep %.3g%s\n", __func__, (double) keep,
+                   st->params.levels == 2 ? (", coarse T = " + std::to_string(st->threshold_coarse) + ", under kept "
+                                            "coarse clusters on the calibration queries " +
+                                            std::to_string(100.0*st->kept_calib) + "%").c_str() : "");
     return "";
 }
 
@@ -561,7 +562,7 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         snprintf(err, err_size, "%s", msg);
         return 1;
     };
-    if (a == nullptr || a->q == nullptr || a->table == nullptr || !a->threshold || !a->threshold_coarse || !a->kept) {
+    if (a == nullptr || a->q == nullptr || a->table == nullptr || !a->threshold_coarse || !a->kept) {
         return fail("args, q, table and the outputs are required");
     }
     const bool two = a->n_coarse > 0;
@@ -598,6 +599,6 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         cls[l].q = a->q + l*nq;
     }
     *a->kept = sqp::calibrate_levels(cls, (int) a->n_rows, a->group, two ? 2 : 1, a->keep, a->keep_coarse,
-                                     std::max(1, a->n_threads), a->threshold, a->threshold_coarse);
+                                     std::max(1, a->n_threads), a->threshold_coarse);
     return 0;
 }
