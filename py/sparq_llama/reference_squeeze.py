@@ -57,7 +57,8 @@ from .squeeze import GROUPS as GROUP_RULES
 from .squeeze import INITS as KMEANS_INITS
 from .squeeze import Clusters
 
-__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "group_scores", "keep_budget",
+__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "fine_scores", "group_scores",
+           "keep_budget",
            "kept_by_budget", "kept_fraction", "kmeans_cosine", "kpp_round_size", "kpp_seed_rows", "kpp_uniform", "variance_term"]
 
 F64 = NDArray[np.float64]
@@ -264,20 +265,30 @@ def kept_by_budget(s: ArrayLike, scored: ArrayLike, sizes: ArrayLike, budget: fl
     return kept
 
 
+def fine_scores(qg: ArrayLike, cent: ArrayLike, sizes: ArrayLike, var: ArrayLike | None, scale: float, group: str,
+                coarse: tuple[ArrayLike, ...] | None, threshold_coarse: float,
+                var_weight: float) -> tuple[F64, NDArray[np.bool_]]:
+    """The fine group scores [n_cent] of one group's queries qg [G, d] and which clusters are scored: the live ones,
+    with two levels (coarse = (centroids, sizes, parent, variances or None) of this KV head) those under kept coarse
+    clusters, scored against the coarse normaliser."""
+    qg, cent, sizes = (np.asarray(x, dtype=np.float64) for x in (qg, cent, sizes))
+    if coarse is None:
+        return group_scores(qg, cent, sizes, scale, group, None, var, var_weight), sizes > 0
+    c_cent, c_sizes, parent, c_var = coarse
+    c_cent, c_sizes = np.asarray(c_cent, dtype=np.float64), np.asarray(c_sizes, dtype=np.float64)
+    log_z = _log_normaliser(scale * (qg @ c_cent.T), c_sizes)
+    kept_c = _kept(group_scores(qg, c_cent, c_sizes, scale, group, log_z, c_var, var_weight), c_sizes > 0,
+                   threshold_coarse)
+    scored = (sizes > 0) & kept_c[np.asarray(parent, dtype=np.int64)]
+    return group_scores(qg, cent, sizes, scale, group, log_z, var, var_weight), scored
+
+
 def _kept_clusters(qg: F64, cent: F64, sizes: F64, var: F64 | None, scale: float, keep: float, group: str,
                    coarse: tuple[F64, F64, I64, F64 | None] | None, threshold_coarse: float,
                    var_weight: float) -> NDArray[np.bool_]:
     """Kept fine clusters of one group's queries qg [G, d] (one or two levels)."""
-    budget = keep_budget(keep, sizes.sum())
-    if coarse is None:
-        return kept_by_budget(group_scores(qg, cent, sizes, scale, group, None, var, var_weight), sizes > 0, sizes,
-                              budget)
-    c_cent, c_sizes, parent, c_var = coarse
-    log_z = _log_normaliser(scale * (qg @ c_cent.T), c_sizes)
-    kept_c = _kept(group_scores(qg, c_cent, c_sizes, scale, group, log_z, c_var, var_weight), c_sizes > 0,
-                   threshold_coarse)
-    scored = (sizes > 0) & kept_c[parent]
-    return kept_by_budget(group_scores(qg, cent, sizes, scale, group, log_z, var, var_weight), scored, sizes, budget)
+    s, scored = fine_scores(qg, cent, sizes, var, scale, group, coarse, threshold_coarse, var_weight)
+    return kept_by_budget(s, scored, sizes, keep_budget(keep, sizes.sum()))
 
 
 def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_cluster: I64, variances: F64 | None,

@@ -3,7 +3,7 @@ the k-means result (`Clusters`) and the C API.
 
     from sparq_llama import Llama
     llm = Llama(path)                                       # flash attention on (needed: row-major V)
-    llm.prepare_fixed_context(document, keep=0.1)           # evaluate, cluster, calibrate once
+    llm.prepare_fixed_context(document, keep=0.1)           # evaluate and cluster once
     llm.create_completion(document + question)              # reuses the prefix; reads ~10% of its keys
     llm.save_fixed_context("doc.state")                     # doc.state + doc.state.squeeze
     llm2 = Llama(path, fixed_context="doc.state")           # processed once, loaded since
@@ -60,11 +60,13 @@ class SqueezeConfig:
         default) finds 96.3% of dense's needles on SmolLM2 at keep = 0.1 with the variance rule below; the paper's
         5% finds 89.7% (none without the variance rule) for 19% less decode time, 15% 98.2% for 25% more
         (docs/quality.md: the frontier).
-    keep: target fraction of the clustered prefix read per query (calibrated on the prefix's last tokens).
+    keep: fraction of the clustered prefix each query reads: its best-scored clusters until they hold that share of
+        the clustered keys (a per-row budget).
     levels: 1, or 2 (coarse clusters prune before the fine ones).
     centroids_coarse: levels = 2: coarse clusters as a fraction of the clustered prefix.
     keep_coarse: levels = 2: kept fraction at the coarse level; None: min(1, 2 * keep).
-    n_calib: the prefix's last tokens whose queries calibrate the threshold (read exactly, never clustered).
+    n_calib: the prefix's last tokens, read exactly (never clustered), whose queries calibrate the two-level rule's
+        coarse threshold.
     n_iter: k-means iterations at most (stops early when no assignment moves).
     group: how the query heads of a GQA group decide together: "max" (a cluster is read when any head wants
         it) or "mean".

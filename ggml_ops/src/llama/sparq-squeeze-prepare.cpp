@@ -270,9 +270,10 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     reset_graphs(ctx);
     progress(1.0f);
     LLAMA_LOG_INFO("%s: centroid-sparse prefix of sequence %d: %d tokens (%d clustered into %lld clusters per KV head%s, "
-                   "%d calibration tokens), %d layers, keep %.3g%s\n", __func__,
+                   "%d calibration tokens, %s seeds), %d layers, keep %.3g, var_weight %g%s\n", __func__,
             seq_id, n_prefix, n_clustered, (long long) n_cent, n_coarse ? (", " + std::to_string(n_coarse) + " coarse").c_str() : "",
-            n_calib, n_active, (double) st->params.keep,
+            n_calib, st->params.init == LLAMA_SQUEEZE_INIT_KPP ? "k-means++" : "even", n_active, (double) st->params.keep,
+            (double) st->params.var_weight,
             n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse) + ", under kept coarse clusters on the "
                         "calibration queries " + std::to_string(100.0*st->kept_calib) + "%").c_str() : "");
     LLAMA_LOG_INFO("%s: centroid-sparse preparation phases: capture %.2f s, clustering %.2f s, calibration %.2f s "
