@@ -3,9 +3,10 @@
 
     python bench/squeeze_decode_cpu.py                  # SmolLM2, 8k prefix (a play), keep 30/20/10% vs dense
     python bench/squeeze_decode_cpu.py --keeps 0.1 --centroids 0.05,0.1,0.15   # cluster fractions side by side
+    python bench/squeeze_decode_cpu.py --model gemma3 --keeps 0.2,0.1,0.05 --append   # Gemma-3-270M
 
-One process; per keep and cluster fraction: the preparation time (clustering + calibration, the prefix evaluation
-excluded), the user-input prefill of a question (one batch) and greedy decode steps after it, each against dense
+One process; per keep and cluster fraction: the preparation time (clustering, and calibration with two levels;
+the prefix evaluation excluded), the user-input prefill of a question (one batch) and greedy decode steps after it, each against dense
 attention over the same cache (the prepared prefix cleared). Per keep, every fraction is prepared first and saved;
 each of `--reps` repetitions then loads each fraction in turn and runs it and dense, so fractions and dense
 interleave (the cache is cut back to the prefix between runs). Times are medians over the repetitions; the ratios
@@ -64,11 +65,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2", help="a model of sparq_llama.models (smollm2, gemma3)")
     ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_decode_cpu.json")
     ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
 
-    llm = Llama(str(fetch("smollm2")), n_ctx=8192, n_batch=512, n_ubatch=512, flash_attn=True,
+    llm = Llama(str(fetch(args.model)), n_ctx=8192, n_batch=512, n_ubatch=512, flash_attn=True,
                 n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     text = texts.read("hamlet_gut")
     prefix = llm.tokenize(text.encode(), add_bos=True)[:args.prefix]
@@ -82,7 +84,7 @@ def main() -> int:
     for keep in [float(k) for k in args.keeps.split(",")]:
         prepared = {}
         for cent in fractions:
-            # the cache holds exactly the prefix here: prepare it (clustering + calibration only), keep it aside
+            # the cache holds exactly the prefix here: prepare it (the clustering only), keep it aside
             lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), 0, len(prefix), -1)
             t0 = time.perf_counter()
             info = squeeze.prepare(llm.ctx, prefix, squeeze.SqueezeConfig(centroids=cent, keep=keep))
@@ -106,8 +108,7 @@ def main() -> int:
         for cent in fractions:
             info, prepare_s, _ = prepared[cent]
             t = times[cent]
-            row = {"keep": keep, "centroids": cent, "kept_calib": info.kept_calib, "threshold": info.threshold,
-                   "prepare_s": prepare_s, "n_clustered": info.n_clustered,
+            row = {"keep": keep, "centroids": cent, "rule": "budget", "n_layers": info.n_layers, "prepare_s": prepare_s, "n_clustered": info.n_clustered,
                    "decode_ms": 1e3 * statistics.median(t["decode_s"]),
                    "dense_decode_ms": 1e3 * statistics.median(t["dense_decode_s"]),
                    "prefill_ms": 1e3 * statistics.median(t["prefill_s"]),
@@ -115,11 +116,11 @@ def main() -> int:
             row["decode_speedup"] = row["dense_decode_ms"] / row["decode_ms"]
             row["prefill_speedup"] = row["dense_prefill_ms"] / row["prefill_ms"]
             rows.append(row)
-            print(f"keep {keep}, centroids {cent:g}: prepare {prepare_s:.1f} s (kept {info.kept_calib:.3f} on "
-                  f"calibration); decode {row['decode_ms']:.1f} vs dense {row['dense_decode_ms']:.1f} ms "
+            print(f"keep {keep}, centroids {cent:g}: prepare {prepare_s:.1f} s ({info.n_layers} centroid-sparse "
+                  f"layers); decode {row['decode_ms']:.1f} vs dense {row['dense_decode_ms']:.1f} ms "
                   f"({row['decode_speedup']:.2f}x); question prefill ({len(question)} tokens) {row['prefill_ms']:.0f} "
                   f"vs {row['dense_prefill_ms']:.0f} ms ({row['prefill_speedup']:.2f}x)")
-    record = {**provenance("squeeze_decode_cpu"), "model": "smollm2", "prefix": len(prefix), "question_tokens": len(question),
+    record = {**provenance("squeeze_decode_cpu"), "model": args.model, "prefix": len(prefix), "question_tokens": len(question),
               "threads": args.threads, "centroids": fractions, "prefix_eval_s": prefill_s, "steps": args.steps,
               "reps": args.reps, "rows": rows}
     (append_run if args.append else write_record)(args.out, record)

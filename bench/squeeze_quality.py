@@ -70,12 +70,18 @@ def accuracy(records: list[dict], names: list[str]) -> dict[str, float]:
 
 
 PURPOSES = ("held-out", "selection", "development", "rejected-variant")
+# the fine level's kept rule of the code that runs: "budget" (each row its best clusters up to keep of the clustered
+# cells); sets without the field ran the calibrated threshold ("threshold")
+RULE = "budget"
 
 
 def setting_label(cfg: dict[str, Any]) -> str:
     """A setting by what it is (the SqueezeConfig fields), whatever a run named it. Fields a set's record lacks take
-    the value the code had when it ran: var_weight 0 (before the variance rule), 8 iterations, even seeds."""
+    the value the code had when it ran: var_weight 0 (before the variance rule), 8 iterations, even seeds, the
+    calibrated threshold (before the per-row budget)."""
     label = f"keep {cfg['keep']:g}, {cfg['group']}, {cfg['centroids']:g} clusters, w {cfg.get('var_weight', 0.0):g}"
+    if cfg.get("rule", "threshold") == "budget":
+        label += ", per-row budget"
     if cfg.get("levels", 1) == 2:
         kc = cfg.get("keep_coarse")
         label += f", 2 levels ({cfg.get('centroids_coarse', 0.01):g} coarse, keep_coarse {'default' if kc is None else f'{kc:g}'})"
@@ -128,7 +134,8 @@ def summarise(sets: list[dict[str, Any]]) -> dict[str, Any]:
         p["share_of_dense"] = p["of_dense"] / p["dense"] if p["dense"] else None
     from sparq_llama.squeeze import SqueezeConfig  # the defaults as the code has them now
 
-    return {"defaults": setting_label(SqueezeConfig().__dict__), "target": "share_of_dense >= 0.95 at keep 0.1",
+    return {"defaults": setting_label({**SqueezeConfig().__dict__, "rule": RULE}),
+            "target": "share_of_dense >= 0.95 at keep 0.1",
             "by_setting": dict(sorted(pooled.items()))}
 
 
@@ -206,7 +213,7 @@ def main() -> int:
         for name, config in settings:
             engine.truncate(len(ex.context))
             info = squeeze.prepare(engine.ctx, ex.context, config)
-            out[name] = {**tasks.score(engine, ex), "kept_calib": info.kept_calib}
+            out[name] = {**tasks.score(engine, ex), "n_layers": info.n_layers}
             engine.truncate(len(ex.context))
             squeeze.clear(engine.ctx)
         return out
@@ -218,7 +225,7 @@ def main() -> int:
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
     sets.append({"purpose": args.purpose or ("held-out" if args.seed else "development"),
                  **provenance("squeeze_quality"), "model": args.model, "length": args.length, "n": len(records),
-                 "settings": {name: config.__dict__ for name, config in settings},
+                 "settings": {name: {**config.__dict__, "rule": RULE} for name, config in settings},
                  "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,
                  "wall_s": round(time.time() - t0, 1), "examples": records})
     print_summary(save_sets(args.out, sets))

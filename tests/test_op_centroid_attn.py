@@ -1,8 +1,10 @@
 """ggml_centroid_attn (CPU) against the float64 reference
 (sparq_llama.reference_squeeze) over a random case set: shapes, GQA, masks, streams, KV types, softcap, the
-group rule, the two-level lookup and the kept rule's variance term. Thresholds are placed in a wide gap between the rows' cluster scores, so
-that the float32 kernels and the float64 reference keep the same clusters; a different selection moves the
-output far more than the tolerance."""
+group rule, the two-level lookup, the kept rule's variance term and the per-row budget. Each case's keep is moved
+(by at most a few percent) until every row's budget boundary lies in a wide gap between cluster scores, and the
+coarse threshold is placed in such a gap, so that the float32 kernels and the float64 reference keep the same
+clusters; a different selection moves the output far more than the tolerance. Ties, empty clusters, keep 1 and
+keep 0 have their own tests."""
 from __future__ import annotations
 
 import math
@@ -14,7 +16,9 @@ from sparq_llama.reference import dense_attn
 from sparq_llama.reference_squeeze import (
     centroid_attn,
     coarse_level,
+    fine_scores,
     group_scores,
+    keep_budget,
     kmeans_cosine,
 )
 
@@ -88,6 +92,52 @@ def all_scores(q, cent, sizes, scale, group, coarse, var, var_weight):
     return np.concatenate(fine), (np.concatenate(coarse_s) if coarse_s else None)
 
 
+def budget_margin(s: np.ndarray, scored: np.ndarray, sizes: np.ndarray, keep: float) -> float:
+    """The smallest score ratio across a row's budget boundary: between the last kept cluster and its neighbours in
+    the order (a swap of either pair would move the boundary); inf where there is no neighbour."""
+    idx = np.flatnonzero(scored)
+    order = idx[np.lexsort((idx, -s[idx]))]
+    n = np.asarray(sizes, dtype=np.float64)[order]
+    b = int(((np.cumsum(n) - n) < keep_budget(keep, np.sum(sizes))).sum()) - 1
+    ratios = []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if b >= 1:
+            ratios.append(s[order[b - 1]] / s[order[b]])
+        if b + 1 < order.size:
+            ratios.append(s[order[b]] / s[order[b + 1]])
+    return min((1.0 if np.isnan(r) else r for r in ratios), default=math.inf)
+
+
+def rows_fine_scores(q, cent, sizes, scale, group, coarse, thr_c, var, var_weight):
+    """(fine scores, scored, sizes) of every (stream, KV head, query row), as the reference computes them."""
+    ns, n_head, n_q, _ = q.shape
+    n_head_kv = cent.shape[1]
+    G = n_head // n_head_kv
+    rows = []
+    for s in range(ns):
+        for h in range(n_head_kv):
+            lv = None
+            if coarse is not None:
+                lv = (coarse[0][s, h], coarse[1][s, h], coarse[2][s, h],
+                      coarse[3][s, h] if len(coarse) > 3 and var_weight > 0.0 else None)
+            for t in range(n_q):
+                sc, scored = fine_scores(q[s, h*G:(h + 1)*G, t], cent[s, h], sizes[s, h],
+                                         None if var is None or var_weight == 0.0 else var[s, h], scale, group, lv,
+                                         thr_c, var_weight)
+                rows.append((sc, scored, sizes[s, h]))
+    return rows
+
+
+def gap_keep(rows, keep: float, margin: float = 1.001) -> float:
+    """The first keep of keep * (1 + 0.015 j), j = 0, 1, ... whose budget boundary lies in a score gap wider than
+    `margin` on every row (so float32 and float64 scores keep the same clusters)."""
+    for j in range(80):
+        k = keep * (1.0 + 0.015 * j)
+        if all(budget_margin(s, scored, n, k) > margin for s, scored, n in rows):
+            return k
+    raise AssertionError(f"no keep near {keep} with every boundary in a gap")
+
+
 CASES = [
     # ns, n_head, n_head_kv, d, d_v, n_kv, n_prefix, frac, kv, levels, masked, softcap, group
     (1, 4, 4, 64, 64, 300, 256, 0.05, "f16", 1, False, 0.0, "max"),
@@ -103,9 +153,9 @@ CASES = [
 
 
 def case_inputs(case: int, keep: float, var_weight: float = 0.0):
-    """CASES[case] at `keep` (seeded by both): q, k, v, cent, sizes, cell, the gap threshold, mask, KV type and the
-    op's other keywords (softcap, group, coarse, threshold_coarse; with var_weight > 0 the variances and
-    var_weight: the kept rule's variance term)."""
+    """CASES[case] near `keep` (seeded by both): q, k, v, cent, sizes, cell, the gap keep (gap_keep), mask, KV type
+    and the op's other keywords (softcap, group, coarse, the gap threshold_coarse; with var_weight > 0 the variances
+    and var_weight: the kept rule's variance term)."""
     ns, n_head, n_head_kv, d, d_v, n_kv, n_prefix, frac, kv, levels, masked, softcap, group = CASES[case]
     rng = np.random.default_rng(1000 * case + int(keep * 10))
     q, k, v, cent, sizes, cell, coarse, var = make_case(rng, ns=ns, n_head=n_head, n_head_kv=n_head_kv, d=d, d_v=d_v,
@@ -114,15 +164,15 @@ def case_inputs(case: int, keep: float, var_weight: float = 0.0):
     q = q.astype(np.float32).astype(np.float64)
     mask = rng.random((ns, q.shape[2], n_kv)) > 0.15 if masked else None
     scale = 1.0 / math.sqrt(d)
-    fine, coarse_scores = all_scores(q, cent, sizes, scale, group, coarse, var, var_weight)
-    thr = gap_threshold(fine, keep)
+    _, coarse_scores = all_scores(q, cent, sizes, scale, group, coarse, var, var_weight)
     thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
+    keep = gap_keep(rows_fine_scores(q, cent, sizes, scale, group, coarse, thr_c, var, var_weight), keep)
     if var_weight == 0.0 and coarse is not None:
         coarse = coarse[:3]  # tables without variances
     kw = {"softcap": softcap, "group": group, "coarse": coarse, "threshold_coarse": thr_c}
     if var_weight > 0.0:
         kw |= {"variances": var, "var_weight": var_weight}
-    return q, k, v, cent, sizes, cell, thr, mask, kv, kw
+    return q, k, v, cent, sizes, cell, keep, mask, kv, kw
 
 
 def reference_outputs(q, k, v, cent, sizes, cell, thr, mask, kw) -> np.ndarray:
@@ -149,14 +199,76 @@ def test_op_matches_reference(case: int, keep: float, var_weight: float, backend
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n_threads", [1, 2, 5])
-def test_threshold_zero_is_dense(n_threads: int, backend: str) -> None:
+def test_keep_one_is_dense(n_threads: int, backend: str) -> None:
     rng = np.random.default_rng(7)
     q, k, v, cent, sizes, cell, _, _ = make_case(rng, ns=1, n_head=8, n_head_kv=2, d=64, d_v=64, n_kv=2000,
                                               n_prefix=1900, frac=0.05, kv_dtype="f16", levels=1)
     mask = rng.random((q.shape[2], 2000)) > 0.1
-    got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], 0.0, mask, n_threads=n_threads,
+    want = dense_attn(q[0], k[0], v[0], mask)
+    for keep in (1.0, 1.5):
+        got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], keep, mask, n_threads=n_threads,
+                                backend=backend)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # a keep just under 1 drops the last cluster in the order: no longer dense
+    got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], 0.95, mask, n_threads=n_threads,
                             backend=backend)
-    np.testing.assert_allclose(got, dense_attn(q[0], k[0], v[0], mask), rtol=2e-5, atol=2e-5)
+    assert np.abs(got - want).max() > 1e-3
+
+
+def tie_case(rng: np.random.Generator, n_cent: int = 8, size: int = 10):
+    """One KV head whose n_cent clusters share one centroid and one size (every score ties), n_cent * size clustered
+    cells in runs, then 7 unclustered ones; two more clusters are empty (size 0, no cells)."""
+    d, n_head = 32, 4
+    n_prefix = n_cent * size
+    n_kv = n_prefix + 7
+    k = rng.standard_normal((1, n_kv, d))
+    v = rng.standard_normal((1, n_kv, d))
+    q = rng.standard_normal((n_head, 2, d))
+    cent = np.zeros((1, n_cent + 2, d))
+    cent[0, :n_cent] = rng.standard_normal(d)
+    cent[0, n_cent:] = 5.0 * rng.standard_normal((2, d))  # empty: never scored, whatever their score would be
+    sizes = np.zeros((1, n_cent + 2), dtype=np.int64)
+    sizes[0, :n_cent] = size
+    cell = np.full((1, n_kv), -1)
+    cell[0, :n_prefix] = np.arange(n_prefix) // size
+    return q, k, v, cent, sizes, cell
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group", ["max", "mean"])
+def test_equal_scores_keep_the_lower_clusters(group: str, backend: str) -> None:
+    rng = np.random.default_rng(11)
+    q, k, v, cent, sizes, cell = tie_case(rng)
+    # 80 clustered cells, keep 0.25: B = 20 -> clusters 0 and 1 (10 + 10), then the 7 unclustered cells
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, 0.25, kv_dtype="f32", group=group, backend=backend)
+    want, sel = centroid_attn(q, k, v, cent, sizes, cell, 0.25, group=group, return_selection=True)
+    assert sel[0][0].tolist() == list(range(20)) + list(range(80, 87))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the same cells read through other clusters give another output: the test sees which clusters were kept
+    other = centroid_attn(q, k, v, cent, sizes, np.where(cell >= 0, 7 - cell, -1), 0.25, group=group)
+    assert np.abs(other - want).max() > 1e-3
+    # 0.26: B = ceil(20.8) = 21 -> a third cluster
+    _, sel = centroid_attn(q, k, v, cent, sizes, cell, 0.26, group=group, return_selection=True)
+    assert sel[0][0].tolist() == list(range(30)) + list(range(80, 87))
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, 0.26, kv_dtype="f32", group=group, backend=backend)
+    np.testing.assert_allclose(got, centroid_attn(q, k, v, cent, sizes, cell, 0.26, group=group), rtol=2e-5,
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keep", [0.0, -1.0, 1e-6])
+def test_a_tiny_budget_keeps_the_best_cluster(keep: float, backend: str) -> None:
+    rng = np.random.default_rng(12)
+    q, k, v, cent, sizes, cell, _, _ = make_case(rng, ns=1, n_head=4, n_head_kv=2, d=32, d_v=32, n_kv=300,
+                                              n_prefix=280, frac=0.1, kv_dtype="f32", levels=1)
+    got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], keep, kv_dtype="f32", backend=backend)
+    want, sel = centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], keep, return_selection=True)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    for h in range(2):
+        for cells in sel[h]:
+            clusters = set(cell[0, h, cells].tolist()) - {-1}
+            assert len(clusters) == 1  # the best one, and the 20 unclustered cells
+            assert (cell[0, h, cells] == -1).sum() == 20
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -179,8 +291,10 @@ def test_bad_arguments_fail_clearly() -> None:
         ops.centroid_attn(q, k, v, cent[:, :, :16], sizes, cell, 0.1)
     with pytest.raises(ValueError, match="cell_cluster"):
         ops.centroid_attn(q, k, v, cent, sizes, cell[:, :10], 0.1)
-    with pytest.raises(ValueError, match="thresholds must be finite"):
+    with pytest.raises(ValueError, match="keep and threshold_coarse must be finite"):
         ops.centroid_attn(q, k, v, cent, sizes, cell, math.inf)
+    with pytest.raises(ValueError, match="keep and threshold_coarse must be finite"):
+        ops.centroid_attn(q, k, v, cent, sizes, cell, math.nan)
     with pytest.raises(ValueError, match="group"):
         ops.centroid_attn(q, k, v, cent, sizes, cell, 0.1, group="min")
     with pytest.raises(ValueError, match="softcap"):

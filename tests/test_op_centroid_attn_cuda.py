@@ -4,7 +4,8 @@ reference (sparq_llama.reference_squeeze).
 Runs where our library was built with CUDA and sees a device (bench/device.sh runs it on a GPU machine);
 elsewhere the module is skipped as a whole. The op cases are the CPU test's (tests/test_op_centroid_attn.py),
 plus what only the GPU kernels split: long sequences over many blocks, prefill batches in waves of rows, wide
-groups in several passes, repeated runs giving identical bits. Selections are compared directly with V = the
+groups in several passes, repeated runs giving identical bits, and the budget rule's radix select (ties among
+thousands of clusters, which only the index bits of the keys order). Selections are compared directly with V = the
 identity: the output of a head is then its softmax weights over the cells, nonzero exactly on the cells read.
 """
 from __future__ import annotations
@@ -22,9 +23,12 @@ from test_op_centroid_attn import (
     TOL,
     all_scores,
     case_inputs,
+    gap_keep,
     gap_threshold,
     make_case,
     reference_outputs,
+    rows_fine_scores,
+    tie_case,
 )
 from test_reference_squeeze import blobs
 
@@ -36,11 +40,11 @@ pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_lla
 @pytest.mark.parametrize("keep", [0.1, 0.3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_op_matches_reference_and_cpu(case: int, keep: float, var_weight: float) -> None:
-    q, k, v, cent, sizes, cell, thr, mask, kv, kw = case_inputs(case, keep, var_weight)
-    got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, backend="cuda", **kw)
-    cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, kv_dtype=kv, n_threads=2, **kw)
+    q, k, v, cent, sizes, cell, keep, mask, kv, kw = case_inputs(case, keep, var_weight)
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, mask, kv_dtype=kv, backend="cuda", **kw)
+    cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, mask, kv_dtype=kv, n_threads=2, **kw)
     np.testing.assert_allclose(got, cpu, rtol=TOL[kv], atol=TOL[kv])
-    want = reference_outputs(q, k, v, cent, sizes, cell, thr, mask, kw)
+    want = reference_outputs(q, k, v, cent, sizes, cell, keep, mask, kw)
     np.testing.assert_allclose(got, want, rtol=TOL[kv], atol=TOL[kv])
 
 
@@ -69,20 +73,20 @@ def test_selected_cells_are_identical(case: int, keep: float, var_weight: float)
     q = q.astype(np.float32).astype(np.float64) * 0.3  # moderate logits: no selected weight underflows
     v = np.broadcast_to(np.eye(n_kv), (1, n_head_kv, n_kv, n_kv)).copy()
     mask = rng.random((1, q.shape[2], n_kv)) > 0.15 if masked else None
-    fine, coarse_scores = all_scores(q, cent, sizes, 1.0 / math.sqrt(d), group, coarse, var, var_weight)
-    thr = gap_threshold(fine, keep)
+    _, coarse_scores = all_scores(q, cent, sizes, 1.0 / math.sqrt(d), group, coarse, var, var_weight)
     thr_c = gap_threshold(coarse_scores, 0.5) if coarse is not None else 0.0
+    keep = gap_keep(rows_fine_scores(q, cent, sizes, 1.0 / math.sqrt(d), group, coarse, thr_c, var, var_weight), keep)
     if var_weight == 0.0 and coarse is not None:
         coarse = coarse[:3]
     kw = {"group": group, "coarse": coarse, "threshold_coarse": thr_c, "kv_dtype": "f32"}
     if var_weight > 0.0:
         kw |= {"variances": var, "var_weight": var_weight}
-    got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, backend="cuda", **kw)
-    cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, n_threads=2, **kw)
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, mask, backend="cuda", **kw)
+    cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, mask, n_threads=2, **kw)
     kw.pop("kv_dtype")
     coarse = kw.pop("coarse")
     var = kw.pop("variances", None)
-    want = centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], thr, None if mask is None else mask[0],
+    want = centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], keep, None if mask is None else mask[0],
                          coarse=None if coarse is None else tuple(x[0] for x in coarse),
                          variances=None if var is None else var[0], **kw)
     read = got[0] > 0
@@ -90,18 +94,6 @@ def test_selected_cells_are_identical(case: int, keep: float, var_weight: float)
     assert np.array_equal(read, want > 0)
     assert 0 < read.sum() < read.size  # a real selection: some cells read, some skipped
     np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=2e-6)
-
-
-def wide_gap_threshold(scores: np.ndarray, keep: float) -> float:
-    """A threshold near the `keep` quantile of many scores: the widest relative gap among the 2% of scores
-    around it (far wider than float32's error on a score, so both backends keep the same clusters)."""
-    s = np.sort(scores[scores > 0])[::-1]
-    at, half = int(keep * s.size), max(8, s.size // 100)
-    lo, hi = max(0, at - half), min(s.size - 1, at + half)
-    ratios = s[lo:hi] / s[lo + 1:hi + 1]
-    i = lo + int(np.argmax(ratios))
-    assert s[i] / s[i + 1] > 1.0 + 2e-5, "no usable gap between cluster scores"
-    return float(math.sqrt(s[i] * s[i + 1]))
 
 
 @pytest.mark.parametrize("shape", [
@@ -129,13 +121,13 @@ def test_long_sequences_match_cpu(shape) -> None:
     q = (rng.standard_normal((n_head, 2, d)) + 20.0 * near).astype(np.float32)
     mask = np.ones((2, n_kv), dtype=bool)
     mask[0, -5:] = False
-    fine, _ = all_scores(q[None].astype(np.float64), cent[None], sizes[None], 1.0 / math.sqrt(d), shape["group"], None,
-                         None, 0.0)
+    rows = rows_fine_scores(q[None].astype(np.float64), cent[None], sizes[None], 1.0 / math.sqrt(d), shape["group"],
+                            None, 0.0, None, 0.0)
     for keep in (0.1, 0.3):
-        thr = wide_gap_threshold(fine, keep)
+        keep = gap_keep(rows, keep, margin=1.0 + 2e-5)  # far wider than float32's error on a score
         kw = {"group": shape["group"], "kv_dtype": shape["kv"]}
-        got = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, backend="cuda", **kw)
-        cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, thr, mask, **kw)
+        got = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, mask, backend="cuda", **kw)
+        cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, mask, **kw)
         np.testing.assert_allclose(got, cpu, rtol=5e-5, atol=5e-5)
 
 
@@ -147,24 +139,24 @@ def test_prefill_rows_run_in_waves_and_repeat_bit_for_bit() -> None:
                                               n_prefix=n_prefix, frac=0.1, kv_dtype="f16", levels=1)
     q = rng.standard_normal((4, n_q, d)) * 1.5
     mask = np.tril(np.ones((n_q, n_kv), dtype=bool), k=n_kv - n_q) if n_q <= n_kv else rng.random((n_q, n_kv)) > 0.2
-    thr = 0.02
-    first = ops.centroid_attn(q, k[0], v[0], cent[0], sizes[0], cell[0], thr, mask, backend="cuda")
-    np.testing.assert_array_equal(first, ops.centroid_attn(q, k[0], v[0], cent[0], sizes[0], cell[0], thr, mask,
+    keep = 0.1
+    first = ops.centroid_attn(q, k[0], v[0], cent[0], sizes[0], cell[0], keep, mask, backend="cuda")
+    np.testing.assert_array_equal(first, ops.centroid_attn(q, k[0], v[0], cent[0], sizes[0], cell[0], keep, mask,
                                                            backend="cuda"))
-    cpu = ops.centroid_attn(q, k[0], v[0], cent[0], sizes[0], cell[0], thr, mask)
-    # float thresholds are not in a gap here: rows whose scores straddle thr may differ; nearly all must agree
+    cpu = ops.centroid_attn(q, k[0], v[0], cent[0], sizes[0], cell[0], keep, mask)
+    # budget boundaries are not in a gap here: rows with a near tie there may differ; nearly all must agree
     close = np.isclose(first, cpu, rtol=2e-5, atol=2e-5).all(axis=-1)
     assert close.mean() > 0.99
 
 
 @pytest.mark.parametrize("n_q", [1, 3])
-def test_threshold_zero_is_dense(n_q: int) -> None:
+def test_keep_one_is_dense(n_q: int) -> None:
     rng = np.random.default_rng(7)
     q, k, v, cent, sizes, cell, _, _ = make_case(rng, ns=1, n_head=8, n_head_kv=2, d=64, d_v=64, n_kv=5000,
                                               n_prefix=4900, frac=0.05, kv_dtype="f16", levels=1)
     q = q[:, :, :1].repeat(n_q, axis=2)
     mask = rng.random((n_q, 5000)) > 0.1
-    got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], 0.0, mask, backend="cuda")
+    got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], 1.0, mask, backend="cuda")
     np.testing.assert_allclose(got, dense_attn(q[0], k[0], v[0], mask), rtol=2e-5, atol=2e-5)
 
 
@@ -176,6 +168,58 @@ def test_rows_without_visible_cells_are_zero() -> None:
     mask[0] = False
     got = ops.centroid_attn(q[0], k[0], v[0], cent[0], sizes[0], cell[0], 0.5, mask, kv_dtype="f32", backend="cuda")
     assert (got[:, 0] == 0).all() and np.abs(got[:, 1:]).max() > 0
+
+
+# ---- the budget rule's selection (kernel S2's radix select) -------------------------------------------------
+
+@pytest.mark.parametrize("group", ["max", "mean"])
+@pytest.mark.parametrize("keep", [0.25, 0.26, 0.0, 1.0])
+def test_budget_ties_and_empty_clusters_match_cpu_and_reference(keep: float, group: str) -> None:
+    rng = np.random.default_rng(13)
+    q, k, v, cent, sizes, cell = tie_case(rng)  # every score ties: the lower clusters are kept
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, kv_dtype="f32", group=group, backend="cuda")
+    cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, kv_dtype="f32", group=group, n_threads=2)
+    np.testing.assert_allclose(got, cpu, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, centroid_attn(q, k, v, cent, sizes, cell, keep, group=group), rtol=2e-5,
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize("n_cent", [300, 5000])
+@pytest.mark.parametrize("keep", [0.013, 0.1, 0.37, 0.9])
+def test_budget_radix_select_over_many_tied_clusters(n_cent: int, keep: float) -> None:
+    # n_cent clusters sharing 12 centroids (12 well-separated scores, each tied across many clusters) with sizes
+    # 1..9: the boundary falls inside a tie, which only the index bits of the keys order (every radix pass runs)
+    rng = np.random.default_rng(n_cent + int(1000 * keep))
+    d, n_head, n_head_kv = 64, 8, 2
+    q = rng.standard_normal((n_head, 2, d)).astype(np.float32)
+    which = rng.integers(0, 12, size=(n_head_kv, n_cent))
+    sizes = rng.integers(1, 10, size=(n_head_kv, n_cent))
+    sizes[:, rng.integers(0, n_cent, size=n_cent // 10)] = 0  # some empty clusters
+    n_prefix = int(sizes[0].sum())
+    sizes[1] = np.roll(sizes[0], 7)  # both heads cluster the same cells (the same count)
+    n_kv = n_prefix + 40
+    cell = np.full((n_head_kv, n_kv), -1)
+    for h in range(n_head_kv):
+        cell[h, :n_prefix] = np.repeat(np.arange(n_cent), sizes[h])
+    k = rng.standard_normal((n_head_kv, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_head_kv, n_kv, d)).astype(np.float32)
+
+    def separated(cent: np.ndarray) -> bool:  # the 12 distinct scores far apart: only the ties order by index
+        rows = rows_fine_scores(q[None].astype(np.float64), cent[None], sizes[None], 1.0 / math.sqrt(d), "max", None,
+                                0.0, None, 0.0)
+        return all((np.diff(np.log(np.unique(sc[scored]))) > 1e-3).all() for sc, scored, _ in rows)
+
+    for _ in range(50):
+        base = rng.standard_normal((n_head_kv, 12, d))
+        cent = np.take_along_axis(base, which[:, :, None], axis=1).astype(np.float32).astype(np.float64)
+        if separated(cent):
+            break
+    assert separated(cent)
+    got = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, kv_dtype="f32", backend="cuda")
+    cpu = ops.centroid_attn(q, k, v, cent, sizes, cell, keep, kv_dtype="f32", n_threads=2)
+    want = centroid_attn(q, k, v, cent, sizes, cell, keep)
+    np.testing.assert_allclose(got, cpu, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 # ---- k-means (ggml_mul_mat + ggml_argmax + ggml_cluster_update) on CUDA -------------------------------------

@@ -44,7 +44,7 @@ def clustered_case(rng: np.random.Generator, n_head: int, n_head_kv: int, n_kv: 
     return q, k, v, cent, sizes, cc
 
 
-def brute_selection(q, k, cent, sizes, cc, threshold, vis, group):
+def brute_selection(q, k, cent, sizes, cc, keep, vis, group):
     """Selected cells per (KV head, row), written out loop by loop from the definition."""
     n_head, n_q, d = q.shape
     n_head_kv, n_kv, _ = k.shape
@@ -58,8 +58,13 @@ def brute_selection(q, k, cent, sizes, cc, threshold, vis, group):
             sg = [math.exp(z[i]) / norm if sizes[h, i] > 0 else 0.0 for i in range(len(z))]
             s = np.maximum(s, sg) if group == "max" else s + np.array(sg) / G
         live = [i for i in range(len(s)) if sizes[h, i] > 0]
-        best = max(live, key=lambda i: (s[i], -i))
-        kept = {i for i in live if s[i] >= threshold} | {best}
+        budget = max(1, math.ceil(np.float32(keep) * np.float32(sizes[h].sum())))
+        kept, before = set(), 0
+        for i in sorted(live, key=lambda i: (-s[i], i)):
+            if before >= budget:
+                break
+            kept.add(i)
+            before += sizes[h, i]
         sel[h, t] = [j for j in range(n_kv) if vis[t, j] and (cc[h, j] < 0 or cc[h, j] in kept)]
     return sel
 
@@ -71,9 +76,9 @@ def test_selection_and_output_match_brute_force(seed: int, group: str) -> None:
     n_head, n_head_kv = [(4, 4), (8, 2), (6, 1)][seed % 3]
     q, k, v, cent, sizes, cc = clustered_case(rng, n_head, n_head_kv, 90, 70, 16, 7)
     vis = rng.random((3, 90)) > 0.2
-    threshold = 1.5 / 70  # 1.5 x the weight of a key under uniform attention over the prefix
-    out, sel = centroid_attn(q, k, v, cent, sizes, cc, threshold, vis, group=group, return_selection=True)
-    want = brute_selection(q, k, cent, sizes, cc, threshold, vis, group)
+    keep = 0.3
+    out, sel = centroid_attn(q, k, v, cent, sizes, cc, keep, vis, group=group, return_selection=True)
+    want = brute_selection(q, k, cent, sizes, cc, keep, vis, group)
     G = n_head // n_head_kv
     for h, t in itertools.product(range(n_head_kv), range(3)):
         assert sel[h][t].tolist() == want[h, t]
@@ -81,22 +86,43 @@ def test_selection_and_output_match_brute_force(seed: int, group: str) -> None:
         m = np.zeros((1, cells.size), dtype=bool) | True
         dense = dense_attn(q[h*G:(h + 1)*G, t:t + 1], k[h:h + 1, cells], v[h:h + 1, cells], m)
         np.testing.assert_allclose(out[h*G:(h + 1)*G, t], dense[:, 0], rtol=1e-12, atol=1e-12)
-    # a strict threshold really drops cells
+    # a small keep really drops cells
     assert sum(len(want[key]) for key in want) < vis.sum() * n_head_kv
 
 
-def test_threshold_zero_is_dense() -> None:
+@pytest.mark.parametrize("keep", [0.05, 0.1, 0.2, 0.5])
+def test_budget_reads_keep_of_the_clustered_cells(keep: float) -> None:
+    rng = np.random.default_rng(5)
+    q, k, v, cent, sizes, cc = clustered_case(rng, 8, 2, 420, 400, 16, 40)
+    _, sel = centroid_attn(q, k, v, cent, sizes, cc, keep, return_selection=True)
+    budget = math.ceil(np.float32(keep) * np.float32(400))
+    for h in range(2):
+        for t in range(3):
+            cells = sel[h][t]
+            clustered = cells[cc[h, cells] >= 0]
+            kept = set(cc[h, clustered].tolist())
+            s = group_scores(q[h*4:(h + 1)*4, t], cent[h], sizes[h], 0.25)
+            last = min(kept, key=lambda i: (s[i], -i))  # the boundary: the last kept in the order
+            # the kept clusters reach the budget, and without the boundary they do not
+            assert clustered.size >= budget > clustered.size - sizes[h, last]
+            # every kept cluster scores at least every dropped one
+            dropped = [i for i in range(40) if sizes[h, i] > 0 and i not in kept]
+            assert all(s[i] <= s[last] for i in dropped)
+            assert set(range(400, 420)) <= set(cells.tolist())
+
+
+def test_keep_one_is_dense() -> None:
     rng = np.random.default_rng(1)
     q, k, v, cent, sizes, cc = clustered_case(rng, 8, 2, 120, 100, 32, 10)
     mask = rng.random((3, 120)) > 0.3
-    out = centroid_attn(q, k, v, cent, sizes, cc, 0.0, mask, softcap=5.0)
+    out = centroid_attn(q, k, v, cent, sizes, cc, 1.0, mask, softcap=5.0)
     np.testing.assert_allclose(out, dense_attn(q, k, v, mask, softcap=5.0), rtol=1e-12, atol=1e-12)
 
 
 def test_unclustered_cells_are_always_read_and_best_cluster_kept() -> None:
     rng = np.random.default_rng(2)
     q, k, v, cent, sizes, cc = clustered_case(rng, 2, 2, 60, 40, 8, 5)
-    _, sel = centroid_attn(q, k, v, cent, sizes, cc, 1e9, return_selection=True)  # no cluster passes
+    _, sel = centroid_attn(q, k, v, cent, sizes, cc, 0.0, return_selection=True)  # a budget of one cell
     for h in range(2):
         for t in range(3):
             cells = sel[h][t]
@@ -121,12 +147,12 @@ def test_two_levels_with_open_coarse_level_equal_one_level() -> None:
             members = parent[h] == c
             c_cent[h, c] = (cent[h, members] * sizes[h, members, None]).sum(0) / max(1, sizes[h, members].sum())
     coarse = (c_cent, c_sizes, parent)
-    # the coarse normaliser stands in for the fine one: T = 0 keeps all the same
-    one = centroid_attn(q, k, v, cent, sizes, cc, 0.0)
-    two = centroid_attn(q, k, v, cent, sizes, cc, 0.0, coarse=coarse, threshold_coarse=0.0)
+    # the coarse normaliser stands in for the fine one: keep 1 keeps all the same
+    one = centroid_attn(q, k, v, cent, sizes, cc, 1.0)
+    two = centroid_attn(q, k, v, cent, sizes, cc, 1.0, coarse=coarse, threshold_coarse=0.0)
     np.testing.assert_allclose(two, one, rtol=1e-12, atol=1e-12)
     # a closed coarse level keeps only the best coarse cluster's fine clusters
-    _, sel = centroid_attn(q, k, v, cent, sizes, cc, 0.0, coarse=coarse, threshold_coarse=1e9, return_selection=True)
+    _, sel = centroid_attn(q, k, v, cent, sizes, cc, 1.0, coarse=coarse, threshold_coarse=1e9, return_selection=True)
     for h in range(2):
         for t in range(3):
             cells = sel[h][t]
@@ -239,10 +265,6 @@ def test_calibration_hits_the_kept_fraction(keep: float) -> None:
     higher = min((x for s, _ in rows for x in s if x > thr), default=None)
     if higher is not None:
         assert np.mean([kept_fraction(s, n, higher) for s, n in rows]) < keep
-    # the op keeps that fraction of the clustered cells on these rows
-    _, sel = centroid_attn(q, k, v, cent, sizes, cc, thr, scale=0.25, return_selection=True)
-    frac = np.mean([len(sel[h][t]) / 400 for h in range(2) for t in range(3)])
-    assert frac == pytest.approx(got)
 
 
 def test_calibration_bounds_and_errors() -> None:

@@ -194,8 +194,8 @@ def test_sparq_over_rpc(smollm2_path, servers):
 
 def test_squeeze_over_rpc(smollm2_path, servers, tmp_path):
     """Centroid-sparse attention over a prefix whose cache is on the RPC devices (k-means runs on the backend that
-    holds each layer's cache, here an RPC one): the same calibration threshold and greedy answer as in one
-    process, the centroid nodes placed on the RPC devices."""
+    holds each layer's cache, here an RPC one): the same greedy answer as in one process, the centroid nodes placed
+    on the RPC devices."""
     from sparq_llama import texts
 
     play = texts.read(texts.names()[0])
@@ -207,8 +207,8 @@ def test_squeeze_over_rpc(smollm2_path, servers, tmp_path):
     local, local_log = completion(smollm2_path, *args, n_ctx=1024)
 
     assert_layers_on_rpc(log)
-    threshold = re.compile(r"prepared the fixed prefix in .* s \((threshold \S+), kept")
-    got, want = threshold.search(log), threshold.search(local_log)
+    prepared = re.compile(r"prepared the fixed prefix in .* s \((keep \S+)\)")
+    got, want = prepared.search(log), prepared.search(local_log)
     assert got and want, (log[-2000:], local_log[-2000:])
     assert got.group(1) == want.group(1)
     placed = backends_of(log, "CENTROID_ATTN")

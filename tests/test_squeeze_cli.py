@@ -108,8 +108,8 @@ def test_saved_prefix_loads_and_answers_the_same(smollm2_path, document, tmp_pat
     try:
         info = llm.fixed_context
         n_prefix = int(re.search(r"loaded a prepared prefix of (\d+) tokens", log).group(1))
-        assert info.prepared and info.n_prefix == n_prefix and info.kept_calib == pytest.approx(0.3, abs=0.01)
-        assert info.var_weight == 1.0  # the default kept rule, saved with the thresholds calibrated for it
+        assert info.prepared and info.n_prefix == n_prefix and info.keep == pytest.approx(0.3)
+        assert info.var_weight == 1.0  # the default kept rule, saved
     finally:
         llm.close()
 
@@ -128,20 +128,15 @@ def test_squeeze_var_sets_the_kept_rule(smollm2_path, document, tmp_path):
 
 def test_loaded_prefix_recalibrated_answers_as_prepared_at_that_keep(smollm2_path, document, tmp_path):
     state = str(tmp_path / "doc.state")
-    completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3", "--squeeze-save", state)
+    prepared_at_03, _ = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "0.3",
+                                   "--squeeze-save", state)
     at_1, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-keep", "1")
-    assert "recalibrated to keep 1 (threshold 0, kept on its calibration queries 100.0%)" in log
+    assert "set to keep 1 (each row reads its best clusters up to that share of the clustered cells)" in log
     prepared_at_1, _ = completion(smollm2_path, "--squeeze", "--squeeze-prefix-file", document, "--squeeze-keep", "1")
     assert at_1 == prepared_at_1 and "48213" in at_1
-    # and back: the threshold of a preparation at 0.3, as the saved one has
-    llm = Llama(str(smollm2_path), n_ctx=2048, flash_attn=True, n_threads=2, verbose=False, fixed_context=state)
-    try:
-        saved = llm.fixed_context
-    finally:
-        llm.close()
-    _, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-keep", "0.3")
-    threshold = float(re.search(r"recalibrated to keep 0.3 \(threshold ([^,]+),", log).group(1))
-    assert threshold == pytest.approx(saved.threshold, rel=1e-5)
+    # and back: a preparation at 0.3, as the saved one is
+    at_03, log = completion(smollm2_path, "--squeeze", "--squeeze-load", state, "--squeeze-keep", "0.3")
+    assert "set to keep 0.3 (" in log and at_03 == prepared_at_03
 
 
 def test_missing_or_mismatched_files_fail(smollm2_path, document, tmp_path):

@@ -85,7 +85,7 @@ def test_damaged_or_mismatched_files_are_refused_and_the_context_is_unchanged(ll
 
     def unchanged() -> None:
         now = llm.fixed_context
-        assert now.prepared and (now.threshold, now.n_prefix) == (info.threshold, info.n_prefix)
+        assert now.prepared and (now.keep, now.n_prefix) == (info.keep, info.n_prefix)
         got = _greedy_after(llm, question, 4)
         _back_to_prefix(llm, N_PREFIX)
         assert got[0] == want[0] and np.array_equal(got[1], want[1])
@@ -121,7 +121,7 @@ def test_damaged_or_mismatched_files_are_refused_and_the_context_is_unchanged(ll
     unchanged()
     # the good pair loads, as saved
     loaded = llm.load_fixed_context(str(saved / "doc.state"))
-    assert loaded.prepared and loaded.threshold != info.threshold and loaded.kept_calib == pytest.approx(0.2, abs=0.02)
+    assert loaded.prepared and loaded.keep == pytest.approx(0.2) and loaded.keep != info.keep
 
 
 def test_a_version_3_sidecar_still_loads_unverified(llm, toks, question, saved, tmp_path):

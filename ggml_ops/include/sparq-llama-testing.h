@@ -175,12 +175,13 @@ struct sparq_bench_args {
 };
 SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
 
-// The threshold calibration of llama_squeeze_prepare over host arrays, for tests against the float64 reference
+// The coarse threshold calibration of llama_squeeze_prepare (two levels) over host arrays, for tests against the float64 reference
 // (sparq_llama.reference_squeeze.calibrate_threshold). Per layer: q [n_layers][n_rows][n_head][d] f32 (the
 // calibration queries), table [n_layers][n_head_kv][n_cent][table_width] (components, the size, with width 2d + 1
 // the variances); two levels: coarse [n_layers][n_head_kv][n_coarse][table_width] and parent
 // [n_layers][n_head_kv][n_cent], else NULL. var_weight: the kept rule's variance term (needs width 2d + 1).
-// Out: *threshold, *threshold_coarse (two levels) and *kept (mean kept fraction at them). 0, or 1 with err.
+// Out: *threshold_coarse (two levels; 0 with one) and *kept (the mean share of the clustered cells under the kept coarse
+// clusters; 1 with one level). 0, or 1 with err.
 struct squeeze_calib_args {
     int64_t d, n_head, n_head_kv, n_rows, n_layers, n_cent, n_coarse;
     const float   * q;
@@ -192,7 +193,6 @@ struct squeeze_calib_args {
     float   keep;
     float   keep_coarse;  // two levels: 0 -> min(1, 2*keep)
     int     n_threads;
-    float * threshold;
     float * threshold_coarse;
     float * kept;
     int64_t table_width;  // d + 1 or 2d + 1; 0: d + 1

@@ -137,10 +137,11 @@ static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct 
 
 // ---- Centroid-sparse ("Squeezed") attention over a prepared fixed prefix ---------------------------------
 // A context holds at most one prepared prefix: positions [0, n_prefix) of one sequence. Preparing clusters the
-// prefix's keys per layer and KV head (spherical k-means, on the backend that holds the layer's KV), and
-// calibrates one global threshold on the queries of the prefix's last n_calib tokens, which stay unclustered
-// (always read exactly), like every cell after the prefix. Decodes and prompt batches then read a prefix key
-// only when its cluster is kept (ggml_centroid_attn; semantics in ggml-centroid.h). Other sequences that share the
+// prefix's keys per layer and KV head (spherical k-means, on the backend that holds the layer's KV), except the
+// prefix's last n_calib tokens, which stay unclustered (always read exactly), like every cell after the prefix; their
+// queries calibrate the two-level rule's coarse threshold. Decodes and prompt batches then read a prefix key only
+// when its cluster is kept: each query row its best clusters up to keep of the clustered keys (ggml_centroid_attn;
+// semantics in ggml-centroid.h). Other sequences that share the
 // prefix's cells (llama_memory_seq_cp within one stream, e.g. a unified cache) read it the same way. Anything that
 // changes the clustered cells (their removal by every sequence that holds them, K-shift, clear, a state load of the
 // whole cache or of a sequence that alone holds some of them) drops the prepared prefix with one log line; seq_rm
@@ -159,7 +160,8 @@ struct llama_squeeze_params {
     float   centroids;         // fine clusters as a fraction of the clustered prefix (default 0.1: on SmolLM2
                                // at keep 0.1 the smallest fraction measured whose retrieval reaches 95% of
                                // dense's; docs/quality.md)
-    float   keep;              // target fraction of the clustered prefix read per query row, in (0, 1] (0.1)
+    float   keep;              // fraction of the clustered prefix read per query row (its best clusters up to
+                               // that budget), in (0, 1] (0.1)
     int32_t levels;            // 1, or 2: coarse clusters (centroids_coarse) prune before the fine ones
     float   centroids_coarse;  // levels = 2: coarse clusters as a fraction of the clustered prefix (0.01)
     float   keep_coarse;       // levels = 2: kept fraction at the coarse level; 0: min(1, 2*keep)
@@ -195,7 +197,7 @@ SPARQ_API int32_t llama_squeeze_prepare(struct llama_context * ctx, int32_t seq_
 // tokens: min(params->n_calib, n_prefix / 2).
 SPARQ_API int32_t llama_squeeze_n_calib(const struct llama_squeeze_params * params, int32_t n_prefix);
 
-// Writes the prepared prefix (clusters, assignments by position, thresholds, prefix tokens, calibration queries) to a sidecar file
+// Writes the prepared prefix (clusters, assignments by position, settings, coarse threshold, prefix tokens, calibration queries) to a sidecar file
 // with a format version, the model's fingerprint and each part's checksum. Save the KV state itself with
 // llama_state_seq_save_file; llama_squeeze_save_files saves both, the sidecar then recording the state's checksums.
 SPARQ_API int32_t llama_squeeze_save(struct llama_context * ctx, const char * path);
@@ -232,11 +234,11 @@ SPARQ_API int32_t llama_squeeze_load_files(struct llama_context * ctx, int32_t s
                                            const char * sidecar_path, int32_t * tokens_out, size_t n_token_capacity,
                                            size_t * n_token_out);
 
-// A new keep (and keep_coarse, two levels; 0: min(1, 2*keep)) for the prepared prefix: the thresholds are calibrated
-// again on the calibration queries kept since preparing (or loaded from a version-2 sidecar), with the same clusters,
-// so the result equals preparing at that keep. No decode, no clustering. Returns 0, or -1 with the reason (no prepared
-// prefix, a value out of range, a prefix loaded from a version-1 sidecar) in llama_squeeze_last_error(); on failure
-// the prefix keeps its thresholds.
+// A new keep (and keep_coarse, two levels; 0: min(1, 2*keep)) for the prepared prefix, with the same clusters, so the
+// result equals preparing at that keep: the op's per-row budget takes the new keep; two levels calibrate the coarse
+// threshold again on the calibration queries kept since preparing (or loaded from a sidecar of version 2 or later).
+// No decode, no clustering. Returns 0, or -1 with the reason (no prepared prefix, a value out of range, a two-level
+// prefix loaded from a version-1 sidecar) in llama_squeeze_last_error(); on failure the prefix is unchanged.
 SPARQ_API int32_t llama_squeeze_recalibrate(struct llama_context * ctx, float keep, float keep_coarse);
 
 // Drops the prepared prefix (dense attention over it again).
@@ -263,9 +265,10 @@ struct llama_squeeze_info {
     int32_t n_clustered;       // of them clustered (the rest are the calibration tail, read exactly)
     int32_t n_layers;          // layers decoded with centroid attention (others stay dense, see the log)
     int32_t levels;
-    float   threshold;         // calibrated fine threshold T
-    float   threshold_coarse;  // levels = 2: the coarse threshold
-    float   kept_calib;        // mean kept fraction on the calibration queries at T
+    float   keep;              // the fine level's budget: each row reads its best clusters up to keep of the clustered cells
+    float   threshold_coarse;  // levels = 2: the calibrated coarse threshold
+    float   kept_calib;        // levels = 2: mean share of the clustered cells under kept coarse clusters on the
+                               // calibration queries (1 with one level)
     int32_t prefill;           // enum llama_squeeze_prefill
     float   var_weight;        // the kept rule's variance term (0: the mean rule, as sidecars before version 3)
 };

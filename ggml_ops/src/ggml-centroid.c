@@ -29,7 +29,7 @@ static const char * centroid_fail(const char * fmt, ...) {
 
 struct ggml_centroid_params ggml_centroid_default_params(void) {
     struct ggml_centroid_params p = {
-        /*.threshold        =*/ 0.0f,
+        /*.keep             =*/ 1.0f,
         /*.threshold_coarse =*/ 0.0f,
         /*.group            =*/ GGML_CENTROID_GROUP_MAX,
         /*.scale            =*/ 0.0f,
@@ -130,9 +130,9 @@ const char * ggml_centroid_attn_check(
     if (err) {
         return err;
     }
-    if (!isfinite(p->threshold) || !isfinite(p->threshold_coarse)) {
-        return centroid_fail("thresholds must be finite (threshold %g, threshold_coarse %g)", (double) p->threshold,
-                             (double) p->threshold_coarse);
+    if (!isfinite(p->keep) || !isfinite(p->threshold_coarse)) {
+        return centroid_fail("keep and threshold_coarse must be finite (keep %g, threshold_coarse %g)",
+                             (double) p->keep, (double) p->threshold_coarse);
     }
     if (p->group != GGML_CENTROID_GROUP_MAX && p->group != GGML_CENTROID_GROUP_MEAN) {
         return centroid_fail("group must be max or mean");
@@ -169,7 +169,7 @@ struct ggml_tensor * ggml_centroid_attn(
         GGML_ABORT("%s", err);
     }
     struct ggml_centroid_op_params op = {
-        /*.threshold        =*/ params.threshold,
+        /*.keep             =*/ params.keep,
         /*.threshold_coarse =*/ params.threshold_coarse,
         /*.group            =*/ (int32_t) params.group,
         /*.scale            =*/ params.scale > 0.0f ? params.scale : 1.0f / sqrtf((float) q->ne[0]),

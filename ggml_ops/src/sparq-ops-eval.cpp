@@ -460,11 +460,14 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
         }
     }
     ggml_backend_tensor_set(cent, tab.data(), 0, ggml_nbytes(cent));
-    // the threshold: the group scores (max over the group) of every cluster, sorted; the one at `keep`
+    // what the op reads of the prefix (its budget rule, ggml-centroid.h): per head, the clusters by group score (max
+    // over the group), each kept while the sizes before it are under the budget
+    params.keep = a->keep;
     std::vector<float> qh(ggml_nelements(q));
     ggml_backend_tensor_get(q, qh.data(), 0, ggml_nbytes(q));
     const double scale = 1.0 / std::sqrt((double) d);
-    std::vector<double> scores;
+    const double budget = std::max(1.0, (double) std::ceil(a->keep * (float) a->n_prefix));
+    int64_t kept_cells = 0;
     for (int64_t h = 0; h < H; ++h) {
         std::vector<double> s(n, 0.0);
         for (int64_t g = 0; g < G; ++g) {
@@ -487,23 +490,18 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
                 s[i] = std::max(s[i], std::exp(z[i] - mx) / norm);
             }
         }
-        scores.insert(scores.end(), s.begin(), s.end());
-    }
-    std::vector<double> sorted = scores;
-    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
-    const size_t at = std::min(sorted.size() - 1, (size_t) std::max<int64_t>(0, (int64_t) std::ceil(a->keep * sorted.size()) - 1));
-    params.threshold = a->keep >= 1.0f ? 0.0f : (float) sorted[at];
-    int64_t kept_cells = 0;  // what the op reads of the prefix: clusters at or above T, and each head's best
-    for (int64_t h = 0; h < H; ++h) {
-        int64_t best = 0;
+        std::vector<int64_t> order;
         for (int64_t i = 0; i < n; ++i) {
-            best = scores[h * n + i] > scores[h * n + best] ? i : best;
-        }
-        for (int64_t i = 0; i < n; ++i) {
-            if ((float) scores[h * n + i] >= params.threshold || i == best) {
-                kept_cells += sizes[i];
+            if (sizes[i] > 0) {
+                order.push_back(i);
             }
         }
+        std::sort(order.begin(), order.end(), [&s](int64_t x, int64_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+        int64_t before = 0;
+        for (size_t r = 0; r < order.size() && (double) before < budget; ++r) {
+            before += sizes[order[r]];
+        }
+        kept_cells += before;
     }
     *a->kept_out = (double) kept_cells / (double) (a->n_prefix * H);
 

@@ -213,7 +213,7 @@ class LlamaSqueezeInfo(ctypes.Structure):
         ("n_clustered", ctypes.c_int32),
         ("n_layers", ctypes.c_int32),
         ("levels", ctypes.c_int32),
-        ("threshold", ctypes.c_float),
+        ("keep", ctypes.c_float),
         ("threshold_coarse", ctypes.c_float),
         ("kept_calib", ctypes.c_float),
         ("prefill", ctypes.c_int32),
@@ -332,7 +332,7 @@ class GgmlSparqParams(ctypes.Structure):
 class GgmlCentroidParams(ctypes.Structure):
     """struct ggml_centroid_params (ggml-centroid.h)."""
 
-    _fields_ = [("threshold", ctypes.c_float), ("threshold_coarse", ctypes.c_float), ("group", ctypes.c_int32),
+    _fields_ = [("keep", ctypes.c_float), ("threshold_coarse", ctypes.c_float), ("group", ctypes.c_int32),
                 ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("var_weight", ctypes.c_float)]
 
 
@@ -413,8 +413,8 @@ class SqueezeCalibArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("d", "n_head", "n_head_kv", "n_rows", "n_layers", "n_cent", "n_coarse")] + \
         [("q", ctypes.c_void_p), ("table", ctypes.c_void_p), ("coarse", ctypes.c_void_p), ("parent", ctypes.c_void_p),
          ("scale", ctypes.c_float), ("group", ctypes.c_int), ("keep", ctypes.c_float), ("keep_coarse", ctypes.c_float),
-         ("n_threads", ctypes.c_int), ("threshold", ctypes.POINTER(ctypes.c_float)),
-         ("threshold_coarse", ctypes.POINTER(ctypes.c_float)), ("kept", ctypes.POINTER(ctypes.c_float)),
+         ("n_threads", ctypes.c_int), ("threshold_coarse", ctypes.POINTER(ctypes.c_float)),
+         ("kept", ctypes.POINTER(ctypes.c_float)),
          ("table_width", ctypes.c_int64), ("var_weight", ctypes.c_float)]
 
 

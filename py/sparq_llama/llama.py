@@ -144,9 +144,9 @@ class Llama(_UpstreamLlama):
         """Evaluate a fixed prefix (a document, a system prompt) once and prepare it for centroid-sparse attention.
 
         The prefix is tokenized as `create_completion` tokenizes a prompt, evaluated from an empty cache, and
-        its keys are clustered per layer and KV head (`centroids`: clusters as a fraction of its tokens); one
-        threshold is calibrated on the prefix's last tokens so that a query reads about `keep` of the clustered
-        keys. Later prompts that start with the prefix reuse it (`create_completion(document + question)`): only
+        its keys are clustered per layer and KV head (`centroids`: clusters as a fraction of its tokens); each
+        query then reads its best-scored clusters until they hold `keep` of the clustered keys (a per-row budget).
+        Later prompts that start with the prefix reuse it (`create_completion(document + question)`): only
         the question is evaluated, and attention reads the kept clusters of the prefix and every other token
         exactly. More settings: the fields of `SqueezeConfig` (levels, centroids_coarse, keep_coarse, n_calib,
         n_iter, group, var_weight, init). Quality depends on the cluster fraction and the kept rule: on SmolLM2 a
@@ -222,10 +222,10 @@ class Llama(_UpstreamLlama):
         _squeeze.save_files(self.ctx, path, _squeeze.sidecar_path(path))
 
     def recalibrate_fixed_context(self, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
-        """Read a different fraction of the prepared fixed context: its threshold is calibrated again for `keep`
-        (and `keep_coarse` with two levels; 0: min(1, 2*keep)) on the calibration queries kept since preparing, with
-        the same clusters, as `prepare_fixed_context(..., keep=keep)` would. Takes milliseconds to a second. Works
-        after `load_fixed_context` for files saved by this version (sidecar format 2). ValueError on failure."""
+        """Read a different fraction of the prepared fixed context: each query's budget becomes `keep` of the
+        clustered keys, with the same clusters, as `prepare_fixed_context(..., keep=keep)` would give. With two
+        levels the coarse threshold is calibrated again for `keep_coarse` (0: min(1, 2*keep)) on the calibration
+        queries kept since preparing (sidecar format 2 and later); one level needs none. ValueError on failure."""
         return _squeeze.recalibrate(self.ctx, keep, keep_coarse)
 
     def set_fixed_context_prefill(self, mode: str) -> SqueezeInfo:

@@ -315,7 +315,7 @@ def _index_map(x: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
 
 
 def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.ndarray, sizes: np.ndarray,
-                  cell_cluster: np.ndarray, threshold: float, mask: np.ndarray | None = None, *,
+                  cell_cluster: np.ndarray, keep: float, mask: np.ndarray | None = None, *,
                   scale: float | None = None, softcap: float = 0.0, group: Literal["max", "mean"] = "max",
                   coarse: tuple[np.ndarray, ...] | None = None, threshold_coarse: float = 0.0,
                   variances: np.ndarray | None = None, var_weight: float = 0.0,
@@ -357,7 +357,7 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     k_dev, v_dev = _to_kv(k, kv_dtype), _to_kv(v, kv_dtype)
     out = np.zeros((ns, n_q, n_head, d_v), dtype=np.float32)
-    params = GgmlCentroidParams(threshold=float(threshold), threshold_coarse=float(threshold_coarse),
+    params = GgmlCentroidParams(keep=float(keep), threshold_coarse=float(threshold_coarse),
                                 group=_GROUP[group], scale=0.0 if scale is None else float(scale),
                                 softcap=float(softcap), var_weight=float(var_weight))
     ptr = lambda a: None if a is None else a.ctypes.data
@@ -430,7 +430,7 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
                    n_runs: int = 20, n_threads: int | None = None, kv_dtype: str = "f16",
                    backend: str = "cpu") -> tuple[np.ndarray, np.ndarray, float]:
     """Decode-step times (µs) of ggml_centroid_attn and ggml_flash_attn_ext on the same random cache whose first
-    `n_prefix` cells are clustered, the threshold set so that about `keep` of them are read; `n_runs` interleaved
+    `n_prefix` cells are clustered, each row reading its best clusters up to `keep` of them; `n_runs` interleaved
     runs each after a warm-up. Returns (centroid_us, flash_us, fraction of the clustered cells read)."""
     centroid_us = (ctypes.c_double * n_runs)()
     flash_us = (ctypes.c_double * n_runs)()
@@ -443,16 +443,18 @@ def bench_centroid(*, d: int, n_head: int, n_head_kv: int, n_kv: int, n_prefix: 
     return np.array(centroid_us[:]), np.array(flash_us[:]), kept.value
 
 
-# ---- threshold calibration of a prepared prefix (llama_squeeze_prepare's, over arrays) ----------------
+# ---- coarse threshold calibration of a two-level prepared prefix (llama_squeeze_prepare's, over arrays) ----
 
 def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: float, group: str = "max",
                       coarse: np.ndarray | None = None, parent: np.ndarray | None = None, keep_coarse: float = 0.0,
-                      n_threads: int | None = None, var_weight: float = 0.0) -> tuple[float, float, float]:
-    """The calibration llama_squeeze_prepare runs, on arrays: q [L, n_rows, n_head, d] (calibration queries per
+                      n_threads: int | None = None, var_weight: float = 0.0) -> tuple[float, float]:
+    """The calibration llama_squeeze_prepare runs (two levels: the coarse threshold; the fine level is kept by the op's
+    per-row budget and needs none), on arrays: q [L, n_rows, n_head, d] (calibration queries per
     layer), table [L, n_head_kv, n_cent, d + 1 or 2d + 1] (centroids, sizes, then variances); two levels: coarse
     [L, n_head_kv, n_coarse, same width] and parent [L, n_head_kv, n_cent]; var_weight: the kept rule's variance
-    term (needs width 2d + 1). Returns (threshold, threshold_coarse, mean kept fraction). Semantics:
-    `reference_squeeze.calibrate_threshold` over every (layer, KV head, row)."""
+    term (needs width 2d + 1). Returns (threshold_coarse, the mean share of the clustered cells under the kept coarse
+    clusters); one level: (0, 1). Semantics: `reference_squeeze.calibrate_threshold` of the coarse scores at
+    keep_coarse (0: min(1, 2 keep)) over every (layer, KV head, row)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     table = np.ascontiguousarray(table, dtype=np.float32)
     if q.ndim != 4 or table.ndim != 4 or q.shape[0] != table.shape[0] or table.shape[3] not in (q.shape[3] + 1,
@@ -467,14 +469,14 @@ def squeeze_calibrate(q: np.ndarray, table: np.ndarray, *, scale: float, keep: f
         coarse = np.ascontiguousarray(coarse, dtype=np.float32)
         parent = np.ascontiguousarray(parent, dtype=np.int32)
         n_coarse = coarse.shape[2]
-    t, tc, kept = ctypes.c_float(), ctypes.c_float(), ctypes.c_float()
+    tc, kept = ctypes.c_float(), ctypes.c_float()
     args = SqueezeCalibArgs(d=d, n_head=n_head, n_head_kv=table.shape[1], n_rows=n_rows, n_layers=n_layers,
                             n_cent=table.shape[2], n_coarse=n_coarse, q=q.ctypes.data, table=table.ctypes.data,
                             coarse=None if coarse is None else coarse.ctypes.data,
                             parent=None if parent is None else parent.ctypes.data, scale=float(scale),
                             group=_GROUP[group], keep=float(keep), keep_coarse=float(keep_coarse),
-                            n_threads=int(n_threads or os.cpu_count() or 1), threshold=ctypes.pointer(t),
-                            threshold_coarse=ctypes.pointer(tc), kept=ctypes.pointer(kept),
+                            n_threads=int(n_threads or os.cpu_count() or 1), threshold_coarse=ctypes.pointer(tc),
+                            kept=ctypes.pointer(kept),
                             table_width=table.shape[3], var_weight=float(var_weight))
     _call(C.sparq_llama_eval_squeeze_calibrate, args)
-    return t.value, tc.value, kept.value
+    return tc.value, kept.value

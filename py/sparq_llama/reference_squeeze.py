@@ -3,7 +3,7 @@ kernels and for the clustering and calibration that prepare a fixed prefix (docs
 semantics").
 
 Offline, once per fixed prefix, per layer and KV head, over the *clustered* cells (the prefix without its
-last ``n_calib`` cells, which stay exact and whose queries calibrate the threshold):
+last ``n_calib`` cells, which stay exact and whose queries calibrate the two-level rule's coarse threshold):
 
 * :func:`kmeans_cosine`: spherical k-means on the L2-normalised keys. Initial centroids (``init``):
   ``"even"``, the keys at evenly spaced cells (``(i * P) // c``); or ``"kpp"``, k-means++ seeding
@@ -16,8 +16,8 @@ last ``n_calib`` cells, which stay exact and whose queries calibrate the thresho
   ``n_iter`` iterations or when no assignment changes. The result's centroids are the means of the members'
   *unnormalised* keys (what the attention scores use) with the cluster sizes N_i (0: empty, never read) and
   the members' per-component variances about them, D_i[e] = sum_k (k_e - C_i[e])^2 / N_i.
-* :func:`calibrate_threshold`: one global threshold T such that, over the calibration queries of every
-  layer and KV head, the mean fraction of clustered keys kept equals the user's ``keep``.
+* :func:`calibrate_threshold`: two levels, one global coarse threshold such that, over the calibration queries of
+  every layer and KV head, the mean fraction of clustered keys under kept coarse clusters equals ``keep_coarse``.
 
 Online, per KV head h, query row t, G the query heads reading h and sigma the kq scale (:func:`centroid_attn`):
 
@@ -29,17 +29,20 @@ Online, per KV head h, query row t, G the query heads reading h and sigma the kq
 2. The group decides together (one selection per KV head, as the kernels gather K and V rows once per group):
    s[i] = max_g S_g[i] (``group="max"``: a cluster is read when any head wants it; the default) or the mean
    over g (``group="mean"``).
-3. Kept clusters: s[i] >= T, and always the best cluster (largest s, ties: lower index), so that no row loses
-   its whole prefix. T <= 0 keeps every cluster (then the op is dense attention).
+3. Kept clusters, a budget per row (:func:`keep_budget`): the clusters in order of s (larger first, equal scores
+   by lower index), each kept while the sizes of those before it sum to less than B = max(1, ceil(keep * N)), N
+   the clustered cells (the sum of the sizes; keep * N a float32 product, as the kernels compute it). The best
+   cluster is always kept, so that no row loses its whole prefix; keep >= 1 keeps every cluster (then the op is
+   dense attention).
 4. Selected cells: the row's visible cells that are not clustered (cluster -1: the question, generated
    tokens, the prefix's exact tail) or whose cluster is kept.
 5. Exact attention over the selected cells: softmax(cap(sigma * q_g . k_j)) . v_j per head g.
 
 Two levels (optional): coarse centroids over the fine ones, each fine cluster linked to its parent. The
-coarse level runs steps 1-3 against ``threshold_coarse`` with the coarse sizes; fine clusters are scored only
-under kept parents, against the coarse normaliser Z = sum_c N_c exp(z_c) (the fine one would read every fine
-centroid, which is what the coarse level avoids), and kept when their group score >= T, the best scored fine
-cluster always. Here S_g[i] = exp(z_g[i] + v_g[i]) / Z_g; the coarse level's variances are those of the coarse
+coarse level runs steps 1-2 with the coarse sizes and keeps the coarse clusters whose score >= ``threshold_coarse``
+(<= 0: all), the best always; fine clusters are scored only under kept parents, against the coarse normaliser
+Z = sum_c N_c exp(z_c) (the fine one would read every fine centroid, which is what the coarse level avoids), and
+kept by step 3's budget (N: all the clustered cells). Here S_g[i] = exp(z_g[i] + v_g[i]) / Z_g; the coarse level's variances are those of the coarse
 cluster's keys about the coarse centroid (:func:`coarse_level` computes them exactly from the fine table).
 """
 from __future__ import annotations
@@ -54,8 +57,9 @@ from .squeeze import GROUPS as GROUP_RULES
 from .squeeze import INITS as KMEANS_INITS
 from .squeeze import Clusters
 
-__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "group_scores", "kept_fraction",
-           "kmeans_cosine", "kpp_round_size", "kpp_seed_rows", "kpp_uniform", "variance_term"]
+__all__ = ["Clusters", "calibrate_threshold", "centroid_attn", "coarse_level", "fine_scores", "group_scores",
+           "keep_budget",
+           "kept_by_budget", "kept_fraction", "kmeans_cosine", "kpp_round_size", "kpp_seed_rows", "kpp_uniform", "variance_term"]
 
 F64 = NDArray[np.float64]
 I64 = NDArray[np.int64]
@@ -243,18 +247,48 @@ def _kept(s: F64, live: NDArray[np.bool_], threshold: float) -> NDArray[np.bool_
     return kept
 
 
-def _kept_clusters(qg: F64, cent: F64, sizes: F64, var: F64 | None, scale: float, threshold: float, group: str,
-                   coarse: tuple[F64, F64, I64, F64 | None] | None, threshold_coarse: float,
-                   var_weight: float) -> NDArray[np.bool_]:
-    """Kept fine clusters of one group's queries qg [G, d] (one or two levels)."""
+def keep_budget(keep: float, n_clustered: float) -> int:
+    """B = max(1, ceil(keep * N)) with keep * N a float32 product (as the kernels compute it)."""
+    return max(1, int(math.ceil(float(np.float32(keep) * np.float32(n_clustered)))))
+
+
+def kept_by_budget(s: ArrayLike, scored: ArrayLike, sizes: ArrayLike, budget: float) -> NDArray[np.bool_]:
+    """The budget rule: the scored clusters in order of s (larger first, equal scores by lower index), each kept while
+    the sizes of those before it sum to less than `budget` (the first always)."""
+    s = np.asarray(s, dtype=np.float64)
+    n = np.asarray(sizes, dtype=np.float64)
+    idx = np.flatnonzero(np.asarray(scored, dtype=bool))
+    order = idx[np.lexsort((idx, -s[idx]))]
+    before = np.cumsum(n[order]) - n[order]
+    kept = np.zeros(s.shape[0], dtype=bool)
+    kept[order[before < budget]] = True
+    return kept
+
+
+def fine_scores(qg: ArrayLike, cent: ArrayLike, sizes: ArrayLike, var: ArrayLike | None, scale: float, group: str,
+                coarse: tuple[ArrayLike, ...] | None, threshold_coarse: float,
+                var_weight: float) -> tuple[F64, NDArray[np.bool_]]:
+    """The fine group scores [n_cent] of one group's queries qg [G, d] and which clusters are scored: the live ones,
+    with two levels (coarse = (centroids, sizes, parent, variances or None) of this KV head) those under kept coarse
+    clusters, scored against the coarse normaliser."""
+    qg, cent, sizes = (np.asarray(x, dtype=np.float64) for x in (qg, cent, sizes))
     if coarse is None:
-        return _kept(group_scores(qg, cent, sizes, scale, group, None, var, var_weight), sizes > 0, threshold)
+        return group_scores(qg, cent, sizes, scale, group, None, var, var_weight), sizes > 0
     c_cent, c_sizes, parent, c_var = coarse
+    c_cent, c_sizes = np.asarray(c_cent, dtype=np.float64), np.asarray(c_sizes, dtype=np.float64)
     log_z = _log_normaliser(scale * (qg @ c_cent.T), c_sizes)
     kept_c = _kept(group_scores(qg, c_cent, c_sizes, scale, group, log_z, c_var, var_weight), c_sizes > 0,
                    threshold_coarse)
-    scored = (sizes > 0) & kept_c[parent]
-    return _kept(group_scores(qg, cent, sizes, scale, group, log_z, var, var_weight), scored, threshold)
+    scored = (sizes > 0) & kept_c[np.asarray(parent, dtype=np.int64)]
+    return group_scores(qg, cent, sizes, scale, group, log_z, var, var_weight), scored
+
+
+def _kept_clusters(qg: F64, cent: F64, sizes: F64, var: F64 | None, scale: float, keep: float, group: str,
+                   coarse: tuple[F64, F64, I64, F64 | None] | None, threshold_coarse: float,
+                   var_weight: float) -> NDArray[np.bool_]:
+    """Kept fine clusters of one group's queries qg [G, d] (one or two levels)."""
+    s, scored = fine_scores(qg, cent, sizes, var, scale, group, coarse, threshold_coarse, var_weight)
+    return kept_by_budget(s, scored, sizes, keep_budget(keep, sizes.sum()))
 
 
 def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_cluster: I64, variances: F64 | None,
@@ -283,7 +317,7 @@ def _check_inputs(q: F64, k: F64, v: F64, centroids: F64, sizes: F64, cell_clust
 
 
 def centroid_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, centroids: ArrayLike, sizes: ArrayLike,
-                  cell_cluster: ArrayLike, threshold: float, mask: ArrayLike | None = None, *,
+                  cell_cluster: ArrayLike, keep: float, mask: ArrayLike | None = None, *,
                   scale: float | None = None, softcap: float = 0.0, group: str = "max",
                   coarse: tuple[ArrayLike, ...] | None = None, threshold_coarse: float = 0.0,
                   variances: ArrayLike | None = None, var_weight: float = 0.0,
@@ -307,8 +341,8 @@ def centroid_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, centroids: ArrayLike
         raise ValueError("var_weight > 0 with two levels needs the coarse variances (coarse[3])")
     if group not in GROUP_RULES:
         raise ValueError(f"group must be one of {GROUP_RULES}, got {group!r}")
-    if not math.isfinite(threshold) or not math.isfinite(threshold_coarse):
-        raise ValueError("thresholds must be finite")
+    if not math.isfinite(keep) or not math.isfinite(threshold_coarse):
+        raise ValueError("keep and threshold_coarse must be finite")
     n_head, n_q, d = q.shape
     n_head_kv, n_kv, _ = k.shape
     G = n_head // n_head_kv
@@ -325,7 +359,7 @@ def centroid_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, centroids: ArrayLike
         rows = []
         for t in range(n_q):
             qg = q[h*G:(h + 1)*G, t]
-            kept = _kept_clusters(qg, cent[h], n_cl[h], None if var is None else var[h], sigma, threshold, group, lv,
+            kept = _kept_clusters(qg, cent[h], n_cl[h], None if var is None else var[h], sigma, keep, group, lv,
                                   threshold_coarse, var_weight)
             in_kept = np.where(cc[h] >= 0, kept[np.maximum(cc[h], 0)], True)
             cells = np.flatnonzero(vis[t] & in_kept).astype(np.int64)

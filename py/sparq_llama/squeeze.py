@@ -3,7 +3,7 @@ the k-means result (`Clusters`) and the C API.
 
     from sparq_llama import Llama
     llm = Llama(path)                                       # flash attention on (needed: row-major V)
-    llm.prepare_fixed_context(document, keep=0.1)           # evaluate, cluster, calibrate once
+    llm.prepare_fixed_context(document, keep=0.1)           # evaluate and cluster once
     llm.create_completion(document + question)              # reuses the prefix; reads ~10% of its keys
     llm.save_fixed_context("doc.state")                     # doc.state + doc.state.squeeze
     llm2 = Llama(path, fixed_context="doc.state")           # processed once, loaded since
@@ -60,11 +60,13 @@ class SqueezeConfig:
         default) finds 96.3% of dense's needles on SmolLM2 at keep = 0.1 with the variance rule below; the paper's
         5% finds 89.7% (none without the variance rule) for 19% less decode time, 15% 98.2% for 25% more
         (docs/quality.md: the frontier).
-    keep: target fraction of the clustered prefix read per query (calibrated on the prefix's last tokens).
+    keep: fraction of the clustered prefix each query reads: its best-scored clusters until they hold that share of
+        the clustered keys (a per-row budget).
     levels: 1, or 2 (coarse clusters prune before the fine ones).
     centroids_coarse: levels = 2: coarse clusters as a fraction of the clustered prefix.
     keep_coarse: levels = 2: kept fraction at the coarse level; None: min(1, 2 * keep).
-    n_calib: the prefix's last tokens whose queries calibrate the threshold (read exactly, never clustered).
+    n_calib: the prefix's last tokens, read exactly (never clustered), whose queries calibrate the two-level rule's
+        coarse threshold.
     n_iter: k-means iterations at most (stops early when no assignment moves).
     group: how the query heads of a GQA group decide together: "max" (a cluster is read when any head wants
         it) or "mean".
@@ -125,9 +127,9 @@ class SqueezeInfo:
     n_clustered: int
     n_layers: int
     levels: int
-    threshold: float
-    threshold_coarse: float
-    kept_calib: float
+    keep: float  # the fine level's budget: each row reads its best clusters up to this share of the clustered cells
+    threshold_coarse: float  # two levels: the calibrated coarse threshold
+    kept_calib: float  # two levels: mean share of the clustered cells under kept coarse clusters on the calibration rows
     prefill: str = "auto"  # how a question's prefill reads the prefix: "auto", "sparse" or "dense" (set_prefill)
     var_weight: float = 0.0  # the kept rule's variance term (0: the mean rule; sidecars before version 3)
 
@@ -237,7 +239,8 @@ def load_files(ctx: Any, state_path: str, sidecar_path: str, capacity: int, *, s
 
 
 def recalibrate(ctx: Any, keep: float, keep_coarse: float = 0.0) -> SqueezeInfo:
-    """llama_squeeze_recalibrate: the prepared prefix's thresholds for a new keep (same clusters). ValueError on failure."""
+    """llama_squeeze_recalibrate: a new keep for the prepared prefix (same clusters; two levels: the coarse threshold
+    calibrated again). ValueError on failure."""
     if _api().llama_squeeze_recalibrate(_ctx_ptr(ctx), float(keep), float(keep_coarse)) != 0:
         raise _error("llama_squeeze_recalibrate")
     return info(ctx)
@@ -265,7 +268,7 @@ def info(ctx: Any) -> SqueezeInfo:
     c = _api().llama_squeeze_get_info(_ctx_ptr(ctx))
     return SqueezeInfo(prepared=bool(c.prepared), seq_id=int(c.seq_id), n_prefix=int(c.n_prefix),
                        n_clustered=int(c.n_clustered), n_layers=int(c.n_layers), levels=int(c.levels),
-                       threshold=float(c.threshold), threshold_coarse=float(c.threshold_coarse),
+                       keep=float(c.keep), threshold_coarse=float(c.threshold_coarse),
                        kept_calib=float(c.kept_calib),
                        prefill=PREFILL_MODES[c.prefill] if 0 <= c.prefill < len(PREFILL_MODES) else str(c.prefill),
                        var_weight=float(c.var_weight))

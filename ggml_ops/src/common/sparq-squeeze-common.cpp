@@ -53,8 +53,8 @@ static bool squeeze_load_prefix(llama_context * ctx, const common_params & param
             return false;
         }
         const llama_squeeze_info info = llama_squeeze_get_info(ctx);
-        LOG_INF("%s: recalibrated to keep %g (threshold %g, kept on its calibration queries %.1f%%)\n", __func__,
-                (double) params.squeeze_params.keep, (double) info.threshold, 100.0*info.kept_calib);
+        LOG_INF("%s: set to keep %g (each row reads its best clusters up to that share of the clustered cells)\n",
+                __func__, (double) info.keep);
     }
     return true;
 }
@@ -167,8 +167,8 @@ static bool squeeze_prepare_prefix(llama_context * ctx, const common_params & pa
         return false;
     }
     const llama_squeeze_info info = llama_squeeze_get_info(ctx);
-    LOG_INF("%s: prepared the fixed prefix in %.2f s (threshold %g, kept on its calibration queries %.1f%%)\n",
-            __func__, (ggml_time_us() - t0)/1e6, (double) info.threshold, 100.0*info.kept_calib);
+    LOG_INF("%s: prepared the fixed prefix in %.2f s (keep %g)\n", __func__, (ggml_time_us() - t0)/1e6,
+            (double) info.keep);
     if (!params.squeeze_save.empty()) {
         const std::string sidecar = params.squeeze_save + ".squeeze";
         if (llama_squeeze_save_files(ctx, params.squeeze_save.c_str(), sidecar.c_str()) != 0) {

@@ -4,7 +4,7 @@
 // Work is organised in "rows": one row = (KV head h, query row t, stream s), all query heads of h's group
 // together since they share the selection. Rows go in waves of W rows (bounded scratch for long prefill
 // batches); each wave runs three phases separated by barriers, threads taking tasks dynamically:
-//   A. per row:          the kept clusters (centroid scores; the coarse level first when there is one)
+//   A. per row:          the kept clusters (centroid scores, the budget rule; the coarse level first when there is one)
 //   B. per (row, part):  exact attention of every head of the group over the selected cells of one part of
 //                        the sequence, as a partial softmax (max, sum, weighted sum of V): with one KV head
 //                        and one query, the parts keep every thread busy
@@ -38,7 +38,7 @@ struct centroid_shape {
 // Offsets (in 4-byte units) of one wave row's scratch and of one thread's scratch.
 struct centroid_layout {
     size_t kept, kept_coarse, partials, row_size;
-    size_t z, score, log_z, qsq, sel, logits, tmp_k, tmp_v, thread_size;
+    size_t z, score, log_z, qsq, order, sel, logits, tmp_k, tmp_v, thread_size;
     size_t total_bytes;
 };
 
@@ -79,6 +79,7 @@ centroid_layout make_layout(const centroid_shape & s, int n_tasks) {
     l.score  = o; o += pad16(n_c);                // group scores
     l.log_z  = o; o += pad16(2 * s.group);        // log normaliser per head (double)
     l.qsq    = o; o += pad16(s.group * s.d);      // the squared query components (the variance term)
+    l.order  = o; o += pad16(s.n_cent);           // scored fine clusters in budget order (int32)
     l.sel    = o; o += pad16(k_block);            // selected cells of a block (int32)
     l.logits = o; o += pad16(s.group * k_block);
     l.tmp_k  = o; o += pad16(s.d);
@@ -225,7 +226,8 @@ void log_normaliser(const centroid_ctx & c, const ggml_tensor * table, int64_t n
     }
 }
 
-// kept[i] = score[i] >= threshold for the scored clusters, and the best scored one (ties: lower index).
+// kept[i] = score[i] >= threshold for the scored clusters (score >= 0), and the best scored one (ties: lower
+// index). The coarse level's rule.
 void keep_clusters(const float * score, int64_t n, float threshold, uint8_t * kept) {
     int64_t best = -1;
     for (int64_t i = 0; i < n; ++i) {
@@ -239,6 +241,44 @@ void keep_clusters(const float * score, int64_t n, float threshold, uint8_t * ke
     }
 }
 
+// The fine level's budget B = max(1, ceil(keep * N)) for N clustered cells; keep * N in float32, as every backend
+// computes it (N is a sum of integer sizes, exact in float below 2^24 cells).
+double keep_budget(float keep, double n_clustered) {
+    const float prod = keep * (float) n_clustered;
+    return std::max(1.0, (double) std::ceil(prod));
+}
+
+// The budget rule (ggml-centroid.h, step 3): the scored clusters (score >= 0) in order of score, larger first and
+// equal scores by lower index, each kept while the sizes of those before it sum to less than `budget`.
+// order: scratch of n int32.
+void keep_budget_clusters(const centroid_ctx & c, const float * score, int64_t n, double budget, int64_t h, int64_t st,
+                          int32_t * order, uint8_t * kept) {
+    int64_t n_scored = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        kept[i] = 0;
+        if (score[i] >= 0.0f) {
+            order[n_scored++] = (int32_t) i;
+        }
+    }
+    std::sort(order, order + n_scored, [score](int32_t a, int32_t b) {
+        return score[a] > score[b] || (score[a] == score[b] && a < b);
+    });
+    double before = 0.0;  // sizes of the clusters ahead in the order: integers, exact
+    for (int64_t r = 0; r < n_scored && before < budget; ++r) {
+        kept[order[r]] = 1;
+        before += (double) centroid_ctx::table_row(c.cent, order[r], h, st)[c.s.d];
+    }
+}
+
+// N: the clustered cells of the row's fine table (the sum of its sizes).
+double clustered_cells(const centroid_ctx & c, int64_t h, int64_t st) {
+    double n = 0.0;
+    for (int64_t i = 0; i < c.s.n_cent; ++i) {
+        n += (double) centroid_ctx::table_row(c.cent, i, h, st)[c.s.d];
+    }
+    return n;
+}
+
 // Phase A: the row's kept fine clusters.
 void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
     int64_t h, t, st;
@@ -249,7 +289,9 @@ void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
     uint8_t * kept = (uint8_t *) (c.row(w) + c.l.kept);
     double * log_z = (double *) (th + c.l.log_z);
     float * qsq = th + c.l.qsq;
+    int32_t * order = (int32_t *) (th + c.l.order);
     const int64_t n_cent = c.s.n_cent, d = c.s.d;
+    const double budget = keep_budget(c.p.keep, clustered_cells(c, h, st));
 
     const ggml_tensor * level1 = c.coarse ? c.coarse : c.cent;
     const int64_t n1 = c.coarse ? c.s.n_coarse : n_cent;
@@ -268,7 +310,7 @@ void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
         score[i] = group_score(c, z, n1, i, log_z);
     }
     if (!c.coarse) {
-        keep_clusters(score, n_cent, c.p.threshold, kept);
+        keep_budget_clusters(c, score, n_cent, budget, h, st, order, kept);
         return;
     }
     // two levels: the fine clusters under kept coarse ones, against the coarse normaliser
@@ -280,7 +322,7 @@ void phase_clusters(const centroid_ctx & c, int64_t w, int64_t r, int ith) {
         kept[i] = centroid_ctx::table_row(c.cent, i, h, st)[d] > 0.0f && pi >= 0 && pi < n1 && kept_c[pi];
     }
     group_scores(c, c.cent, n_cent, kept, log_z, h, t, st, qsq, z, score);
-    keep_clusters(score, n_cent, c.p.threshold, kept);
+    keep_budget_clusters(c, score, n_cent, budget, h, st, order, kept);
 }
 
 // Phase B: partial softmax of every head of the row over the selected cells of part `part`.

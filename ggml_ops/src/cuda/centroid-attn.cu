@@ -10,10 +10,12 @@
 //       the group (a warp per cluster) and each block's softmax statistics (max, sum N exp(z - max)) per head;
 //       the stored logits then get the variance term (var_weight > 0), which the statistics leave out.
 //       Level 1 is the coarse table with two levels, else the fine one.
-//   S2. select (one block per row): the normaliser log Z_g from the block statistics, the level-1 group scores,
-//       the kept clusters (>= threshold, the best always: ties to the lower index). Two levels: then the fine
-//       clusters under kept parents are scored against the coarse normaliser (a warp per cluster) and kept by
-//       the same rule. Output: one byte per fine cluster.
+//   S2. select (one block per row): the normaliser log Z_g from the block statistics and the level-1 group scores.
+//       One level: those are the fine scores. Two levels: the coarse clusters >= threshold_coarse are kept (the
+//       best always: ties to the lower index), then the fine clusters under kept parents are scored against the
+//       coarse normaliser (a warp per cluster). The fine level is kept by the budget rule: an exact radix select
+//       over the (score, index) keys weighted by the cluster sizes finds the boundary cluster. Output: one byte
+//       per fine cluster.
 //   A.  attend (grid: chunks of cells x rows x passes over the group's heads): the chunk's selected cells
 //       (visible, and unclustered or in a kept cluster) compacted in cell order into shared memory; groups of
 //       LPC lanes each run an online softmax over every N_GRP-th selected cell (16-byte K/V loads, two cells in
@@ -76,7 +78,7 @@ struct centroid_scratch {
     double  * part1;   // [W][n_chunks1][G][2]: block max and sum N exp(z - max) (kernel S1)
     uint8_t * kept;    // [W][n_cent]: kept fine clusters (kernel S2)
     uint8_t * kept_c;  // [W][n_coarse]: kept coarse clusters (kernel S2, two levels)
-    float   * fscore;  // [W][n_cent]: fine group scores, -1 for unscored (kernel S2, two levels)
+    float   * fscore;  // [W][n_cent]: fine group scores, -1 for unscored (kernel S2)
     float   * part;    // [W][n_chunks][G][2 + d_v]: chunk max, sum and weighted sum of V (kernel A)
 };
 
@@ -135,7 +137,25 @@ static __device__ uint64_t block_max_u64(uint64_t v, uint64_t * red) {
     return m;
 }
 
-// Key of the best-cluster rule: larger score first, then the lower index; 0 for an unscored cluster (< 0).
+// Sum over the block (every thread gets it), of integers held in doubles: exact, so the order does not matter.
+// red: S_WARPS shared slots.
+static __device__ double block_sum_f64(double v, double * red) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) {
+        red[warp] = v;
+    }
+    __syncthreads();
+    double s = 0.0;
+    for (int i = 0; i < (int) (blockDim.x / WARP_SIZE); ++i) {
+        s += red[i];
+    }
+    return s;
+}
+
+// Key of the cluster order (the best-cluster rule and the budget rule): larger score first, then the lower index;
+// 0 for an unscored cluster (< 0). Scores are >= 0, so their float bits order them.
 __device__ __forceinline__ uint64_t best_key(float score, int64_t i) {
     if (!(score >= 0.0f)) {
         return 0;
@@ -328,11 +348,116 @@ __global__ void __launch_bounds__(S_THREADS) centroid_level1(const centroid_args
 
 // ---- S2: normaliser, group scores, kept clusters -------------------------------------------------------
 
+constexpr int RADIX_BINS = 256;  // the budget select: 8 bits of the 64-bit keys a pass
+static_assert(S_THREADS == RADIX_BINS, "kernel S2: a thread per radix bin");
+static_assert(RADIX_BINS == 8*WARP_SIZE, "kernel S2: eight radix bins per lane of the scanning warp");
+
+struct budget_smem {
+    uint32_t weight[RADIX_BINS];  // the sizes of the pass's candidates per bin
+    uint32_t count[RADIX_BINS];   // the candidates per bin
+    double   red[S_WARPS];
+    uint64_t remaining;           // the budget left for the candidates of the chosen bin
+    uint32_t bin, bin_count;      // the chosen bin and its candidates
+    bool     all;                 // the scored clusters' sizes do not reach the budget: all are kept
+};
+
+// The budget rule (ggml-centroid.h, step 3) for one row over its fine scores fscore [n_cent] (< 0: unscored): with
+// clusters ordered by key (best_key), the boundary cluster b is the first whose size, with those of the clusters
+// before it, reaches B = max(1, ceil(keep * N)); kept: b and the clusters before it (every scored one when their
+// sizes sum to less than B). Found as the largest key K with sum{size_i : key_i >= K} >= B by a radix select from
+// the top byte of the keys down: a pass histograms the sizes of the candidates (keys with the chosen prefix) over
+// the next 8 bits, the scanning warp finds the bin where the sum from the top crosses the budget left, and the
+// pass ends the search once that bin holds one cluster (keys are distinct: at most 8 passes). Integer sizes and
+// shared-memory atomics: the same bits on every run. Then kept[i] = key_i >= K.
+static __device__ void keep_by_budget(const centroid_args & a, const row_coords & c, const float * fscore,
+                                      uint8_t * kept, budget_smem & sm) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int64_t n = a.n_cent;
+
+    // N: the clustered cells (the fine table's sizes); B computed as the CPU kernel does (a float32 product)
+    double n_sum = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += S_THREADS) {
+        n_sum += (double) cent_row(a, i, c)[a.d];
+    }
+    n_sum = block_sum_f64(n_sum, sm.red);
+    const double budget = fmax(1.0, (double) ceilf(__fmul_rn(a.p.keep, (float) n_sum)));
+
+    uint64_t prefix = 0, mask = 0;   // the boundary key's bits chosen so far
+    uint64_t remaining = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        sm.weight[threadIdx.x] = 0;
+        sm.count[threadIdx.x]  = 0;
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < n; i += S_THREADS) {
+            const uint64_t key = best_key(fscore[i], i);
+            if (key != 0 && (key & mask) == prefix) {
+                const uint32_t bin = (uint32_t) (key >> shift) & (RADIX_BINS - 1);
+                atomicAdd(&sm.weight[bin], (uint32_t) cent_row(a, i, c)[a.d]);
+                atomicAdd(&sm.count[bin], 1u);
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // lane l scans bins 255 - 8l down to 248 - 8l: the lanes in order cover the bins from the top
+            uint32_t w[8];
+            uint64_t local = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                w[j] = sm.weight[RADIX_BINS - 1 - 8*lane - j];
+                local += w[j];
+            }
+            uint64_t incl = local;
+#pragma unroll
+            for (int off = 1; off < WARP_SIZE; off <<= 1) {
+                const uint64_t o = __shfl_up_sync(0xFFFFFFFF, incl, off);
+                incl += lane >= off ? o : 0;
+            }
+            const uint64_t excl = incl - local;
+            if (shift == 56) {
+                const uint64_t total = __shfl_sync(0xFFFFFFFF, incl, WARP_SIZE - 1);
+                remaining = (double) total < budget ? 0 : (uint64_t) budget;
+                if (lane == 0) {
+                    sm.all = remaining == 0;
+                }
+            }
+            if (remaining != 0 && excl < remaining && incl >= remaining) {  // one lane: the crossing
+                uint64_t cum = excl;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (cum + w[j] >= remaining) {
+                        const uint32_t bin = RADIX_BINS - 1 - 8*lane - j;
+                        sm.bin = bin;
+                        sm.bin_count = sm.count[bin];
+                        sm.remaining = remaining - cum;
+                        break;
+                    }
+                    cum += w[j];
+                }
+            }
+        }
+        __syncthreads();
+        if (sm.all) {
+            break;
+        }
+        prefix |= (uint64_t) sm.bin << shift;
+        mask   |= (uint64_t) (RADIX_BINS - 1) << shift;
+        remaining = sm.remaining;
+        if (sm.bin_count == 1) {
+            break;  // the bin's one cluster is the boundary: prefix (lower bits 0) separates it from those after it
+        }
+    }
+    const uint64_t boundary = sm.all ? 1 : prefix;
+    for (int64_t i = threadIdx.x; i < n; i += S_THREADS) {
+        kept[i] = best_key(fscore[i], i) >= boundary;
+    }
+}
+
 __global__ void __launch_bounds__(S_THREADS) centroid_select(const centroid_args a, const centroid_scratch s,
                                                              const int64_t r0) {
     pdl_wait();
     extern __shared__ double log_z[];  // [G]
     __shared__ uint64_t red[S_WARPS];
+    __shared__ budget_smem sm;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.x, G = a.group, n1 = a.n1;
     const row_coords c = coords_of(a, r0 + w);
@@ -359,18 +484,31 @@ __global__ void __launch_bounds__(S_THREADS) centroid_select(const centroid_args
     }
     __syncthreads();
 
-    // level 1: scores of the live clusters, >= threshold, and the best one
+    // level 1: scores of the live clusters; with two levels the coarse ones >= threshold_coarse, and the best one
     const bool two = a.coarse != nullptr;
-    uint8_t * kept1 = two ? s.kept_c + w*a.n_coarse : s.kept + w*a.n_cent;
-    const float thr1 = two ? a.p.threshold_coarse : a.p.threshold;
+    uint8_t * kept = s.kept + w*a.n_cent;
+    float * fscore = s.fscore + w*a.n_cent;
     const float * z1 = s.z1 + w*G*n1;
+    if (!two) {
+        for (int64_t i = threadIdx.x; i < n1; i += S_THREADS) {
+            float score = -1.0f;
+            if (z1[i] != -INFINITY) {  // head 0's -inf marks an empty cluster
+                score = group_score(a, log_z, [&](int64_t g) { return z1[g*n1 + i]; });
+            }
+            fscore[i] = score;
+        }
+        __syncthreads();
+        keep_by_budget(a, c, fscore, kept, sm);
+        return;
+    }
+    uint8_t * kept1 = s.kept_c + w*a.n_coarse;
     uint64_t best = 0;
     for (int64_t i = threadIdx.x; i < n1; i += S_THREADS) {
         float score = -1.0f;
-        if (z1[i] != -INFINITY) {  // head 0's -inf marks an empty cluster
+        if (z1[i] != -INFINITY) {
             score = group_score(a, log_z, [&](int64_t g) { return z1[g*n1 + i]; });
         }
-        kept1[i] = score >= 0.0f && score >= thr1;
+        kept1[i] = score >= 0.0f && score >= a.p.threshold_coarse;
         const uint64_t key = best_key(score, i);
         best = key > best ? key : best;
     }
@@ -378,15 +516,10 @@ __global__ void __launch_bounds__(S_THREADS) centroid_select(const centroid_args
     if (threadIdx.x == 0 && best) {
         kept1[best_index(best)] = 1;
     }
-    if (!two) {
-        return;
-    }
     __syncthreads();
 
     // level 2: the fine clusters under kept parents, against the coarse normaliser (a warp per cluster)
     const int32_t * parent = parent_row(a, c);
-    float * fscore = s.fscore + w*a.n_cent;
-    best = 0;
     for (int64_t i = warp; i < a.n_cent; i += S_WARPS) {
         const float * row = cent_row(a, i, c);
         const int32_t pi = parent[i];
@@ -405,17 +538,10 @@ __global__ void __launch_bounds__(S_THREADS) centroid_select(const centroid_args
         }
         if (lane == 0) {
             fscore[i] = score;
-            const uint64_t key = best_key(score, i);
-            best = key > best ? key : best;
         }
     }
-    best = block_max_u64(best, red);  // its barriers also publish fscore to the block
-    const int64_t bi = best_index(best);
-    uint8_t * kept = s.kept + w*a.n_cent;
-    for (int64_t i = threadIdx.x; i < a.n_cent; i += S_THREADS) {
-        const float score = fscore[i];
-        kept[i] = (score >= 0.0f && score >= a.p.threshold) || i == bi;
-    }
+    __syncthreads();
+    keep_by_budget(a, c, fscore, kept, sm);
 }
 
 // ---- A: attention over one chunk's selected cells ------------------------------------------------------
@@ -756,7 +882,7 @@ static scratch_plan plan_scratch(const centroid_args & a, int64_t W) {
     p.part1  = take(sizeof(double) * W*a.n_chunks1*G*2);
     p.kept   = take(W*a.n_cent);
     p.kept_c = take(W*a.n_coarse);
-    p.fscore = take(a.coarse ? sizeof(float) * W*a.n_cent : 0);
+    p.fscore = take(sizeof(float) * W*a.n_cent);
     p.part   = take(sizeof(float) * W*a.n_chunks*G*(2 + a.d_v));
     p.total  = o;
     return p;

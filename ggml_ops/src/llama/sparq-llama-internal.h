@@ -148,7 +148,9 @@ struct squeeze_kv_state {
     int32_t  seq_id = 0;
     uint32_t stream = 0;
     int32_t  n_prefix = 0, n_clustered = 0;
-    float    threshold = 0.0f, threshold_coarse = 0.0f, kept_calib = 0.0f;
+    // two levels: the calibrated coarse threshold and the mean share of the clustered cells under the coarse clusters
+    // it keeps on the calibration queries (one level: 0 and 1; the fine level's budget is params.keep)
+    float    threshold_coarse = 0.0f, kept_calib = 1.0f;
     std::vector<int32_t>  tokens;      // the prefix
     std::vector<uint32_t> cells;       // [n_clustered]: the cell holding each clustered position
     // other streams that a cross-stream seq_cp filled from the prefix's stream (or from a mirror): they hold the

@@ -184,7 +184,7 @@ struct llama_squeeze_info llama_squeeze_get_info(const struct llama_context * ct
     info.n_prefix         = st->n_prefix;
     info.n_clustered      = st->n_clustered;
     info.levels           = st->params.levels;
-    info.threshold        = st->threshold;
+    info.keep             = st->params.keep;
     info.prefill          = st->prefill;
     info.threshold_coarse = st->threshold_coarse;
     info.kept_calib       = st->kept_calib;

@@ -1,6 +1,7 @@
-// The threshold calibration of a prepared prefix (docs/design.md, "Prepared prefixes"): one threshold T over all
-// layers, KV heads and calibration rows such that the mean kept fraction of the clustered prefix reaches `keep` (the
-// largest such T, as sparq_llama.reference_squeeze.calibrate_threshold): a histogram of the scores by their float
+// The coarse threshold calibration of a two-level prepared prefix (docs/design.md, "Prepared prefixes"): one
+// threshold T over all layers, KV heads and calibration rows such that the mean share of the clustered prefix under
+// the kept coarse clusters reaches `keep_coarse` (the largest such T, as
+// sparq_llama.reference_squeeze.calibrate_threshold; the fine level is kept by the op's per-row budget): a histogram of the scores by their float
 // bits, then an exact pass over the one bin where the target is crossed (O(n), no sort of every score; that pass
 // scores only the clusters near the bin, from the normalisers the first pass kept). Also recalibration of a
 // prepared prefix at a new keep, and its evaluation over host arrays for tests (sparq-llama-testing.h).
@@ -97,41 +98,38 @@ static void table_logits(const float * q, int64_t n_q, const float * table, int6
     }
 }
 
-// One (layer, KV head)'s calibration work: the logits of every row r = t*G + j (query row t, head j of the group)
-// and the cluster sizes, read contiguously.
+// One (layer, KV head)'s calibration work: the coarse logits of every row r = t*G + j (query row t, head j of the
+// group) and the coarse cluster sizes, read contiguously.
 struct head_logits {
     std::vector<float> q;     // [n_rows*G][d] the group's query rows
     std::vector<float> qsq;   // [n_rows*G][d] their squares (the variance term)
-    std::vector<float> top;   // [n_rows*G][n_top] against the top level (the coarse one with two levels): the
-                              // normaliser's logits scale q.C
+    std::vector<float> top;   // [n_rows*G][n_c] against the coarse level: the normaliser's logits scale q.C
     std::vector<float> top_rule;  // the same plus the variance term (var_weight > 0; else empty: top is the rule)
-    std::vector<float> fine;  // [n_rows*G][n_f] rule logits against the fine level (two levels, fine pass only)
     std::vector<float> tmp;   // scratch of the variance term
-    std::vector<float> size;  // [n_c + n_f] cluster sizes, the coarse ones first (n_c = 0 with one level)
-    double n_total = 0.0;     // the head's clustered keys (the fine sizes' sum)
+    std::vector<float> size;  // [n_c] coarse cluster sizes
+    double n_total = 0.0;     // the head's clustered keys (the coarse sizes' sum)
 
     // the top level's rule logits (the scores' exponents), per row [n_top]
     const float * top_scores() const { return top_rule.empty() ? top.data() : top_rule.data(); }
 };
 
-static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, bool coarse_pass, head_logits & hl) {
+static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, head_logits & hl) {
     const squeeze_kv_layer & L = *cl.L;
     const int64_t d = L.d, G = cl.n_head / L.n_head_kv, n_q = n_rows*G, W = L.width;
-    const bool two = L.n_coarse > 0;
-    const int64_t n_c = two ? L.n_coarse : 0, n_f = L.n_cent;
-    const float * coarse = two ? L.coarse_table.data() + h*n_c*W : nullptr;
-    const float * fine = L.table.data() + h*n_f*W;
+    const int64_t n_c = L.n_coarse;
+    GGML_ASSERT(n_c > 0);
+    const float * coarse = L.coarse_table.data() + h*n_c*W;
     const bool var = cl.var_weight > 0.0f;
     GGML_ASSERT(!var || W == 2*d + 1);
     hl.q.resize((size_t) n_q*d);
     for (int64_t t = 0; t < n_rows; ++t) {
         std::memcpy(hl.q.data() + t*G*d, cl.q + (t*cl.n_head + h*G)*d, (size_t) G*d*sizeof(float));
     }
-    hl.size.resize((size_t) (n_c + n_f));
+    hl.size.resize((size_t) n_c);
     hl.n_total = 0.0;
-    for (int64_t i = 0; i < n_c + n_f; ++i) {
-        hl.size[i] = i < n_c ? coarse[i*W + d] : fine[(i - n_c)*W + d];
-        hl.n_total += i < n_c ? 0.0 : hl.size[i];
+    for (int64_t i = 0; i < n_c; ++i) {
+        hl.size[i] = coarse[i*W + d];
+        hl.n_total += hl.size[i];
     }
     // the variance term var_weight scale^2 / 2 (q*q) . D_i added to logits [n_q][n] of the table's rows
     const float coef = 0.5f*cl.var_weight*cl.scale*cl.scale;
@@ -148,25 +146,17 @@ static void compute_head_logits(const calib_layer & cl, int64_t h, int n_rows, b
             hl.qsq[e] = hl.q[e]*hl.q[e];
         }
     }
-    const int64_t n_top = two ? n_c : n_f;
-    hl.top.resize((size_t) n_q*n_top);
-    table_logits(hl.q.data(), n_q, two ? coarse : fine, n_top, W, d, cl.scale, hl.top.data());
+    hl.top.resize((size_t) n_q*n_c);
+    table_logits(hl.q.data(), n_q, coarse, n_c, W, d, cl.scale, hl.top.data());
     hl.top_rule.clear();
     if (var) {
         hl.top_rule = hl.top;
-        add_variance(two ? coarse : fine, n_top, hl.top_rule);
-    }
-    if (two && !coarse_pass) {
-        hl.fine.resize((size_t) n_q*n_f);
-        table_logits(hl.q.data(), n_q, fine, n_f, W, d, cl.scale, hl.fine.data());
-        if (var) {
-            add_variance(fine, n_f, hl.fine);
-        }
+        add_variance(coarse, n_c, hl.top_rule);
     }
 }
 
-// A calibration row's scores are exp(l - m)/z per head of the group: m the largest logit of the top level, z the
-// top level's size-weighted sum of exp(l - m). The histogram pass keeps (m, z) and the best candidate of each
+// A calibration row's scores are exp(l - m)/z per head of the group: m the largest coarse logit, z the coarse
+// level's size-weighted sum of exp(l - m). The histogram pass keeps (m, z) and the best candidate of each
 // row so that the bin pass scores, bit for bit alike, only the clusters that may fall into its bin.
 struct row_norm { double m, z; };
 struct head_rows {
@@ -187,71 +177,32 @@ static double group_score(const float * const * lg, int64_t i, const row_norm * 
     return c;
 }
 
-// The group scores of calibration row t into comb [n_c + n_f] (coarse clusters first) and its normalisers into
-// norm [G]. coarse_pass: the coarse level only (two levels). top_exp: scratch [n_top].
-static void group_scores(const calib_layer & cl, int64_t t, int group, bool coarse_pass, const head_logits & hl,
-                         double * comb, double * top_exp, row_norm * norm) {
+// The coarse group scores of calibration row t into comb [n_c] and its normalisers into norm [G]. top_exp: scratch
+// [n_c].
+static void group_scores(const calib_layer & cl, int64_t t, int group, const head_logits & hl, double * comb,
+                         double * top_exp, row_norm * norm) {
     const squeeze_kv_layer & L = *cl.L;
-    const int64_t G = cl.n_head / L.n_head_kv;
-    const bool two = L.n_coarse > 0;
-    const int64_t n_c = two ? L.n_coarse : 0, n_f = L.n_cent, n_top = two ? n_c : n_f;
+    const int64_t G = cl.n_head / L.n_head_kv, n_c = L.n_coarse;
     const float * size = hl.size.data();
     for (int64_t j = 0; j < G; ++j) {
-        const float * lg = hl.top.data() + (t*G + j)*n_top;
+        const float * lg = hl.top.data() + (t*G + j)*n_c;
         double m = -INFINITY;
-        for (int64_t i = 0; i < n_top; ++i) {
+        for (int64_t i = 0; i < n_c; ++i) {
             m = size[i] > 0.0f ? std::max(m, (double) lg[i]) : m;
         }
-        // one exp per top-level cluster: the normaliser and the top level's scores share it
+        // one exp per coarse cluster: the normaliser and the scores share it
         double z = 0.0;
-        for (int64_t i = 0; i < n_top; ++i) {
+        for (int64_t i = 0; i < n_c; ++i) {
             top_exp[i] = size[i] > 0.0f ? std::exp((double) lg[i] - m) : 0.0;
             z += size[i]*top_exp[i];
         }
         norm[j] = { m, z };
-        const float * lr = hl.top_scores() + (t*G + j)*n_top;  // the rule's logits (lg itself without variances)
-        for (int64_t i = 0; i < n_top; ++i) {
+        const float * lr = hl.top_scores() + (t*G + j)*n_c;  // the rule's logits (lg itself without variances)
+        for (int64_t i = 0; i < n_c; ++i) {
             if (size[i] > 0.0f) {
                 combine(group, G, comb[i], (lr == lg ? top_exp[i] : std::exp((double) lr[i] - m))/z);
             }
         }
-        if (two && !coarse_pass) {
-            const float * lf = hl.fine.data() + (t*G + j)*n_f;
-            for (int64_t i = 0; i < n_f; ++i) {
-                if (size[n_c + i] > 0.0f) {
-                    combine(group, G, comb[n_c + i], std::exp((double) lf[i] - m)/z);
-                }
-            }
-        }
-    }
-}
-
-// The candidates of a row's scored level (comb indices [lo, hi)) into cand [hi - lo]: live clusters, and with two
-// levels and !coarse_pass only fine clusters under a coarse cluster kept at t_coarse (or the best coarse one).
-static void candidates(const calib_layer & cl, int64_t h, bool coarse_pass, float t_coarse, const head_logits & hl,
-                       const double * comb, std::vector<char> & cand) {
-    const squeeze_kv_layer & L = *cl.L;
-    const int64_t n_c = L.n_coarse, n_f = L.n_cent;
-    const float * size = hl.size.data();
-    if (n_c == 0 || coarse_pass) {
-        const int64_t n = n_c == 0 ? n_f : n_c;
-        cand.resize(n);
-        for (int64_t i = 0; i < n; ++i) {
-            cand[i] = size[i] > 0.0f;
-        }
-        return;
-    }
-    int64_t best_c = -1;
-    for (int64_t c = 0; c < n_c; ++c) {
-        if (size[c] > 0.0f && (best_c < 0 || comb[c] > comb[best_c])) {
-            best_c = c;
-        }
-    }
-    cand.resize(n_f);
-    for (int64_t i = 0; i < n_f; ++i) {
-        const int32_t p = L.parent[h*n_f + i];
-        // the float score against the float threshold, as the op compares them (the cluster at T itself is kept)
-        cand[i] = size[n_c + i] > 0.0f && (p == best_c || (float) comb[p] >= t_coarse);
     }
 }
 
@@ -267,20 +218,17 @@ static uint32_t score_bin(float s) {
     return bits >> 16; // scores are >= 0: the float bits order them
 }
 
-// Histogram pass, one row: the best candidate's weight is always kept (base), the others' weights go to the bins
-// of their scores. Weights are fractions of the head's clustered keys.
-static void hist_row(const calib_layer & cl, int64_t t, int group, bool coarse_pass, float t_coarse, int64_t h,
-                     const head_logits & hl, std::vector<double> & buf, std::vector<char> & cand, head_rows & rows,
-                     hist_acc & acc) {
+// Histogram pass, one row: the best live coarse cluster's weight is always kept (base), the others' weights go to
+// the bins of their scores. Weights are fractions of the head's clustered keys.
+static void hist_row(const calib_layer & cl, int64_t t, int group, const head_logits & hl, std::vector<double> & buf,
+                     head_rows & rows, hist_acc & acc) {
     const int64_t G = cl.n_head / cl.L->n_head_kv, n = (int64_t) hl.size.size();
-    const int64_t lo = coarse_pass || cl.L->n_coarse == 0 ? 0 : cl.L->n_coarse;
-    buf.assign((size_t) 2*n, 0.0); // [n] combined scores, then [n_top] exps
+    buf.assign((size_t) 2*n, 0.0); // [n] combined scores, then [n] exps
     double * comb = buf.data();
-    group_scores(cl, t, group, coarse_pass, hl, comb, buf.data() + n, rows.norm.data() + t*G);
-    candidates(cl, h, coarse_pass, t_coarse, hl, comb, cand);
+    group_scores(cl, t, group, hl, comb, buf.data() + n, rows.norm.data() + t*G);
     int64_t best = -1;
-    for (int64_t i = 0; i < (int64_t) cand.size(); ++i) {
-        if (cand[i] && (best < 0 || comb[lo + i] > comb[lo + best])) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (hl.size[i] > 0.0f && (best < 0 || comb[i] > comb[best])) {
             best = i; // ties: the lower index
         }
     }
@@ -288,12 +236,12 @@ static void hist_row(const calib_layer & cl, int64_t t, int group, bool coarse_p
     if (best < 0) {
         return;
     }
-    acc.base += hl.size[lo + best]/hl.n_total;
+    acc.base += hl.size[best]/hl.n_total;
     acc.n_rows += 1.0;
-    for (int64_t i = 0; i < (int64_t) cand.size(); ++i) {
-        if (cand[i] && i != best) {
-            const float s = (float) comb[lo + i];
-            acc.hist[score_bin(s)] += hl.size[lo + i]/hl.n_total;
+    for (int64_t i = 0; i < n; ++i) {
+        if (hl.size[i] > 0.0f && i != best) {
+            const float s = (float) comb[i];
+            acc.hist[score_bin(s)] += hl.size[i]/hl.n_total;
             acc.max_score = std::max(acc.max_score, s);
         }
     }
@@ -301,34 +249,25 @@ static void hist_row(const calib_layer & cl, int64_t t, int group, bool coarse_p
 
 struct bin_acc {
     uint32_t bin = 0;
-    std::vector<std::pair<float, double>> pairs; // (score, weight) of the candidates in the bin
+    std::vector<std::pair<float, double>> pairs; // (score, weight) of the clusters in the bin
 };
 
-// Bin pass, one row: the candidates whose score falls into acc.bin. Only clusters whose logits come within a
-// margin of the bin's edges (in log space, from the row's normalisers) are scored; the margin (1e-4) is far above
-// the rounding of that test, so no candidate of the bin is skipped, and the scores are the histogram pass's.
-static void bin_row(const calib_layer & cl, int64_t t, int group, bool coarse_pass, float t_coarse, int64_t h,
-                    const head_logits & hl, std::vector<double> & buf, std::vector<char> & cand, const head_rows & rows,
+// Bin pass, one row: the live coarse clusters whose score falls into acc.bin. Only clusters whose logits come within
+// a margin of the bin's edges (in log space, from the row's normalisers) are scored; the margin (1e-4) is far above
+// the rounding of that test, so no cluster of the bin is skipped, and the scores are the histogram pass's.
+static void bin_row(const calib_layer & cl, int64_t t, int group, const head_logits & hl, const head_rows & rows,
                     bin_acc & acc) {
     const squeeze_kv_layer & L = *cl.L;
-    const int64_t G = cl.n_head / L.n_head_kv, n_c = L.n_coarse, n_f = L.n_cent;
-    const bool fine_under_coarse = n_c > 0 && !coarse_pass;
-    const int64_t lo = fine_under_coarse ? n_c : 0, n_top = n_c > 0 ? n_c : n_f;
+    const int64_t G = cl.n_head / L.n_head_kv, n_c = L.n_coarse;
     const row_norm * norm = rows.norm.data() + t*G;
     const int32_t best = rows.best[t];
     if (best < 0) {
         return;
     }
-    std::vector<const float *> top(G), scored(G);
+    std::vector<const float *> scored(G);
     for (int64_t j = 0; j < G; ++j) {
-        top[j] = hl.top_scores() + (t*G + j)*n_top;
-        scored[j] = fine_under_coarse ? hl.fine.data() + (t*G + j)*n_f : top[j];
+        scored[j] = hl.top_scores() + (t*G + j)*n_c;
     }
-    buf.assign((size_t) n_c, 0.0); // the coarse scores that choose the fine candidates
-    for (int64_t i = 0; fine_under_coarse && i < n_c; ++i) {
-        buf[i] = hl.size[i] > 0.0f ? group_score(top.data(), i, norm, G, group) : 0.0;
-    }
-    candidates(cl, h, coarse_pass, t_coarse, hl, buf.data(), cand);
     // the bin's scores [s_lo, s_hi) as logits per head: l in [lo_j, hi_j); a mean over G heads is below s_hi only
     // if every head's score is below G*s_hi
     const uint32_t bits_lo = acc.bin << 16, bits_hi = (acc.bin + 1) << 16;
@@ -341,8 +280,8 @@ static void bin_row(const calib_layer & cl, int64_t t, int group, bool coarse_pa
         l_lo[j] = norm[j].m + std::log((double) s_lo*norm[j].z) - margin;
         l_hi[j] = norm[j].m + std::log(hi_factor*s_hi*norm[j].z) + margin;
     }
-    for (int64_t i = 0; i < (int64_t) cand.size(); ++i) {
-        if (!cand[i] || i == best) {
+    for (int64_t i = 0; i < n_c; ++i) {
+        if (!(hl.size[i] > 0.0f) || i == best) {
             continue;
         }
         bool reaches_lo = false, below_hi = true;
@@ -355,15 +294,15 @@ static void bin_row(const calib_layer & cl, int64_t t, int group, bool coarse_pa
         }
         const float s = (float) group_score(scored.data(), i, norm, G, group);
         if (score_bin(s) == acc.bin) {
-            acc.pairs.emplace_back(s, hl.size[lo + i]/hl.n_total);
+            acc.pairs.emplace_back(s, hl.size[i]/hl.n_total);
         }
     }
 }
 
-// Runs row(cl, t, h, hl, buf, cand, rows, acc) over every (layer, KV head, row) on n_threads threads, one
-// accumulator per thread; rows: one head_rows per (layer, KV head), in order.
+// Runs row(cl, t, hl, buf, rows, acc) over every (layer, KV head, row) on n_threads threads, one accumulator per
+// thread; rows: one head_rows per (layer, KV head), in order.
 template <typename Acc, typename Row>
-std::vector<Acc> score_all(const std::vector<calib_layer> & cls, int n_rows, bool coarse_pass, int n_threads,
+std::vector<Acc> score_all(const std::vector<calib_layer> & cls, int n_rows, int n_threads,
                            const Acc & proto, std::vector<head_rows> & rows, const Row & row) {
     struct item { size_t l; int64_t h; };
     std::vector<item> items;
@@ -379,16 +318,15 @@ std::vector<Acc> score_all(const std::vector<calib_layer> & cls, int n_rows, boo
     for (int w = 0; w < n_threads; ++w) {
         workers.emplace_back([&, w] {
             std::vector<double> buf;
-            std::vector<char> cand;
             head_logits hl;
             for (size_t i = w; i < items.size(); i += n_threads) {
                 const calib_layer & cl = cls[items[i].l];
                 const int64_t G = cl.n_head / cl.L->n_head_kv;
-                compute_head_logits(cl, items[i].h, n_rows, coarse_pass, hl);
+                compute_head_logits(cl, items[i].h, n_rows, hl);
                 rows[i].norm.resize((size_t) n_rows*G);
                 rows[i].best.resize(n_rows);
                 for (int t = 0; t < n_rows; ++t) {
-                    row(cl, t, items[i].h, hl, buf, cand, rows[i], accs[w]);
+                    row(cl, t, hl, buf, rows[i], accs[w]);
                 }
             }
         });
@@ -399,16 +337,17 @@ std::vector<Acc> score_all(const std::vector<calib_layer> & cls, int n_rows, boo
     return accs;
 }
 
-// The largest threshold whose mean kept fraction is >= keep; *kept: that mean kept fraction.
-static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, bool coarse_pass, float t_coarse,
-                float keep, int n_threads, float * kept) {
+// The largest coarse threshold whose mean kept fraction (of the clustered cells under the kept coarse clusters) is
+// >= keep; *kept: that mean kept fraction.
+static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int group, float keep, int n_threads,
+                       float * kept) {
     std::vector<head_rows> rows;
     hist_acc h;
-    auto hist = [&](const calib_layer & cl, int t, int64_t head, const head_logits & hl, std::vector<double> & buf,
-                    std::vector<char> & cand, head_rows & r, hist_acc & acc) {
-        hist_row(cl, t, group, coarse_pass, t_coarse, head, hl, buf, cand, r, acc);
+    auto hist = [&](const calib_layer & cl, int t, const head_logits & hl, std::vector<double> & buf, head_rows & r,
+                    hist_acc & acc) {
+        hist_row(cl, t, group, hl, buf, r, acc);
     };
-    for (auto & s : score_all(cls, n_rows, coarse_pass, n_threads, hist_acc(), rows, hist)) {
+    for (auto & s : score_all(cls, n_rows, n_threads, hist_acc(), rows, hist)) {
         for (size_t b = 0; b < h.hist.size(); ++b) {
             h.hist[b] += s.hist[b];
         }
@@ -439,16 +378,16 @@ static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int gro
     }
     if (bin < 0) {
         *kept = (float) ((h.base + cum)/h.n_rows);
-        return 0.0f; // every candidate is needed
+        return 0.0f; // every cluster is needed
     }
     bin_acc proto;
     proto.bin = (uint32_t) bin;
-    auto in_bin = [&](const calib_layer & cl, int t, int64_t head, const head_logits & hl, std::vector<double> & buf,
-                      std::vector<char> & cand, head_rows & r, bin_acc & acc) {
-        bin_row(cl, t, group, coarse_pass, t_coarse, head, hl, buf, cand, r, acc);
+    auto in_bin = [&](const calib_layer & cl, int t, const head_logits & hl, std::vector<double> &, head_rows & r,
+                      bin_acc & acc) {
+        bin_row(cl, t, group, hl, r, acc);
     };
     std::vector<std::pair<float, double>> pairs;
-    for (auto & s : score_all(cls, n_rows, coarse_pass, n_threads, proto, rows, in_bin)) {
+    for (auto & s : score_all(cls, n_rows, n_threads, proto, rows, in_bin)) {
         pairs.insert(pairs.end(), s.pairs.begin(), s.pairs.end());
     }
     std::sort(pairs.begin(), pairs.end(), [](const auto & a, const auto & b) { return a.first > b.first; });
@@ -467,16 +406,17 @@ static float calibrate(const std::vector<calib_layer> & cls, int n_rows, int gro
     return t;
 }
 
-// Both thresholds (the coarse one first, two levels); returns the mean kept fraction at them.
+// The coarse threshold (two levels; 0 with one level: the fine level is kept by the op's per-row budget, which
+// needs no calibration); returns the mean share of the clustered cells under the kept coarse clusters (1 with one
+// level).
 static float calibrate_levels(const std::vector<calib_layer> & cls, int n_rows, int group, int levels, float keep,
-                       float keep_coarse, int n_threads, float * threshold, float * threshold_coarse) {
+                       float keep_coarse, int n_threads, float * threshold_coarse) {
     float kept = 1.0f;
     *threshold_coarse = 0.0f;
     if (levels == 2) {
         const float keep_c = keep_coarse > 0.0f ? keep_coarse : std::min(1.0f, 2.0f*keep);
-        *threshold_coarse = calibrate(cls, n_rows, group, true, 0.0f, keep_c, n_threads, &kept);
+        *threshold_coarse = calibrate(cls, n_rows, group, keep_c, n_threads, &kept);
     }
-    *threshold = calibrate(cls, n_rows, group, false, *threshold_coarse, keep, n_threads, &kept);
     return kept;
 }
 
@@ -484,9 +424,14 @@ static float calibrate_levels(const std::vector<calib_layer> & cls, int n_rows, 
 
 namespace sqp = sparq_squeeze_detail;
 
-// Step 3: the thresholds (st.threshold, st.threshold_coarse, st.kept_calib) from the calibration queries in
-// st.calib_q at st.params.keep (and keep_coarse).
+// Step 3: two levels, the coarse threshold (st.threshold_coarse, st.kept_calib) from the calibration queries in
+// st.calib_q at st.params.keep_coarse.
 std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st) {
+    if (st.params.levels != 2) {  // one level: nothing to calibrate (the op's per-row budget)
+        st.threshold_coarse = 0.0f;
+        st.kept_calib = 1.0f;
+        return "";
+    }
     const auto & hp = ctx.model.hparams;
     const int32_t n_calib = st.n_prefix - st.n_clustered;
     std::vector<sqp::calib_layer> cls;
@@ -513,8 +458,7 @@ std::string sparq_squeeze_access::calibrate_layers(llama_context & ctx, const ll
         cls.push_back(std::move(cl));
     }
     st.kept_calib = sqp::calibrate_levels(cls, n_calib, st.params.group, st.params.levels, st.params.keep, st.params.keep_coarse,
-                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st.threshold,
-                                           &st.threshold_coarse);
+                                           std::max(1, (int) ctx.cparams.n_threads_batch), &st.threshold_coarse);
     return "";
 }
 
@@ -529,7 +473,7 @@ std::string sparq_squeeze_access::recalibrate(llama_context & ctx, float keep, f
     if (st == nullptr || !st->ready) {
         return "no prepared prefix to recalibrate";
     }
-    if (st->calib_q.empty()) {
+    if (st->calib_q.empty() && st->params.levels == 2) {
         return "this prefix was loaded from a sidecar without its calibration queries (format version 1): prepare it "
                "again, or save it with this build, to recalibrate";
     }
@@ -546,13 +490,13 @@ std::string sparq_squeeze_access::recalibrate(llama_context & ctx, float keep, f
         st->params = before;
         return err;
     }
-    // graphs carry the threshold: a new generation keeps them from being reused
+    // graphs carry keep and the coarse threshold: a new generation keeps them from being reused
     st->generation = next_generation();
     reset_graphs(ctx);
-    LLAMA_LOG_INFO("%s: centroid-sparse prefix recalibrated to keep %.3g: T = %.4g%s, kept on the calibration queries %.1f%%\n",
-                   __func__, (double) keep, (double) st->threshold,
-                   st->params.levels == 2 ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "",
-                   100.0*st->kept_calib);
+    LLAMA_LOG_INFO("%s: centroid-sparse prefix set to keep %.3g%s\n", __func__, (double) keep,
+                   st->params.levels == 2 ? (", coarse T = " + std::to_string(st->threshold_coarse) + ", under kept "
+                                            "coarse clusters on the calibration queries " +
+                                            std::to_string(100.0*st->kept_calib) + "%").c_str() : "");
     return "";
 }
 
@@ -561,7 +505,7 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         snprintf(err, err_size, "%s", msg);
         return 1;
     };
-    if (a == nullptr || a->q == nullptr || a->table == nullptr || !a->threshold || !a->threshold_coarse || !a->kept) {
+    if (a == nullptr || a->q == nullptr || a->table == nullptr || !a->threshold_coarse || !a->kept) {
         return fail("args, q, table and the outputs are required");
     }
     const bool two = a->n_coarse > 0;
@@ -598,6 +542,6 @@ int sparq_llama_eval_squeeze_calibrate(const struct squeeze_calib_args * a, char
         cls[l].q = a->q + l*nq;
     }
     *a->kept = sqp::calibrate_levels(cls, (int) a->n_rows, a->group, two ? 2 : 1, a->keep, a->keep_coarse,
-                                     std::max(1, a->n_threads), a->threshold, a->threshold_coarse);
+                                     std::max(1, a->n_threads), a->threshold_coarse);
     return 0;
 }

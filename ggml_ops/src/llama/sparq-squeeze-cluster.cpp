@@ -168,7 +168,7 @@ bool device_runs_op(const ggml_tensor * k_cache, const ggml_tensor * v_cache, in
     ggml_tensor * coarse = two_levels ? ggml_new_tensor_4d(ctx.get(), GGML_TYPE_F32, 2*d + 1, 2, n_head_kv, 1) : nullptr;
     ggml_tensor * parent = two_levels ? ggml_new_tensor_3d(ctx.get(), GGML_TYPE_I32, 8, n_head_kv, 1) : nullptr;
     ggml_centroid_params p = ggml_centroid_default_params();
-    p.threshold = 0.5f;
+    p.keep = 0.5f;
     p.var_weight = 0.5f;
     if (ggml_centroid_attn_check(q, k, v, mask, cent, cell, coarse, parent, &p) != nullptr) {
         return false;

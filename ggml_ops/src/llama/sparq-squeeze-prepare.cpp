@@ -3,8 +3,9 @@
 //      layer's query rows out (the cache ends as it was; those tokens stay unclustered, read exactly);
 //   2. cluster: per layer, the clustered prefix keys of every KV head are clustered by k-means on the backend
 //      that holds them (sparq-squeeze-cluster.cpp);
-//   3. calibrate: one threshold T over all layers, KV heads and calibration rows such that the mean kept
-//      fraction of the clustered prefix reaches `keep` (sparq-squeeze-calibrate.cpp);
+//   3. calibrate (two levels): one coarse threshold over all layers, KV heads and calibration rows such that the
+//      mean share of the clustered prefix under kept coarse clusters reaches `keep_coarse`
+//      (sparq-squeeze-calibrate.cpp); the fine level needs none: each row reads its best clusters up to `keep`;
 //   4. install the tables on the device (sparq-squeeze-state.cpp).
 // The sidecar file is in sparq-squeeze-sidecar.cpp, the C API in sparq-squeeze-api.cpp.
 #include "sparq-squeeze.h"
@@ -269,10 +270,12 @@ std::string sparq_squeeze_access::prepare(llama_context & ctx, int32_t seq_id, c
     reset_graphs(ctx);
     progress(1.0f);
     LLAMA_LOG_INFO("%s: centroid-sparse prefix of sequence %d: %d tokens (%d clustered into %lld clusters per KV head%s, "
-                   "%d calibration tokens), %d layers, T = %.4g%s, kept on the calibration queries %.1f%%\n", __func__,
+                   "%d calibration tokens, %s seeds), %d layers, keep %.3g, var_weight %g%s\n", __func__,
             seq_id, n_prefix, n_clustered, (long long) n_cent, n_coarse ? (", " + std::to_string(n_coarse) + " coarse").c_str() : "",
-            n_calib, n_active, (double) st->threshold,
-            n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse)).c_str() : "", 100.0*st->kept_calib);
+            n_calib, st->params.init == LLAMA_SQUEEZE_INIT_KPP ? "k-means++" : "even", n_active, (double) st->params.keep,
+            (double) st->params.var_weight,
+            n_coarse ? (", coarse T = " + std::to_string(st->threshold_coarse) + ", under kept coarse clusters on the "
+                        "calibration queries " + std::to_string(100.0*st->kept_calib) + "%").c_str() : "");
     LLAMA_LOG_INFO("%s: centroid-sparse preparation phases: capture %.2f s, clustering %.2f s, calibration %.2f s "
                    "(%d threads), install %.2f s\n", __func__, 1e-6*(double) phase_us[0], 1e-6*(double) phase_us[1],
             1e-6*(double) phase_us[2], (int) ctx.cparams.n_threads_batch, 1e-6*(double) phase_us[3]);

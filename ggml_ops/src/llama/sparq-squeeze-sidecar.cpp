@@ -152,7 +152,8 @@ std::string sparq_squeeze_access::save(llama_context & ctx, const char * path, c
     w.val(p.centroids); w.val(p.keep); w.val(p.levels); w.val(p.centroids_coarse); w.val(p.keep_coarse);
     w.val(p.n_calib); w.val(p.n_iter); w.val(p.group); w.val(p.var_weight);
     w.val(st->n_prefix); w.val(st->n_clustered);
-    w.val(st->threshold); w.val(st->threshold_coarse); w.val(st->kept_calib);
+    // the fine level's threshold of files before the budget rule: no longer read, written as 0 (the layout unchanged)
+    w.val(0.0f); w.val(st->threshold_coarse); w.val(st->kept_calib);
     w.seal(out);
     w.vec(st->tokens);
     w.seal(out);
@@ -260,7 +261,8 @@ std::string sparq_squeeze_access::parse_sidecar(llama_context & ctx, const llama
     p.n_iter = r.val<int32_t>(); p.group = r.val<int32_t>();
     p.var_weight = version >= 3 ? r.val<float>() : 0.0f;  // older files: the mean rule, whose thresholds they hold
     st->n_prefix = r.val<int32_t>(); st->n_clustered = r.val<int32_t>();
-    st->threshold = r.val<float>(); st->threshold_coarse = r.val<float>(); st->kept_calib = r.val<float>();
+    (void) r.val<float>();  // the fine threshold of files before the budget rule: the rule now runs from p.keep
+    st->threshold_coarse = r.val<float>(); st->kept_calib = r.val<float>();
     if (!parts.done("header", r, err) || !parts.next("prefix tokens", r, err)) {
         return err;
     }
@@ -420,8 +422,8 @@ std::string sparq_squeeze_access::apply_sidecar(llama_context & ctx, llama_kv_ca
     }
     kv.squeeze = st;
     reset_graphs(ctx);
-    LLAMA_LOG_INFO("%s: centroid-sparse prefix of sequence %d loaded from %s: %d tokens, T = %.4g\n", __func__, seq_id, path,
-                   st->n_prefix, (double) st->threshold);
+    LLAMA_LOG_INFO("%s: centroid-sparse prefix of sequence %d loaded from %s: %d tokens, keep %.3g\n", __func__, seq_id, path,
+                   st->n_prefix, (double) st->params.keep);
     return "";
 }
 

@@ -371,7 +371,7 @@ ggml_tensor * squeeze_build_attn(ggml_context * ctx0, llm_graph_result * res, co
     v  = ggml_permute(ctx0, v, 0, 2, 1, 3);
 
     ggml_centroid_params op = ggml_centroid_default_params();
-    op.threshold        = st->threshold;
+    op.keep             = st->params.keep;
     op.threshold_coarse = st->threshold_coarse;
     op.group            = (ggml_centroid_group) st->params.group;
     op.scale            = kq_scale;

@@ -4,7 +4,7 @@
 //   sparq-squeeze-state.cpp      the cache side: prefix cells, checks, device tables, the graph op
 //   sparq-squeeze-prepare.cpp    the context side: the cache, layer selection, query capture, preparing in order
 //   sparq-squeeze-cluster.cpp    k-means of the prefix keys per layer (and of the centroids: two levels)
-//   sparq-squeeze-calibrate.cpp  the thresholds from the calibration queries (and recalibrating at a new keep)
+//   sparq-squeeze-calibrate.cpp  two levels: the coarse threshold from the calibration queries (and a new keep)
 //   sparq-squeeze-sidecar.cpp    saving and loading a prepared prefix (the sidecar file)
 //   sparq-squeeze-api.cpp        the llama_squeeze_* C API
 //   sparq-state-file.cpp         loading a saved prefix's KV state: checked, and into a context of other stream counts;
@@ -87,7 +87,7 @@ struct sparq_squeeze_access {
     static std::string cluster_layers(llama_context & ctx, llama_kv_cache & kv, squeeze_kv_state & st, int64_t n_cent,
                                       int64_t n_coarse, int n_active, const std::function<bool(float)> & progress);
     static std::string calibrate_layers(llama_context & ctx, const llama_kv_cache & kv, squeeze_kv_state & st);
-    // a new keep for a prepared prefix: the thresholds again from its kept calibration queries (no clustering)
+    // a new keep for a prepared prefix (two levels: the coarse threshold again from its calibration queries)
     static std::string recalibrate(llama_context & ctx, float keep, float keep_coarse);
     static std::string load(llama_context & ctx, int32_t seq_id, const char * path, const int32_t * tokens,
                             int32_t n_tokens);
