@@ -59,7 +59,9 @@ def measure(bin_dir: Path, models: Path, depths: list[int], reps: int) -> dict[s
         tps = {(int(r["n_depth"]), bool(r["sparq"])): float(r["avg_ts"]) for r in out}
         for depth in depths:
             dense, sparq = tps[(depth, False)], tps[(depth, True)]
-            rows.append(dict(model_shape=shape, depth=depth, dense_tps=dense, sparq_tps=sparq, speedup=sparq / dense))
+            device = next((r.get("gpu_info") for r in out if r.get("gpu_info")), "")
+            rows.append(dict(model_shape=shape, depth=depth, dense_tps=dense, sparq_tps=sparq, speedup=sparq / dense,
+                             device=device))
             print(f"{shape} depth {depth}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x",
                   flush=True)
     targets = []

@@ -1,5 +1,6 @@
-// CPU kernel of ggml_sparq_index_write. Semantics: ggml_ops/include/ggml-sparq.h. Tasks take whole index blocks
-// (block b of stream j), so no two write one element. K is dequantized with its type's to_float (what get_rows runs)
+// CPU kernel of ggml_sparq_index_write. Semantics: ggml_ops/include/ggml-sparq.h. Tasks take one index block's
+// (block b of stream j) components in segments of SEG, so no two write one element and a decode step's one block a
+// layer still spreads over the threads. K is dequantized with its type's to_float (what get_rows runs)
 // and K^T written with the index type's from_float (what set_rows runs), so the index equals what those ops gave.
 #include "sparq-index-cpu.h"
 
@@ -35,26 +36,26 @@ void ggml_compute_forward_sparq_index_write(const ggml_compute_params * params, 
 
     float vals[MAX_B][SEG];  // the block's cells' components [e0, e0 + SEG)
     float x[MAX_B];
-    for (int64_t t = params->ith; t < n_blk*ns; t += params->nth) {
+    const int64_t n_seg = (n_embd + SEG - 1) / SEG;
+    for (int64_t task = params->ith; task < n_blk*ns*n_seg; task += params->nth) {
+        const int64_t t = task / n_seg, e0 = (task % n_seg)*SEG;
         const int64_t j = t / n_blk, first = t*B;
         const int64_t bn = blks[t];
         GGML_ASSERT(bn >= 0 && (bn + 1)*B <= row_len);  // as ggml_set_rows: a block outside the row is a caller's bug
         char * kt_s = (char *) kt->data + (s0 + j)*kt->nb[2];
-        for (int64_t e0 = 0; e0 < n_embd; e0 += SEG) {
-            const int64_t n = std::min(SEG, n_embd - e0);
+        const int64_t n = std::min(SEG, n_embd - e0);
+        for (int64_t u = 0; u < B; ++u) {
+            const int64_t c = cell[first + u];
+            GGML_ASSERT(c >= 0 && c < kv_size*n_stream);
+            const char * row = (const char *) k->data + (c / kv_size)*k->nb[2] + (c % kv_size)*k->nb[1];
+            to_float(row + ggml_row_size(k->type, e0), vals[u], n);
+        }
+        for (int64_t e = 0; e < n; ++e) {
             for (int64_t u = 0; u < B; ++u) {
-                const int64_t c = cell[first + u];
-                GGML_ASSERT(c >= 0 && c < kv_size*n_stream);
-                const char * row = (const char *) k->data + (c / kv_size)*k->nb[2] + (c % kv_size)*k->nb[1];
-                to_float(row + ggml_row_size(k->type, e0), vals[u], n);
+                x[u] = mk ? vals[u][e] * mk[first + u] : vals[u][e];
             }
-            for (int64_t e = 0; e < n; ++e) {
-                for (int64_t u = 0; u < B; ++u) {
-                    x[u] = mk ? vals[u][e] * mk[first + u] : vals[u][e];
-                }
-                char * row = kt_s + (e0 + e)*kt->nb[1];
-                from_float(x, row + ggml_row_size(kt->type, bn*B), B);
-            }
+            char * row = kt_s + (e0 + e)*kt->nb[1];
+            from_float(x, row + ggml_row_size(kt->type, bn*B), B);
         }
     }
 }

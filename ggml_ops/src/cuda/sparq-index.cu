@@ -1,11 +1,13 @@
 // CUDA kernel of ggml_sparq_index_write. Semantics: ggml_ops/include/ggml-sparq.h; the CPU kernel
 // (ggml_ops/src/cpu/sparq-index-cpu.cpp) is the reference.
 //
-// One block per written index block (block b of stream j); thread e takes key component e (strided): it gathers the
-// B cells' values of component e from K, dequantized as ggml-cuda's get_rows dequantizes them (the same device
-// functions), times the mask, and writes them to row e of K^T converted as ggml-cuda's set_rows converts (q8_0: its
-// block quantizer). K rows are read by consecutive threads (coalesced along the components); the writes of one thread
-// are one index block. It replaces the four kernels of get_rows, the mask product, the permuted copy and set_rows.
+// Grid: written index blocks (block b of stream j) x chunks of IW_THREADS key components; thread e takes component e:
+// it gathers the B cells' values of component e from K, dequantized as ggml-cuda's get_rows dequantizes them (the
+// same device functions), times the mask, and writes them to row e of K^T converted as ggml-cuda's set_rows converts
+// (q8_0: its block quantizer). K rows are read by consecutive threads (coalesced along the components); the writes of
+// one thread are one index block. A decode step writes one index block a layer, so the components are what spreads
+// it over the GPU (one thread block per index block would leave one SM looping over every component). It replaces
+// four kernels: get_rows, the mask product, the permuted copy and set_rows.
 #include "sparq-index.cuh"
 #include "attn-cuda-common.cuh"
 #include "convert.cuh"
@@ -68,11 +70,13 @@ __global__ void __launch_bounds__(IW_THREADS) index_write_kernel(const index_arg
     constexpr int B = KT_TYPE == GGML_TYPE_Q8_0 ? QK8_0 : 1;
     static_assert(B <= IW_MAX_B, "an index block fits the thread's values");
     pdl_wait();
-    const int64_t b = blockIdx.x, j = blockIdx.y;
-    const int64_t first = (j*a.n_blk + b)*B;  // this block's cells in cells and mask
-    const int64_t blk = a.blk[j*a.n_blk + b];
+    const int64_t t = blockIdx.x;  // block b of stream j: t = j*n_blk + b
+    const int64_t j = t / a.n_blk;
+    const int64_t first = t*B;     // this index block's cells in cells and mask
+    const int64_t blk = a.blk[t];
     char * kt_s = a.kt + (a.s0 + j)*a.kt_nb2;
-    for (int64_t e = threadIdx.x; e < a.n_embd; e += IW_THREADS) {
+    const int64_t e = (int64_t) blockIdx.y*IW_THREADS + threadIdx.x;
+    if (e < a.n_embd) {
         float x[B];
 #pragma unroll
         for (int u = 0; u < B; ++u) {
@@ -115,7 +119,8 @@ bool k_type_ok(ggml_type t) {
 bool ggml_cuda_sparq_index_write_supported(int device, const ggml_tensor * op) {
     GGML_UNUSED(device);
     const ggml_tensor * kt = op->src[0], * k = op->src[1], * blk = op->src[3];
-    return kt_type_ok(kt->type) && k_type_ok(k->type) && blk->ne[0] <= INT32_MAX && blk->ne[2] <= 65535;
+    return kt_type_ok(kt->type) && k_type_ok(k->type) && blk->ne[0]*blk->ne[2] <= INT32_MAX &&
+           (kt->ne[1] + IW_THREADS - 1) / IW_THREADS <= 65535;
 }
 
 void ggml_cuda_sparq_index_write(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -132,7 +137,7 @@ void ggml_cuda_sparq_index_write(ggml_backend_cuda_context & ctx, ggml_tensor * 
     if (a.n_blk == 0 || blk->ne[2] == 0) {
         return;
     }
-    const dim3 grid((unsigned) a.n_blk, (unsigned) blk->ne[2]);
+    const dim3 grid((unsigned) (a.n_blk*blk->ne[2]), (unsigned) ((a.n_embd + IW_THREADS - 1) / IW_THREADS));
     cudaStream_t stream = ctx.stream();
     switch (k->type) {
         case GGML_TYPE_F32:  launch_for_index<GGML_TYPE_F32> (kt->type, grid, stream, a); break;

@@ -94,10 +94,8 @@ ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, gg
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
 // lives and, on a GPU, on the layer's GQA group. CPU: measured on the 2-core x86 machine with SmolLM2
 // (bench/results/decode_cpu_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from
-// 512). GPU: measured on an H100 (bench/results/cuda_e2e.json): the Llama-2-7B shape (MHA) is at
-// 0.96x of dense at 16k and 1.18x at 32k; the Llama-3-8B shape (4 query heads per KV head) at 0.92x at 32k
-// and 1.06x at 64k. A GQA row reads its K and V rows once for several heads, so dense attention is cheaper
-// per head there and SparQ pays off later.
+// 512). GPU: bench/results/cuda_e2e.json (H200, the default q8 index and qsigma) has SparQ slower than dense
+// at 8k, 32k and 64k for the Llama-2-7B and Llama-3-8B shapes (0.41-0.88x), so the GPU's defaults stay dense.
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV         = LLAMA_SPARQ_MIN_N_KV_HOST;
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_MHA = LLAMA_SPARQ_MIN_N_KV_GPU_MHA;
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_GQA = LLAMA_SPARQ_MIN_N_KV_GPU_GQA;
