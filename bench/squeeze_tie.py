@@ -5,7 +5,8 @@ tokens and the logit margin between them (a near tie at the step where they part
     python bench/squeeze_tie.py --model gemma3 --length 4096 --seed 41 --n 20 --depth 0.9
 
 The example is squeeze_quality.py's (same seed, count and depth spread); keep 1 is the prepared prefix read through
-the centroid op over every cluster, dense the same cache without it. Record: bench/results/squeeze_tie.json.
+the centroid op over every cluster, dense the same cache without it. Record: bench/results/squeeze_tie.json (--append:
+one more run in it).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from record import RESULTS, provenance, write_record
+from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import squeeze
 from squeeze_quality import retrieval_setup
 
@@ -28,6 +29,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_tie.json")
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
 
     engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed, args.model)
@@ -53,9 +55,9 @@ def main() -> int:
     dense, keep_one = steps(False), steps(True)
     for name, s in (("dense", dense), ("keep 1", keep_one)):
         print(f"{name:>7}: " + " ".join(f"{x['token']!r} ({x['margin']:.3f} over {x['second']!r})" for x in s))
-    write_record(args.out, {**provenance("squeeze_tie"), "model": args.model, "length": args.length,
-                            "seed": args.seed, "n": args.n, "depth": args.depth, "answer": ex.meta["answer"],
-                            "dense": dense, "keep_1": keep_one})
+    record = {**provenance("squeeze_tie"), "model": args.model, "length": args.length, "seed": args.seed, "n": args.n,
+              "depth": args.depth, "answer": ex.meta["answer"], "dense": dense, "keep_1": keep_one}
+    (append_run if args.append else write_record)(args.out, record)
     engine.close()
     return 0
 
