@@ -81,7 +81,7 @@ public:
     // The cells this ubatch writes, per cache, derived from the cache's own k_idxs input (stream*kv_size + cell,
     // stream by stream), which is set before this input (inputs are set in the order they were added):
     //   tok_cells [n_tokens] I32: each token's cell, to read the keys and values back as the cache holds them;
-    //   cells, mask, blk: the index blocks the writes touch, as sparq_index_write takes them (B = 1: the cells).
+    //   cells, mask, blk: the index blocks the writes touch, as ggml_sparq_index_write takes them (B = 1: the cells).
     struct cache_entry {
         const llama_kv_cache * kv;
         ggml_tensor * k_idxs;     // [n_tokens] I64
@@ -511,10 +511,11 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     };
 
     if (k_cur && L->kt) {
-        // recompute the index blocks the new keys fall in from K (q8_0: whole blocks of 32 cells)
+        // recompute the index blocks the new keys fall in from K (q8_0: whole blocks of 32 cells), after the graph's
+        // K write (graph order), so the index is a function of the cache's K only
         inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
-        ggml_build_forward_expand(gf, sparq_index_write(ctx0, *L, entry->cells, entry->mask, entry->blk,
-                                                        entry->n_blk, entry->ns, entry->s0));
+        ggml_build_forward_expand(gf, ggml_sparq_index_write(ctx0, L->kt, L->k, entry->cells, entry->mask, entry->blk,
+                                                             (int32_t) entry->s0));
     }
 
     const bool need_future = select && !decode;

@@ -81,16 +81,6 @@ struct llama_cparams;
 struct llama_model;
 uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & model);
 
-// The index write of one layer for a set of blocks, as graph nodes (sparq-llama-kv.cpp); the ubatch writes and
-// the rebuild both use it. For each of ns streams (from stream s0) n_blk blocks of B = sparq_index_block(kt) cells:
-//   cells [B*n_blk*ns] I32: the flat cells (stream*kv_size + cell) to read from K, block by block
-//   mask  [B*n_blk*ns] f32 or NULL: 1 for an occupied cell, 0 for an empty one or one past kv_size (q8_0 index)
-//   blk   [n_blk, 1, ns] I64: each block's number within its component row
-// The K rows are read (dequantized to f32) after the graph's K write (graph order), so the index is a function
-// of the cache's K only. A stream with fewer blocks repeats one: writing a block twice writes the same values.
-ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, ggml_tensor * cells, ggml_tensor * mask,
-                                ggml_tensor * blk, int64_t n_blk, int64_t ns, uint32_t s0);
-
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
 // lives and, on a GPU, on the layer's GQA group. CPU: measured on the 2-core x86 machine with SmolLM2
 // (bench/results/decode_cpu_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from

@@ -324,13 +324,6 @@ ggml_tensor * llama_kv_cache::sparq_get_kt(ggml_context * ctx, int32_t il, uint3
             ggml_row_size(kt->type, row_len*n_embd)*sinfo.s0);
 }
 
-ggml_tensor * sparq_index_write(ggml_context * ctx, const sparq_kv_layer & L, ggml_tensor * cells, ggml_tensor * mask,
-                                ggml_tensor * blk, int64_t n_blk, int64_t ns, uint32_t s0) {
-    GGML_ASSERT(L.kt && L.k);
-    GGML_ASSERT(blk->ne[0] == n_blk && blk->ne[2] == ns);
-    // the blocks' cells of K (empty cells masked to 0, so a block depends on the occupied cells only) into K^T
-    return ggml_sparq_index_write(ctx, L.kt, L.k, cells, mask, blk, (int32_t) s0);
-}
 
 //
 // rebuild
@@ -349,7 +342,7 @@ public:
     ggml_tensor * sum_cells = nullptr;  // [n_cells] I32: stream*kv_size + cell
     ggml_tensor * onehot    = nullptr;  // [n_cells, n_seq_max] f32: the cell holds the sequence
 
-    // the index blocks of every stream's used cells, per block size B: as sparq_index_write takes them
+    // the index blocks of every stream's used cells, per block size B: as ggml_sparq_index_write takes them
     struct index_entry {
         int64_t B, n_blk;
         ggml_tensor * cells, * mask, * blk;
@@ -492,7 +485,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
 
         if (sparq->kt_dirty && L.kt && max_used > 0) {
             const auto & e = index_inputs(sparq_index_block(L.kt));
-            ggml_build_forward_expand(gf, sparq_index_write(ctx, L, e.cells, e.mask, e.blk, e.n_blk, n_stream, 0));
+            ggml_build_forward_expand(gf, ggml_sparq_index_write(ctx, L.kt, L.k, e.cells, e.mask, e.blk, 0));
             n_work++;
         }
 
