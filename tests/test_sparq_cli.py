@@ -103,11 +103,11 @@ def test_default_layout_without_an_index_takes_f16(smollm2_path):
 
 
 def test_default_dense_threshold_is_per_backend(smollm2_path):
-    # the measured defaults: 512 cells where the KV is in host memory; on a GPU 2^20 for MHA and GQA layers (SparQ
-    # measured slower than dense end to end there: docs/performance.md)
+    # the measured defaults: 512 cells where the KV is in host memory; on a GPU 32k for MHA and 64k for GQA layers
+    # (the end-to-end crossovers of docs/performance.md)
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-v", "--sparq"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "dense below n_kv = 512 (CPU) / 1048576 (GPU, MHA) / 1048576 (GPU, GQA) (measured defaults)" in res.stdout + res.stderr
+    assert "dense below n_kv = 512 (CPU) / 32768 (GPU, MHA) / 65536 (GPU, GQA) (measured defaults)" in res.stdout + res.stderr
 
 
 def test_llama_bench_sweep_columns(smollm2_path):
@@ -316,10 +316,10 @@ def test_llama_server_timings_say_whether_sparq_ran(smollm2_path, tmp_path, args
 def test_min_kv_help_states_the_measured_defaults():
     res = run(["llama-completion", "--help"], timeout=60)
     entry = _help_entry(res.stdout, "--sparq-min-kv N")
-    assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 1048576 for MHA layers, "
-            "1048576 for GQA layers") in entry, entry
+    assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 32768 for MHA layers, "
+            "65536 for GQA layers") in entry, entry
     bench = " ".join(run(["llama-bench", "--help"], timeout=60).stdout.split())
-    assert "512 with the KV in host memory; on a GPU 1048576 for MHA layers, 1048576 for GQA layers" in bench
+    assert "512 with the KV in host memory; on a GPU 32768 for MHA layers, 65536 for GQA layers" in bench
 
 
 # ---- number parse errors name the flag ---------------------------------------------------------------------------
