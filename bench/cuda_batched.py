@@ -3,8 +3,9 @@
 
 Random-weight GGUFs of the Llama-2-7B and Llama-3-8B shapes (as bench/cuda_e2e.py), llama-batched-bench -fa on
 -ngl 99 -ntg 32 -npl 1,8,16 with 8k prompts for Llama-2 and 16k for Llama-3, SparQ at the default index and k1,
-k2 = 128 on every layer. Writes bench/results/cuda_batched.json: aggregate generation tokens/s per batch size, the
-targets at B = 16, and the tool's raw output. A batch size whose cache (K, V and SparQ's q8 index, f16 KV) and weights
+k2 = 128 on every layer, and dense with 16-token prompts (the step's cost outside attention: `bound` is the speedup
+that free attention would give). Writes bench/results/cuda_batched.json: aggregate generation tokens/s per batch
+size, the targets at B = 16, and the tool's raw output. A batch size whose cache (K, V and SparQ's q8 index, f16 KV) and weights
 do not fit the GPU's memory is not run; its row says so.
 
     python bench/cuda_batched.py --bin build/cuda/bin --models /tmp/models
@@ -28,6 +29,7 @@ TARGETS = {"llama2-7b": 2.0, "llama3-8b": 1.8}  # speedup at B = TARGET_B
 TARGET_B = 16
 PROMPT = {"llama2-7b": 8192, "llama3-8b": 16384}
 SPARQ_ARGS = ["--sparq", "--k2", "128", "--sparq-min-kv", "0"]  # the default index and k1
+SHORT_PROMPT = 16  # prompts of the attention-free step: what the matmuls and the rest cost at each batch size
 GIB = 1 << 30
 
 
@@ -83,17 +85,21 @@ def measure(bin_dir: Path, models: Path, batch_sizes: list[int]) -> dict[str, An
         n_ctx = max(batches) * (pp + 32)
         base = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
                 "-ngl", "99", "-fa", "on", "-npp", str(pp), "-ntg", "32", "-npl", ",".join(map(str, batches))]
+        # the same batches over a SHORT_PROMPT-token context: the step with attention reading almost nothing, i.e.
+        # the matmuls and the rest; dense / short is the share of the step that is not attention
+        short = base[:base.index("-npp")] + ["-npp", str(SHORT_PROMPT)] + base[base.index("-npp") + 2:]
         tables = {}
-        for mode, extra in (("dense", []), ("sparq", SPARQ_ARGS)):
-            out = run_tool(base + extra, timeout=3000)
+        for mode, cmd in (("dense", base), ("sparq", base + SPARQ_ARGS), ("short", short)):
+            out = run_tool(cmd, timeout=3000)
             tables[mode] = parse_table(out)
-            raw[f"{shape}/{mode}"] = {"command": " ".join(base + extra), "output": out}
+            raw[f"{shape}/{mode}"] = {"command": " ".join(cmd), "output": out}
         for b in batches:
-            dense = next(r["s_tg"] for r in tables["dense"] if r["B"] == b)
-            sparq = next(r["s_tg"] for r in tables["sparq"] if r["B"] == b)
+            dense, sparq, floor = (next(r["s_tg"] for r in tables[m] if r["B"] == b) for m in ("dense", "sparq", "short"))
             rows.append(dict(model_shape=shape, prompt=pp, B=b, dense_tg_tps=dense, sparq_tg_tps=sparq,
-                             speedup=sparq / dense))
-            print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x",
+                             speedup=sparq / dense, short_tg_tps=floor, not_attention_share=dense / floor,
+                             bound=floor / dense))
+            print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x; "
+                  f"{SHORT_PROMPT}-token prompts {floor:.1f} t/s: attention-free bound {floor / dense:.2f}x",
                   flush=True)
     for shape, target in TARGETS.items():
         row = next((r for r in rows if r["model_shape"] == shape and r["B"] == TARGET_B and "speedup" in r), None)

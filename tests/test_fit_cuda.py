@@ -104,7 +104,7 @@ def n_ctx_of(log: str) -> int:
 
 
 def test_fit_counts_sparq_derived_state_and_the_fitted_context_runs(model, prompt):
-    rc, dense_log = completion(model, [*FIT, "-p", "Hello", "-n", "1"])
+    rc, dense_log = completion(model, [*FIT, "-lv", "4", "-p", "Hello", "-n", "1"])
     assert rc == 0, dense_log[-4000:]
     n_dense = n_ctx_of(dense_log)
 
