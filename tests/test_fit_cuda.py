@@ -1,6 +1,6 @@
 """Memory fitting with SparQ on a GPU that the model nearly fills (skipped without a CUDA device).
 
-llama.cpp's -fit shrinks an unset context (-c 0: the trained one) until the model, the KV cache and the compute
+llama.cpp's -fit shrinks an unset context (no -c: the trained one) until the model, the KV cache and the compute
 buffers fit the device's free memory less a margin. A random-weight model of the Llama-3-8B layout
 (sparq_llama.eval.random_gguf: Q8_0 weights, about 8.5 GB; 32 layers, 8 KV heads of 128) with a trained context
 whose f16 KV is at least 1.25 times the GPU's free memory (1M tokens, 128 GiB, on an 80 GB H100; 2M on a 141 GB
@@ -39,7 +39,9 @@ VOCAB = REPO / "vendor" / "llama.cpp" / "models"  # the pinned tree's tokenizers
 KV_CELL = 2 * 32 * 8 * 128 * 2              # K and V, f16, every layer: 128 KiB a cell
 INDEX_CELL = 32 * 8 * 128 * 34 // 32        # the q8 index (K^T): 34 bytes per 32 components and cell
 N_PREDICT = 64
-FIT = ["-c", "0", "-fit", "on", "-fa", "on", "--temp", "0", "-no-cnv", "--no-warmup", "--ignore-eos"]
+# no -c: the trained context, which fitting may shrink (an explicit -c 0 asks for the full context, and fitting then
+# moves layers to the CPU instead)
+FIT = ["-fit", "on", "-fa", "on", "--temp", "0", "-no-cnv", "--no-warmup", "--ignore-eos"]
 SPARQ = ["--sparq", "--sparq-min-kv", "0"]
 
 
@@ -128,6 +130,9 @@ def test_fit_counts_sparq_derived_state_and_the_fitted_context_runs(model, promp
           f"with SparQ; SparQ at the dense fit's {n_dense} cells: exit {rc_over}")
 
     assert n_dense < SHAPE.n_ctx_train, "fitting did not shrink the context: " + fit_lines(dense_log)
+    n_layers = SHAPE.n_layer + 1  # the repeating layers and the output layer
+    for log in (dense_log, sparq_log):
+        assert f"offloaded {n_layers}/{n_layers} layers to GPU" in log, fit_lines(log)
     assert n_sparq < n_dense, fit_lines(sparq_log)
     assert 0.74 < ratio < 0.84, (ratio, fit_lines(sparq_log))  # the index takes 34 of every 162 KiB a cell costs
     assert "runs in 32 of 32 layers" in sparq_log, sparq_log[-4000:]
