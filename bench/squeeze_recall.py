@@ -20,17 +20,22 @@ cells), which takes the calibration's transfer from the prefix's last rows to th
 Rules (name: clustering / scoring; every one scores with the variance term, w = 1, group max, 10% clusters unless it
 says otherwise):
     centred        k-means of the keys minus the prefix's mean key (the mean shifts every score of a query alike but
-                   dominates the keys' directions); the table (centroid, variances) of the keys themselves: the default
+                   dominates the keys' directions); the table (centroid, variances) of the keys themselves: the
+                   default on models without a query norm
     keys           k-means of the keys themselves (the paper's, and the default before centring)
     w0             the keys' clusters, the paper's centroid-only score (w = 0)
     q-weighted     k-means of (k - mean) * rms(q) per component (rms over the calibration queries of the group):
                    distances that follow the score's, not the keys' raw geometry
+    q-norm         k-means of (k - mean) * w, w per component from the model's query norm weights (QK-norm models;
+                   the rms of each rotary pair's two weights, as RoPE mixes the pair): q-weighted without queries,
+                   the default on QK-norm models (sparq-squeeze-cluster.cpp, query_weights)
     20%            k-means of the keys, 20% clusters
     group-mean     the keys' clusters, group mean
 
     python bench/squeeze_recall.py --model gemma3 --length 4096 --n 6 --seed 31
     python bench/squeeze_recall.py --model gemma3 --length 8192 --n 6 --seed 32 --rules keys,w0,centred,q-weighted,20% --append
     python bench/squeeze_recall.py --model smollm2 --length 4096 --n 3 --rules keys,centred,q-weighted,20%
+    python bench/squeeze_recall.py --model gemma3 --length 4096 --n 6 --seed 31 --rules centred,q-weighted,q-norm --append
 Writes bench/results/squeeze_recall_<model>.json (per rule: means per layer and overall, per-example rows).
 """
 from __future__ import annotations
@@ -67,6 +72,7 @@ RULES = {
     "keys": Rule("keys"),
     "w0": Rule("keys", var_weight=0.0),
     "q-weighted": Rule("q-weighted"),
+    "q-norm": Rule("q-norm"),
     "20%": Rule("keys", centroids=0.2),
     "group-mean": Rule("keys", group="mean"),
 }
@@ -85,7 +91,8 @@ def table(keys: np.ndarray, assignment: np.ndarray, n: int) -> tuple[np.ndarray,
     return cent, sizes, var
 
 
-def clusters(rule: Rule, keys: np.ndarray, q_calib: np.ndarray, cache: dict) -> tuple[np.ndarray, ...]:
+def clusters(rule: Rule, keys: np.ndarray, q_calib: np.ndarray, q_norm: np.ndarray | None,
+             cache: dict) -> tuple[np.ndarray, ...]:
     """(assignment, centroids, sizes, variances) of the clustered keys [P, d] under the rule's clustering."""
     n = max(1, round(rule.centroids * len(keys)))
     key = (rule.cluster, n)
@@ -94,6 +101,8 @@ def clusters(rule: Rule, keys: np.ndarray, q_calib: np.ndarray, cache: dict) -> 
             x = keys
         elif rule.cluster == "centred":
             x = keys - keys.mean(axis=0)
+        elif rule.cluster == "q-norm":
+            x = (keys - keys.mean(axis=0)) * (1.0 if q_norm is None else q_norm)
         else:  # q-weighted
             x = (keys - keys.mean(axis=0)) * np.sqrt((q_calib.reshape(-1, keys.shape[1]) ** 2).mean(axis=0))
         assignment = rs.kmeans_cosine(x, n).assignment
@@ -130,8 +139,22 @@ def find(seq: list[int], part: list[int]) -> int:
     return -1
 
 
+def query_norm_weights(model: Path) -> dict[int, np.ndarray]:
+    """Per layer with a query norm (attn_q_norm): each component's weight as the rms of its rotary (NEOX) pair's."""
+    import gguf
+    out = {}
+    for t in gguf.GGUFReader(str(model)).tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".attn_q_norm.weight"):
+            g = np.asarray(t.data, dtype=np.float64)
+            half = len(g) // 2
+            pair = np.sqrt((g[:half] ** 2 + g[half:] ** 2) / 2)
+            out[int(t.name.split(".")[1])] = np.concatenate([pair, pair])
+    return out
+
+
 def measure_example(cap: QKCapture, layers: list[int], n_ctx: int, n_calib: int, first_row: int, n_rows: int,
-                    rules: list[str], keep: float, needle: np.ndarray) -> dict[str, dict]:
+                    rules: list[str], keep: float, needle: np.ndarray,
+                    q_norm: dict[int, np.ndarray]) -> dict[str, dict]:
     """Per rule: recall / mass / kept per (layer, KV head, measured row), the threshold calibrated over every
     layer and KV head."""
     d, n_head_kv = cap.d, cap.n_head_kv
@@ -149,7 +172,8 @@ def measure_example(cap: QKCapture, layers: list[int], n_ctx: int, n_calib: int,
             for h in range(n_head_kv):
                 kh = keys[il][:, h]
                 qh = queries[il][:, h * group:(h + 1) * group]                           # [rows, G, d]
-                asg, cent, sizes, var = clusters(rule, kh[:n_clustered], qh[:n_calib], caches[(il, h)])
+                asg, cent, sizes, var = clusters(rule, kh[:n_clustered], qh[:n_calib], q_norm.get(il),
+                                                 caches[(il, h)])
                 for t in range(n_calib):
                     calib_rows.append((rs.group_scores(qh[t], cent, sizes, scale, rule.group, None, var,
                                                        rule.var_weight), sizes))
@@ -207,6 +231,7 @@ def main() -> int:
     out = args.out or RESULTS / f"squeeze_recall_{args.model}.json"
 
     engine = Engine(EngineConfig(str(fetch(args.model)), n_ctx=args.length + 64, n_threads=args.threads))
+    q_norm = query_norm_weights(fetch(args.model))
     depths = tuple(round(0.1 + 0.8 * i / max(1, args.n - 1), 3) for i in range(args.n))
     examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
                                         n_distractors=2, seed=args.seed)
@@ -225,7 +250,7 @@ def main() -> int:
             needle = np.arange(at, at + len(part)) if 0 <= at and at + len(part) <= len(ex.context) - args.n_calib \
                 else np.arange(0)
             res = measure_example(cap, layers, len(ex.context), args.n_calib, first, len(answer), rules, args.keep,
-                                  needle)
+                                  needle, q_norm)
         finally:
             cap.close()
         results.append(res)

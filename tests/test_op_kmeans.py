@@ -51,6 +51,38 @@ def test_centred_rows_match_the_reference() -> None:
             np.testing.assert_allclose(want.centroids[c], x64[want.assignment == c].mean(0), rtol=1e-12, atol=1e-12)
 
 
+def test_weighted_rows_match_the_reference() -> None:
+    # blobs told apart in a few components only, which per-component weights (a QK-norm model's query weights)
+    # emphasise: the clusters follow the weighted directions, per problem its own weights; the table stays that of
+    # the keys themselves
+    rng = np.random.default_rng(15)
+    d, problems, weights = 32, [], []
+    for h in range(3):
+        keys, truth = blobs(rng, 8, 25, d, spread=0.3)
+        problems.append(keys[np.argsort(truth, kind="stable")] + 2.0 * rng.standard_normal(d))
+        weights.append(np.where(np.arange(d) % 4 == h, 6.0, 0.5) * rng.uniform(0.8, 1.2, d))
+    x = np.stack(problems).astype(np.float32)
+    w = np.stack(weights).astype(np.float32)
+    got = ops.kmeans_cosine(x, 8, n_iter=10, center=True, weights=w, n_threads=2)
+    for h in range(3):
+        x64 = x[h].astype(np.float64)
+        want = kmeans_cosine(x64, 8, n_iter=10, center=True, weights=w[h].astype(np.float64))
+        assert got[h].assignment.tolist() == want.assignment.tolist()
+        assert want.assignment.tolist() != kmeans_cosine(x64, 8, n_iter=10, center=True).assignment.tolist()
+        np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
+    # one row of weights serves every problem; weights of ones change nothing
+    shared = ops.kmeans_cosine(x, 8, n_iter=10, center=True, weights=w[1], n_threads=2)
+    assert shared[1].assignment.tolist() == got[1].assignment.tolist()
+    ones = ops.kmeans_cosine(x, 8, n_iter=10, center=True, weights=np.ones(d), n_threads=2)
+    plain = ops.kmeans_cosine(x, 8, n_iter=10, center=True, n_threads=2)
+    assert [c.assignment.tolist() for c in ones] == [c.assignment.tolist() for c in plain]
+    with pytest.raises(ValueError, match="weights must be"):
+        ops.kmeans_cosine(x, 8, weights=np.ones(d + 1))
+    with pytest.raises(ValueError, match="weights must have"):
+        kmeans_cosine(x[0], 8, weights=np.ones(d - 1))
+
+
 def test_random_keys_converge_to_the_reference_fixed_point() -> None:
     # overlapping clusters: float32 and float64 may part ways at near-ties, so check the properties instead:
     # deterministic, a fixed point (every row sits with its most similar centroid direction), a proper table

@@ -104,8 +104,8 @@ SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a
 // clustering of a fixed prefix for centroid-sparse attention). x [H][P][d] f32; table [H][n][2d + 1] f32 out
 // (member means of the unnormalised rows, the size, the members' per-component variances about the mean);
 // assignment [H][P] i32 out; *n_iter_run out; init: enum llama_squeeze_init (the initial centroids); center: cluster
-// each problem's rows minus their mean row (as a fixed prefix's keys are). 0 on success; otherwise 1 with a message
-// in err.
+// each problem's rows minus their mean row (as a fixed prefix's keys are); weights [H][d] or NULL: the (centred)
+// rows compared are times these per-component weights. 0 on success; otherwise 1 with a message in err.
 struct kmeans_eval_args {
     const char * device;   // NULL or "": the CPU
     int          n_threads;
@@ -117,6 +117,7 @@ struct kmeans_eval_args {
     int         * n_iter_run;
     int          init;
     int          center;
+    const float * weights;
 };
 SPARQ_API int sparq_llama_eval_kmeans(const struct kmeans_eval_args * args, char * err, size_t err_size);
 

@@ -202,7 +202,8 @@ static std::string kpp_seed_rows(ggml_backend_t backend, ggml_gallocr * galloc, 
 namespace km = sparq_kmeans_detail;
 
 std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_clusters, int n_iter,
-                             sparq_kmeans_result & res, sparq_kmeans_init init, int64_t head0, bool center) {
+                             sparq_kmeans_result & res, sparq_kmeans_init init, int64_t head0, bool center,
+                             const float * weights) {
     const int64_t d = x->ne[0], P = x->ne[1], H = x->ne[2];
     if (x->type != GGML_TYPE_F32 || x->ne[3] != 1 || !ggml_is_contiguous(x)) {
         return "k-means: x must be a contiguous f32 [d, P, H] tensor";
@@ -220,6 +221,7 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     // persistent state on the backend: normalised rows, centroids, the assignment, the initial rows
     ggml_init_params ip = { ggml_tensor_overhead() * 8, nullptr, /*no_alloc =*/ true };
     km::ctx_ptr state(ggml_init(ip));
+    ggml_tensor * w      = weights ? ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, d, 1, H) : nullptr;
     ggml_tensor * xn     = ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, d, P, H);
     ggml_tensor * cent   = ggml_new_tensor_3d(state.get(), GGML_TYPE_F32, d, n_clusters, H);
     ggml_tensor * assign = ggml_new_tensor_2d(state.get(), GGML_TYPE_I32, P, H);
@@ -228,14 +230,20 @@ std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_
     if (!buf) {
         return "k-means: could not allocate its state on the backend";
     }
+    if (w) {
+        ggml_backend_tensor_set(w, weights, 0, ggml_nbytes(w));
+    }
     std::unique_ptr<ggml_gallocr, km::gallocr_deleter> galloc(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)));
-    {  // the unit rows (of the rows minus each problem's mean row where centred)
+    {  // the unit rows (of the rows minus each problem's mean row where centred, times the weights where given)
         km::ctx_ptr ctx = km::graph_context();
         ggml_cgraph * gf = ggml_new_graph(ctx.get());
         ggml_tensor * rows = x;
         if (center) {
             ggml_tensor * by_component = ggml_cont(ctx.get(), ggml_permute(ctx.get(), x, 1, 0, 2, 3));  // [P, d, H]
             rows = ggml_sub(ctx.get(), x, ggml_reshape_3d(ctx.get(), ggml_mean(ctx.get(), by_component), d, 1, H));
+        }
+        if (w) {
+            rows = ggml_mul(ctx.get(), rows, w);
         }
         ggml_build_forward_expand(gf, ggml_cpy(ctx.get(), ggml_l2_norm(ctx.get(), rows, 1e-30f), xn));
         if (!km::run_graph(backend, galloc.get(), gf)) {

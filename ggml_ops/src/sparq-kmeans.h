@@ -27,8 +27,8 @@ enum sparq_kmeans_init {
 
 // x: [d, P, H] f32, contiguous, allocated on `backend`. Problem h draws its k-means++ seeds as problem head0 + h
 // (a layer clustered in chunks of heads seeds each head as in one piece). center: the iterations compare each
-// problem's rows minus their mean row (the table is still of the rows themselves). Returns "" on success, else what
-// went wrong.
+// problem's rows minus their mean row (the table is still of the rows themselves). weights [H][d] (host memory) or
+// null: the (centred) rows compared are times problem h's d weights. Returns "" on success, else what went wrong.
 std::string sparq_kmeans_run(ggml_backend_t backend, ggml_tensor * x, int64_t n_clusters, int n_iter,
                              sparq_kmeans_result & res, sparq_kmeans_init init = SPARQ_KMEANS_EVEN, int64_t head0 = 0,
-                             bool center = false);
+                             bool center = false, const float * weights = nullptr);

@@ -223,7 +223,7 @@ int sparq_llama_eval_kmeans(const struct kmeans_eval_args * a, char * err, size_
     ggml_backend_tensor_set(x, a->x, 0, ggml_nbytes(x));
     sparq_kmeans_result res;
     const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init,
-                                             0, a->center != 0);
+                                             0, a->center != 0, a->weights);
     if (!msg.empty()) {
         return fail(err, err_size, "%s", msg.c_str());
     }

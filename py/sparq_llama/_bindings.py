@@ -376,7 +376,8 @@ class KmeansEvalArgs(ctypes.Structure):
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("d", "P", "H", "n_clusters")] + \
         [("n_iter", ctypes.c_int), ("x", ctypes.c_void_p), ("table", ctypes.c_void_p), ("assignment", ctypes.c_void_p),
-         ("n_iter_run", ctypes.POINTER(ctypes.c_int)), ("init", ctypes.c_int), ("center", ctypes.c_int)]
+         ("n_iter_run", ctypes.POINTER(ctypes.c_int)), ("init", ctypes.c_int), ("center", ctypes.c_int),
+         ("weights", ctypes.c_void_p)]
 
 
 class KmeansBenchArgs(ctypes.Structure):

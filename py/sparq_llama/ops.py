@@ -376,9 +376,11 @@ def centroid_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, centroids: np.nda
 # ---- spherical k-means (the clustering of a fixed prefix) --------------------------------------------
 
 def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: str = "even", center: bool = False,
-                  n_threads: int | None = None, backend: str = "cpu") -> Clusters | list[Clusters]:
+                  weights: np.ndarray | None = None, n_threads: int | None = None,
+                  backend: str = "cpu") -> Clusters | list[Clusters]:
     """Spherical k-means as ggml graphs on a backend; semantics and result as `reference_squeeze.kmeans_cosine`
-    (problem h of keys [H, P, d] is its `head` h; `center` as there). keys [P, d] gives one Clusters, keys [H, P, d] a list of H
+    (problem h of keys [H, P, d] is its `head` h; `center` and `weights` as there, weights [d] for every problem or
+    [H, d]). keys [P, d] gives one Clusters, keys [H, P, d] a list of H
     (independent problems, clustered together: they iterate until none changes, so n_iter is the largest any of
     them needed; an unchanged one keeps its result)."""
     x = np.asarray(keys, dtype=np.float32)
@@ -394,13 +396,19 @@ def kmeans_cosine(keys: np.ndarray, n_clusters: int, n_iter: int = 8, *, init: s
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     x = np.ascontiguousarray(x)
+    w = None
+    if weights is not None:
+        if np.shape(weights) not in ((d,), (H, d)):
+            raise ValueError(f"weights must be [d] or [H, d] = [{H}, {d}], got shape {np.shape(weights)}")
+        w = np.ascontiguousarray(np.broadcast_to(np.asarray(weights, dtype=np.float32), (H, d)))
     table = np.zeros((H, n_clusters, 2 * d + 1), dtype=np.float32)
     assignment = np.zeros((H, P), dtype=np.int32)
     n_run = ctypes.c_int(0)
     args = KmeansEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1), d=d, P=P, H=H,
                           n_clusters=int(n_clusters), n_iter=int(n_iter), x=x.ctypes.data, table=table.ctypes.data,
                           assignment=assignment.ctypes.data, n_iter_run=ctypes.pointer(n_run),
-                          init=INITS.index(init), center=int(bool(center)))
+                          init=INITS.index(init), center=int(bool(center)),
+                          weights=None if w is None else w.ctypes.data)
     _call(C.sparq_llama_eval_kmeans, args)
     out = [Clusters(table[h, :, :d].astype(np.float64), table[h, :, d].astype(np.int64),
                     assignment[h].astype(np.int64), n_run.value, table[h, :, d + 1:].astype(np.float64))

@@ -131,11 +131,13 @@ def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) ->
 
 
 def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str | ArrayLike = "even",
-                  head: int = 0, center: bool = False) -> Clusters:
+                  head: int = 0, center: bool = False, weights: ArrayLike | None = None) -> Clusters:
     """Spherical k-means of keys [P, d] into n_clusters (1..P) clusters; deterministic (see the module doc). `head`
     numbers the problem for the k-means++ generator (the KV head: the graph version draws per head). `init` may also
     be the n_clusters initial rows themselves (studies of other seedings). center: the directions compared are
-    those of the keys minus their mean key (the table is of the keys themselves)."""
+    those of the keys minus their mean key (the table is of the keys themselves). weights [d]: the directions
+    compared are those of the (centred) keys times these per-component weights (a prefix's keys weighted as its
+    queries weigh them: query_norm_weights)."""
     x = np.asarray(keys, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
         raise ValueError(f"keys must be [P, d] with P, d >= 1, got shape {x.shape}")
@@ -144,7 +146,10 @@ def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str |
         raise ValueError(f"n_clusters must be an integer in [1, P = {p}], got {n_clusters!r}")
     if not isinstance(n_iter, (int, np.integer)) or n_iter < 1:
         raise ValueError(f"n_iter must be an integer >= 1, got {n_iter!r}")
-    xn = _normalise(x - x.mean(axis=0) if center else x)
+    if weights is not None and np.shape(weights) != (x.shape[1],):
+        raise ValueError(f"weights must have the keys' {x.shape[1]} components, got shape {np.shape(weights)}")
+    y = x - x.mean(axis=0) if center else x
+    xn = _normalise(y if weights is None else y * np.asarray(weights, dtype=np.float64))
     if not isinstance(init, str):
         rows = np.asarray(init, dtype=np.int64)
         if rows.shape != (n_clusters,) or rows.min() < 0 or rows.max() >= p:
