@@ -75,6 +75,16 @@ PURPOSES = ("held-out", "selection", "development", "rejected-variant")
 RULE = "budget"
 
 
+def clustering_of(model: str) -> str:
+    """How the code that runs clusters a prefix's keys on this model: centred, and on a model with a query norm
+    (QK-norm) also weighted by its weights ("q-norm"). Sets without the field ran "centred" (or, before the
+    per-row budget, the raw keys)."""
+    import gguf
+    from sparq_llama.models import fetch
+    tensors = gguf.GGUFReader(str(fetch(model))).tensors
+    return "q-norm" if any(t.name.endswith(".attn_q_norm.weight") for t in tensors) else "centred"
+
+
 def setting_label(cfg: dict[str, Any]) -> str:
     """A setting by what it is (the SqueezeConfig fields), whatever a run named it. Fields a set's record lacks take
     the value the code had when it ran: var_weight 0 (before the variance rule), 8 iterations, even seeds, the
@@ -82,6 +92,8 @@ def setting_label(cfg: dict[str, Any]) -> str:
     label = f"keep {cfg['keep']:g}, {cfg['group']}, {cfg['centroids']:g} clusters, w {cfg.get('var_weight', 0.0):g}"
     if cfg.get("rule", "threshold") == "budget":
         label += ", per-row budget"
+    if cfg.get("clustering") == "q-norm":
+        label += ", q-norm clustering"
     if cfg.get("levels", 1) == 2:
         kc = cfg.get("keep_coarse")
         label += f", 2 levels ({cfg.get('centroids_coarse', 0.01):g} coarse, keep_coarse {'default' if kc is None else f'{kc:g}'})"
@@ -134,7 +146,11 @@ def summarise(sets: list[dict[str, Any]]) -> dict[str, Any]:
         p["share_of_dense"] = p["of_dense"] / p["dense"] if p["dense"] else None
     from sparq_llama.squeeze import SqueezeConfig  # the defaults as the code has them now
 
-    return {"defaults": setting_label({**SqueezeConfig().__dict__, "rule": RULE}),
+    models = {rec.get("model", "smollm2") for rec in sets}  # sets before --model existed ran SmolLM2
+    defaults = {**SqueezeConfig().__dict__, "rule": RULE}
+    if len(models) == 1:
+        defaults["clustering"] = clustering_of(next(iter(models)))
+    return {"defaults": setting_label(defaults),
             "target": "share_of_dense >= 0.95 at keep 0.1",
             "by_setting": dict(sorted(pooled.items()))}
 
@@ -225,7 +241,8 @@ def main() -> int:
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
     sets.append({"purpose": args.purpose or ("held-out" if args.seed else "development"),
                  **provenance("squeeze_quality"), "model": args.model, "length": args.length, "n": len(records),
-                 "settings": {name: {**config.__dict__, "rule": RULE} for name, config in settings},
+                 "settings": {name: {**config.__dict__, "rule": RULE, "clustering": clustering_of(args.model)}
+                              for name, config in settings},
                  "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,
                  "wall_s": round(time.time() - t0, 1), "examples": records})
     print_summary(save_sets(args.out, sets))

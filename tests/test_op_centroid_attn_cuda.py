@@ -266,6 +266,25 @@ def test_centred_kmeans_matches_cpu_and_reference() -> None:
         np.testing.assert_allclose(got[h].variances, want.variances, rtol=1e-4, atol=1e-6)
 
 
+def test_weighted_kmeans_matches_cpu_and_reference() -> None:
+    # a QK-norm model's prefix keys: centred, then times per-component weights (a broadcast mul before the
+    # normalisation), each problem its own; the same assignment as the CPU and the float64 reference
+    rng = np.random.default_rng(42)
+    problems, weights = [], []
+    for h in range(3):
+        keys, truth = blobs(rng, 12, 40, 64, spread=0.3 / math.sqrt(64))
+        problems.append(keys[np.argsort(truth, kind="stable")] + 4.0 * rng.standard_normal(64))
+        weights.append(rng.uniform(0.25, 4.0, 64))
+    x = np.stack(problems).astype(np.float32)
+    w = np.stack(weights).astype(np.float32)
+    got = ops.kmeans_cosine(x, 12, n_iter=10, center=True, weights=w, backend="cuda")
+    cpu = ops.kmeans_cosine(x, 12, n_iter=10, center=True, weights=w, n_threads=2)
+    for h in range(3):
+        want = kmeans_cosine(x[h].astype(np.float64), 12, n_iter=10, center=True, weights=w[h].astype(np.float64))
+        assert got[h].assignment.tolist() == cpu[h].assignment.tolist() == want.assignment.tolist()
+        np.testing.assert_allclose(got[h].centroids, want.centroids, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("n_iter", [1, 2, 4])
 def test_kmeans_iterations_match_cpu_on_a_7b_head_shape(n_iter: int) -> None:
     # d = 128, 150 clusters per head, each iteration count: the same assignments and sizes as the CPU, the
