@@ -9,6 +9,7 @@
 #include "ggml-centroid.h"
 
 #include "llama-context.h"
+#include "llama-impl.h"
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
@@ -234,6 +235,7 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
     }
     const int64_t n_clustered = st.n_clustered;
     const uint32_t kv_size = kv.get_size();
+    int n_weighted = 0;
     for (size_t ikv = 0, done = 0; ikv < kv.layers.size(); ++ikv) {
         auto & L = st.layers[ikv];
         if (!L.active) {
@@ -252,6 +254,7 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
         const int64_t per_head = n_cent*n_clustered*(int64_t) sizeof(float);
         const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(L.n_head_kv, sqp::similarity_budget(backend)/std::max<int64_t>(1, per_head)));
         const std::vector<float> weights = sqp::query_weights(ctx.get_model(), layer.il, L.d, L.n_head_kv);
+        n_weighted += !weights.empty();
         for (int64_t h0 = 0; h0 < L.n_head_kv; h0 += chunk) {
             const int64_t n_h = std::min(chunk, L.n_head_kv - h0);
             sparq_kmeans_result res;
@@ -273,6 +276,10 @@ std::string sparq_squeeze_access::cluster_layers(llama_context & ctx, llama_kv_c
         if (!progress(0.05f + 0.85f*(float) ++done/(float) n_active)) {
             return "cancelled";
         }
+    }
+    if (n_weighted > 0) {
+        LLAMA_LOG_INFO("%s: centroid-sparse: keys clustered weighted by the query norm (QK-norm) in %d of %d layers\n",
+                       __func__, n_weighted, n_active);
     }
     return "";
 }
