@@ -38,14 +38,15 @@ from sparq_llama.models import fetch
 from tqdm import tqdm
 
 
-def retrieval_setup(length: int, n: int, threads: int, seed: int = 0,
-                    model: str = "smollm2") -> tuple[Engine, list[tasks.Example]]:
+def retrieval_setup(length: int, n: int, threads: int, seed: int = 0, model: str = "smollm2",
+                    haystack: str = "plays") -> tuple[Engine, list[tasks.Example]]:
     """The model and n retrieval examples of `length` tokens, needles at depths spread over 0.1 .. 0.9 (the seed picks
-    the haystack, needles and distractors: another seed is a held-out set)."""
+    the haystack, needles and distractors: another seed is a held-out set) in haystacks of one kind of text
+    (tasks.HAYSTACKS: the comedies, or verse)."""
     engine = Engine(EngineConfig(str(fetch(model)), n_ctx=length + 64, n_threads=threads))
     depths = tuple(round(0.1 + 0.8 * i / max(1, n - 1), 3) for i in range(n))
     return engine, tasks.retrieval_examples(engine, lengths=(length,), depths=depths, n_per_cell=1,
-                                            n_distractors=2, seed=seed)
+                                            n_distractors=2, seed=seed, works=tasks.HAYSTACKS[haystack])
 
 
 def run_examples(engine: Engine, examples: list[tasks.Example],
@@ -130,7 +131,8 @@ def summarise(sets: list[dict[str, Any]]) -> dict[str, Any]:
             label = setting_label(cfg)
             if (label, rec["length"], rec["seed"]) in selected:
                 continue
-            key = f"{label}; {rec['length']} tokens"
+            haystack = rec.get("haystack", "plays")
+            key = f"{label}; {rec['length']} tokens" + ("" if haystack == "plays" else f", {haystack}")
             p = pooled.setdefault(key, {"seeds": [], "examples": 0, "dense": 0, "of_dense": 0, "correct": 0})
             if rec["seed"] in p["seeds"]:
                 p.setdefault("repeated_seeds", []).append(rec["seed"])  # counted once: the first set recorded
@@ -187,6 +189,8 @@ def main() -> int:
                     help="cluster fraction of settings that name none (default: SqueezeConfig's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2", help="a model of sparq_llama.models (smollm2, gemma3)")
+    ap.add_argument("--haystack", choices=sorted(tasks.HAYSTACKS), default="plays",
+                    help="the kind of text the needles hide in (sets without the field: plays)")
     ap.add_argument("--seed", type=int, default=0, help="example set (0: the set the defaults were chosen on)")
     ap.add_argument("--out", type=Path, default=RESULTS / "squeeze_quality.json", help="the file of all sets")
     ap.add_argument("--purpose", choices=PURPOSES, default=None,
@@ -222,7 +226,7 @@ def main() -> int:
             var["init"] = rest[5]
         settings.append((spec if rest else f"keep{float(keep):g}-{group}",
                          squeeze.SqueezeConfig(centroids=cent, keep=float(keep), group=group, levels=levels, **var)))
-    engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed, args.model)
+    engine, examples = retrieval_setup(args.length, args.n, args.threads, args.seed, args.model, args.haystack)
 
     def score_settings(ex: tasks.Example) -> dict[str, dict]:
         out = {}
@@ -241,6 +245,7 @@ def main() -> int:
     rel = {n: (acc[n] / acc["dense"] if acc["dense"] else None) for n in names}
     sets.append({"purpose": args.purpose or ("held-out" if args.seed else "development"),
                  **provenance("squeeze_quality"), "model": args.model, "length": args.length, "n": len(records),
+                 "haystack": args.haystack,
                  "settings": {name: {**config.__dict__, "rule": RULE, "clustering": clustering_of(args.model)}
                               for name, config in settings},
                  "threads": args.threads, "seed": args.seed, "accuracy": acc, "relative_to_dense": rel,

@@ -77,6 +77,13 @@ def test_examples_are_deterministic_and_well_formed(engine):
     assert engine.detokenize(shallow.context).index(needle) < 200
     deep_text = engine.detokenize(deep.context)
     assert deep_text.index(f"The secret number of {deep.meta['name']} is") > len(deep_text) - 200
+    # verse haystacks: the same needles and question, hidden in the corpus's long poems, not the comedies
+    verse = tasks.retrieval_examples(engine, lengths=(512,), depths=(0.0, 1.0), n_per_cell=2, n_distractors=2, seed=5,
+                                     works=tasks.HAYSTACKS["verse"])
+    for ex, play in zip(verse, a):
+        assert len(ex.context) + len(ex.tail) == 512 and ex.meta["answer"] == play.meta["answer"]
+        assert engine.detokenize(ex.context).count("The secret number of") == 3
+        assert ex.context != play.context
     rep = tasks.repetition_examples(engine, lengths=(1024,), n_per_length=2, n_prompt=16, n_generate=8, seed=5)
     n_sep = len(engine.tokenize("\n\n"))
     for ex in rep:

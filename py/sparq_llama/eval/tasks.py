@@ -30,6 +30,10 @@ from .engine import Engine
 PPL_WORKS = ("hamlet_gut", "macbeth_gut", "othello_gut", "lear_gut", "tempest_gut", "julius_caesar_gut")
 HAYSTACK_WORKS = ("as_you_like_it_gut", "twelfth_night_gut", "much_ado_about_nothing_gut",
                   "merchant_of_venice_gut", "midsummer_nights_dream_gut", "winters_tale_gut")
+# haystacks of another kind of text (narrative and lyric verse, no speakers or stage directions), for retrieval sets
+# that are not all drama: the corpus's two long poems
+HAYSTACK_VERSE = ("sonnets_gut", "rape_of_lucrece_gut")
+HAYSTACKS = {"plays": HAYSTACK_WORKS, "verse": HAYSTACK_VERSE}
 REPETITION_WORKS = ("richard_iii_gut", "henry_v_gut", "romeo_and_juliet_gut", "coriolanus_gut",
                     "antony_and_cleopatra_gut", "cymbeline_gut")
 
@@ -134,7 +138,8 @@ def _needle(name: str, number: int) -> str:
 
 
 def retrieval_examples(engine: Engine, *, lengths: tuple[int, ...], depths: tuple[float, ...],
-                       n_per_cell: int, n_distractors: int, seed: int) -> list[Example]:
+                       n_per_cell: int, n_distractors: int, seed: int,
+                       works: tuple[str, ...] = HAYSTACK_WORKS) -> list[Example]:
     corpus = _Corpus(engine)
     intro = engine.tokenize("Somewhere in the following text a secret number is hidden. Remember it.\n\n")
     out = []
@@ -152,7 +157,7 @@ def retrieval_examples(engine: Engine, *, lengths: tuple[int, ...], depths: tupl
                 n_hay = length - 1 - len(intro) - sum(map(len, needles)) - len(question)
                 if n_hay < 16:
                     raise ValueError(f"retrieval: length {length} leaves no room for a haystack")
-                work = HAYSTACK_WORKS[(i + int(depth * 100)) % len(HAYSTACK_WORKS)]
+                work = works[(i + int(depth * 100)) % len(works)]
                 hay = corpus.window(work, n_hay, rng)
                 starts = _line_start_flags(engine, hay)
                 # insert from the deepest needle back so earlier positions stay valid
