@@ -5,6 +5,7 @@ Gemma-3-270M).
     python bench/squeeze_quality.py --length 4096 --n 10      # keep 30/20/10% (group max) and 10% (group mean)
     python bench/squeeze_quality.py --settings 0.1:max:0.5,0.1:max:0.5:2   # keep:group[:centroids[:levels[:var[:kc[:it]]]]]
     python bench/squeeze_quality.py --seed 22 --n 20 --settings 0.1:max:0.05,0.1:max:0.1   # a new held-out set
+    python bench/squeeze_quality.py --model gemma3 --haystack verse --seed 51 --n 20 --settings 0.1:max:0.1   # in verse
     python bench/squeeze_quality.py --merge set.json [--purpose selection]   # add saved sets, run nothing
     python bench/squeeze_quality.py --summary                # recompute and print the pooled summary only
 
