@@ -140,16 +140,10 @@ def find(seq: list[int], part: list[int]) -> int:
 
 
 def query_norm_weights(model: Path) -> dict[int, np.ndarray]:
-    """Per layer with a query norm (attn_q_norm): each component's weight as the rms of its rotary (NEOX) pair's."""
+    """Per layer with a query norm (attn_q_norm): the k-means weights of its keys (rs.query_norm_weights)."""
     import gguf
-    out = {}
-    for t in gguf.GGUFReader(str(model)).tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".attn_q_norm.weight"):
-            g = np.asarray(t.data, dtype=np.float64)
-            half = len(g) // 2
-            pair = np.sqrt((g[:half] ** 2 + g[half:] ** 2) / 2)
-            out[int(t.name.split(".")[1])] = np.concatenate([pair, pair])
-    return out
+    return {int(t.name.split(".")[1]): rs.query_norm_weights(t.data) for t in gguf.GGUFReader(str(model)).tensors
+            if t.name.startswith("blk.") and t.name.endswith(".attn_q_norm.weight")}
 
 
 def measure_example(cap: QKCapture, layers: list[int], n_ctx: int, n_calib: int, first_row: int, n_rows: int,

@@ -325,12 +325,11 @@ def test_preparing_where_the_window_dropped_what_the_calibration_tokens_need(gem
 
 
 def _query_norm_weights(path: Path, il: int) -> np.ndarray:
-    """Layer il's query-norm weights from the GGUF, each NEOX rotary pair (c, c + d/2) given the pair's rms."""
+    """Layer il's k-means weights from its query norm in the GGUF (the float64 reference's rule)."""
     import gguf
-    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == f"blk.{il}.attn_q_norm.weight")
-    g = np.asarray(t.data, dtype=np.float64)
-    pair = np.sqrt((g[:len(g) // 2] ** 2 + g[len(g) // 2:] ** 2) / 2)
-    return np.concatenate([pair, pair])
+    from sparq_llama.reference_squeeze import query_norm_weights
+    return query_norm_weights(next(t.data for t in gguf.GGUFReader(str(path)).tensors
+                                   if t.name == f"blk.{il}.attn_q_norm.weight"))
 
 
 def _sidecar_assignments(path: Path) -> dict[int, np.ndarray]:

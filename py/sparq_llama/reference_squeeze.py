@@ -130,6 +130,20 @@ def kpp_seed_rows(keys_normalised: ArrayLike, n_clusters: int, head: int = 0) ->
     return np.asarray(chosen, dtype=np.int64)
 
 
+def query_norm_weights(gamma: ArrayLike) -> F64:
+    """The weights with which a QK-norm layer's queries weigh each key component (a prepared prefix's k-means
+    weights): the query norm's weights gamma [d] (one head; NEOX rotary over every component), each rotary pair
+    (c, c + d/2) given the pair's rms, as RoPE mixes the pair. The library's query_weights
+    (sparq-squeeze-cluster.cpp) also takes norms per head (the rms over a KV head's query heads), NORM rotary and
+    partial rotation."""
+    g = np.asarray(gamma, dtype=np.float64)
+    if g.ndim != 1 or len(g) % 2:
+        raise ValueError(f"gamma must be [d] with d even, got shape {g.shape}")
+    half = len(g) // 2
+    pair = np.sqrt((g[:half] ** 2 + g[half:] ** 2) / 2)
+    return np.concatenate([pair, pair])
+
+
 def kmeans_cosine(keys: ArrayLike, n_clusters: int, n_iter: int = 8, init: str | ArrayLike = "even",
                   head: int = 0, center: bool = False, weights: ArrayLike | None = None) -> Clusters:
     """Spherical k-means of keys [P, d] into n_clusters (1..P) clusters; deterministic (see the module doc). `head`
