@@ -313,6 +313,24 @@ def test_llama_server_timings_say_whether_sparq_ran(smollm2_path, tmp_path, args
         assert (t["sparq_tokens"], t["sparq_layers"]) == want(16), t
 
 
+# Speculative decoding (the model as its own draft: every draft is accepted): the target checks each draft in one
+# multi-token ubatch, which runs SparQ only with --sparq-prefill; the timings say so either way.
+@pytest.mark.parametrize(("args", "want"), [
+    ([], (0, 0)),
+    (["--sparq-prefill"], (16, 30)),
+])
+def test_llama_server_timings_with_speculative_decoding(smollm2_path, tmp_path, args, want):
+    srv = Server(["llama-server", "-m", str(smollm2_path), "-md", str(smollm2_path), "--spec-type", "draft-simple",
+                  "-c", "1024", "-t", "2", "--no-warmup", "--sparq", "--sparq-min-kv", "0", *args],
+                 tmp_path / "server.log")
+    try:
+        t = _completion_timings(srv, "The capital of France is Paris. The capital of Italy is", 16, False)
+    finally:
+        srv.close()
+    assert t["predicted_n"] == 16 and t["draft_n"] > 0 and t["draft_n_accepted"] == t["draft_n"], t
+    assert (t["sparq_tokens"], t["sparq_layers"]) == want, t
+
+
 def test_min_kv_help_states_the_measured_defaults():
     res = run(["llama-completion", "--help"], timeout=60)
     entry = _help_entry(res.stdout, "--sparq-min-kv N")
