@@ -93,8 +93,9 @@ def prompt(tmp_path_factory) -> Path:
 
 def completion(model: Path, args: list[str], timeout: int = 300) -> tuple[int, str]:
     t0 = time.time()
+    # a random-weight model generates arbitrary bytes: decode the tool's output leniently
     proc = subprocess.run([_tool("llama-completion"), "-m", str(model), *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          encoding="utf-8", errors="replace", timeout=timeout)
     print(f"  llama-completion {' '.join(args[-6:])}: exit {proc.returncode} in {time.time() - t0:.0f} s")
     return proc.returncode, proc.stdout + proc.stderr
 
