@@ -149,10 +149,11 @@ def summarise(sets: list[dict[str, Any]]) -> dict[str, Any]:
         p["share_of_dense"] = p["of_dense"] / p["dense"] if p["dense"] else None
     from sparq_llama.squeeze import SqueezeConfig  # the defaults as the code has them now
 
-    models = {rec.get("model", "smollm2") for rec in sets}  # sets before --model existed ran SmolLM2
     defaults = {**SqueezeConfig().__dict__, "rule": RULE}
-    if len(models) == 1:
-        defaults["clustering"] = clustering_of(next(iter(models)))
+    # the clustering the code runs now, as the newest set recorded it (one model per file; older sets: centred)
+    recorded = [cfg["clustering"] for rec in sets for cfg in set_settings(rec).values() if "clustering" in cfg]
+    if recorded:
+        defaults["clustering"] = recorded[-1]
     return {"defaults": setting_label(defaults),
             "target": "share_of_dense >= 0.95 at keep 0.1",
             "by_setting": dict(sorted(pooled.items()))}
