@@ -14,8 +14,8 @@ if (GGML_CUDA)
     # the kernels include ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our headers. sparq-attn.cu is the
     # SparQ op's one translation unit: the sparq-attn-*.cuh headers hold its kernels.
     target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
-                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu" "${SPARQ_OPS_DIR}/src/cuda/sparq-vsum.cu"
-                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-index.cu"
+                                     "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-upkeep.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-common.cuh" "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-score.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-cluster.cuh"

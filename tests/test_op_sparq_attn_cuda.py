@@ -38,7 +38,8 @@ from test_op_sparq_attn import (
     make_mask,
     run_both,
 )
-from test_op_vsum_rows import VSUM_CASES, assert_kstat_equal, expected, kstat_case, kstat_rows_reference, vsum_case
+from test_op_vsum_rows import (VSUM_CASES, assert_kstat_equal, expected, kstat_case, kstat_rows_reference, vsum_case,
+                              written_back)
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
                                 reason="no CUDA device in this build (the GPU run is bench/device.sh)")
@@ -379,9 +380,12 @@ def test_vsum_rows_equals_reference_and_cpu_bit_for_bit(case):
     n_seq, n_head_kv, d_v, n_tokens, v_ld, v_dtype = case
     rng = np.random.default_rng(n_seq * 1000 + d_v)
     table, v, idx = vsum_case(rng, n_seq, n_head_kv, d_v, n_tokens)
-    got = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, backend="cuda")
+    got, table_after = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, backend="cuda")
     np.testing.assert_array_equal(got, expected(table, v, idx, v_dtype))
-    np.testing.assert_array_equal(got, ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2))
+    np.testing.assert_array_equal(table_after, written_back(table, got, idx))
+    cpu, cpu_table = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2)
+    np.testing.assert_array_equal(got, cpu)
+    np.testing.assert_array_equal(table_after, cpu_table)
 
 
 @pytest.mark.parametrize("case", VSUM_CASES + [(64, 8, 128, 64, 160, "f16"), (33, 8, 128, 33, None, "bf16")],
@@ -390,9 +394,12 @@ def test_kstat_rows_equals_reference_and_cpu(case):
     n_seq, n_head_kv, d, n_tokens, k_ld, k_dtype = case
     rng = np.random.default_rng(n_seq * 1000 + d + 1)
     table, k, idx = kstat_case(rng, n_seq, n_head_kv, d, n_tokens)
-    got = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, backend="cuda")
+    got, table_after = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, backend="cuda")
     assert_kstat_equal(got, kstat_rows_reference(table, k, idx, k_dtype), k_dtype)
-    assert_kstat_equal(got, ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2), k_dtype)
+    np.testing.assert_array_equal(table_after, written_back(table, got, idx))
+    cpu, cpu_table = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2)
+    assert_kstat_equal(got, cpu, k_dtype)
+    assert_kstat_equal(table_after, cpu_table, k_dtype)
 
 
 # The cases whose selection differs most between the two kernel families (window and sinks by position, the exact

@@ -1,9 +1,10 @@
 """ggml_sparq_vsum_rows (a decode step's running V sums in one node) and ggml_sparq_kstat_rows (the same op with the
 keys' squares: the running key statistics) against their float64 oracles.
 
-The op's column t is table[idx[t]] + [round(v[t]), 1] per KV head, with v rounded to the cache's type; each
-component is one float32 addition of two float32 values, so the float64 oracle rounded to float32 is exact and
-the comparison is bit for bit. The squares of f16 and bf16 keys are exact in float32, so the key statistics
+The op's column t is table[idx[t]] + [round(v[t]), 1] per KV head, with v rounded to the cache's type, and is
+written back into table[idx[t]] (the rows are distinct: a decode step's one token per sequence); each component is
+one float32 addition of two float32 values, so the float64 oracle rounded to float32 is exact and the comparison
+is bit for bit. The squares of f16 and bf16 keys are exact in float32, so the key statistics
 are too; for f32 keys the square is one more rounding, and a compiler may fuse it with the addition (1 ulp). The
 CUDA kernel runs the same cases in tests/test_op_sparq_attn_cuda.py.
 """
@@ -48,13 +49,22 @@ def expected(table, v, idx, v_dtype):
     return vsum_rows_reference(table, v, idx, v_dtype).astype(np.float32)
 
 
+def written_back(table: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The table as the op leaves it: the result's columns in their rows, every other row untouched."""
+    out = np.array(table, dtype=np.float32, copy=True)
+    out[np.asarray(idx)] = rows
+    return out
+
+
 @pytest.mark.parametrize("case", VSUM_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_vsum_rows_equals_reference_bit_for_bit(case):
     n_seq, n_head_kv, d_v, n_tokens, v_ld, v_dtype = case
     rng = np.random.default_rng(n_seq * 1000 + d_v)
     table, v, idx = vsum_case(rng, n_seq, n_head_kv, d_v, n_tokens)
-    got = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2)
-    np.testing.assert_array_equal(got, expected(table, v, idx, v_dtype))
+    got, table_after = ops.vsum_rows(table, v, idx, v_dtype=v_dtype, v_ld=v_ld, n_threads=2)
+    want = expected(table, v, idx, v_dtype)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(table_after, written_back(table, want, idx))
 
 
 def test_rounding_follows_the_cache_type():
@@ -62,24 +72,25 @@ def test_rounding_follows_the_cache_type():
     table = np.zeros((1, 1, 5), dtype=np.float32)
     v = np.array([[[1.0 + 2.0**-12, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-9, -3.0 - 2.0**-12]]], dtype=np.float32)
     idx = np.array([0], dtype=np.int32)
-    f16 = ops.vsum_rows(table, v, idx, v_dtype="f16")
+    f16, _ = ops.vsum_rows(table, v, idx, v_dtype="f16")
     np.testing.assert_array_equal(f16[0, 0, :3], [1.0, 1.0 + 2.0**-9, 1.0 + 2.0**-9])  # ties to even, exact
-    bf16 = ops.vsum_rows(table, v, idx, v_dtype="bf16")
+    bf16, _ = ops.vsum_rows(table, v, idx, v_dtype="bf16")
     np.testing.assert_array_equal(bf16[0, 0, :3], [1.0, 1.0, 1.0])
-    f32 = ops.vsum_rows(table, v, idx, v_dtype="f32")
+    f32, _ = ops.vsum_rows(table, v, idx, v_dtype="f32")
     np.testing.assert_array_equal(f32[0, 0, :3], v[0, 0, :3])
     for out in (f16, bf16, f32):
         assert out[0, 0, 4] == 1.0  # the count
 
 
-def test_repeated_rows_read_the_same_table_row():
-    # the op only reads the table: two tokens of one row both see the row as it was (the caller's set_rows
-    # is what needs distinct rows)
+def test_repeated_rows_are_refused():
+    # the op writes each token's row back, so two tokens of one sequence would race for it: the evaluation refuses
+    # them (llama's graph uses the op only for decode steps, one token per sequence)
     rng = np.random.default_rng(7)
     table, v, _ = vsum_case(rng, 3, 2, 64, 4)
-    idx = np.array([1, 1, 0, 1], dtype=np.int32)
-    got = ops.vsum_rows(table, v, idx, v_dtype="f16", n_threads=2)
-    np.testing.assert_array_equal(got, expected(table, v, idx, "f16"))
+    with pytest.raises(ValueError, match="distinct"):
+        ops.vsum_rows(table, v, np.array([1, 2, 0, 1], dtype=np.int32), v_dtype="f16", n_threads=2)
+    with pytest.raises(ValueError, match="distinct"):
+        ops.kstat_rows(np.concatenate([table[..., :64], table], axis=-1), v, np.array([0, 0, 1, 2], dtype=np.int32))
 
 
 def test_bad_arguments_fail_clearly():
@@ -124,9 +135,10 @@ def test_kstat_rows_equals_reference(case):
     n_seq, n_head_kv, d, n_tokens, k_ld, k_dtype = case
     rng = np.random.default_rng(n_seq * 1000 + d + 1)
     table, k, idx = kstat_case(rng, n_seq, n_head_kv, d, n_tokens)
-    got = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2)
+    got, table_after = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2)
     assert got.shape == (n_tokens, n_head_kv, 2 * d + 1)
     assert_kstat_equal(got, kstat_rows_reference(table, k, idx, k_dtype), k_dtype)
+    np.testing.assert_array_equal(table_after, written_back(table, got, idx))
 
 
 def test_kstat_rows_bad_arguments_fail_clearly():

@@ -100,12 +100,13 @@ GGML_API void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tenso
 //   table  [(d_v+1)*n_head_kv, n_seq] f32 with contiguous rows: per sequence, per KV head the sum of V over the
 //          sequence's cells followed by their count
 //   v      [d_v, n_head_kv, n_tokens] f32 with contiguous components (any row strides): the tokens' new values
-//   idx    [n_tokens] i32: each token's table row, in [0, n_seq); rows are read, never written
+//   idx    [n_tokens] i32: each token's table row, in [0, n_seq), no two alike (a decode step: one token per sequence)
 //   v_type f32, f16 or bf16: the type the cache stores V as; each component is rounded to it first, so the sums
 //          equal sums over the cache
-//   result [(d_v+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [round(v[:, h, t]), 1]
-// The caller writes the result back (ggml_set_rows(table, result, idx)) when no two tokens share a row (a decode
-// step); the sum is table + value (one float addition per component, as ggml_add of the same operands).
+//   result [(d_v+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [round(v[:, h, t]), 1], also
+//          written back into table[:, idx[t]] (in place: the table is the running state)
+// The sum is table + value (one float addition per component, as ggml_add of the same operands). It is
+// ggml_sparq_decode_upkeep with only its V sums.
 GGML_API const char * ggml_sparq_vsum_rows_check(
         const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
         enum ggml_type v_type);
@@ -125,7 +126,7 @@ GGML_API struct ggml_tensor * ggml_sparq_vsum_rows(
 //   k      [d, n_head_kv, n_tokens] f32 with contiguous components: the tokens' new keys
 //   k_type f32, f16 or bf16: the type the cache stores K as (each component rounded to it first, r below)
 //   result [(2*d+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [r, r*r, 1], r*r a float32
-//          product (exact for f16 and bf16 keys) added with one float addition
+//          product (exact for f16 and bf16 keys) added with one float addition; written back as for the V sums
 // It replaces reading the keys back from the cache, squaring them and concatenating (three more nodes a layer).
 GGML_API const char * ggml_sparq_kstat_rows_check(
         const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * idx,
@@ -138,6 +139,35 @@ GGML_API struct ggml_tensor * ggml_sparq_kstat_rows(
         struct ggml_tensor  * k,
         struct ggml_tensor  * idx,
         enum ggml_type        k_type);
+
+// ggml_sparq_decode_upkeep: a decode step's whole upkeep of SparQ's derived KV state in one node: the V sums (as
+// ggml_sparq_vsum_rows), the key statistics (as ggml_sparq_kstat_rows) and the index blocks the new keys fall in (as
+// ggml_sparq_index_write), each part present where its table (vsum, kstat, kt) is not NULL, at least one table of
+// sums. On a GPU it is one kernel where the parts took five a layer (two of them the sums' write backs), and each
+// small kernel on a decode step's chain costs a few microseconds whatever its work.
+//   result [n_v + n_k, n_tokens] f32: column t = the V-sum part's column then the key statistics' (n_v, n_k: the
+//          tables' widths, 0 without); both written back into their tables, the index blocks into kt
+// Everything but the result is written in place, so the node must run on the backend whose memory holds the tables
+// and kt (llama's graph assigns it there).
+struct ggml_sparq_upkeep {
+    struct ggml_tensor * idx;     // [n_tokens] i32: each token's table row, no two alike
+    struct ggml_tensor * vsum;    // ggml_sparq_vsum_rows's table, or NULL
+    struct ggml_tensor * v;       //   and its v
+    enum ggml_type       v_type;  //   and v_type
+    struct ggml_tensor * kstat;   // ggml_sparq_kstat_rows's table, or NULL
+    struct ggml_tensor * k_new;   //   and its k
+    enum ggml_type       k_type;  //   and k_type
+    struct ggml_tensor * kt;      // ggml_sparq_index_write's kt, or NULL
+    struct ggml_tensor * k;       //   and its k, cells, mask, blk and s0
+    struct ggml_tensor * cells;
+    struct ggml_tensor * mask;
+    struct ggml_tensor * blk;
+    int32_t              s0;
+};
+GGML_API const char * ggml_sparq_decode_upkeep_check(const struct ggml_sparq_upkeep * u);
+
+// Builds the op; aborts with ggml_sparq_decode_upkeep_check's message on invalid arguments.
+GGML_API struct ggml_tensor * ggml_sparq_decode_upkeep(struct ggml_context * ctx, const struct ggml_sparq_upkeep * u);
 
 // ggml_sparq_index_write: blocks of the index (K^T) recomputed from K, in one node (the derived KV state's upkeep after
 // a ubatch's K writes, and its rebuild).

@@ -70,6 +70,7 @@ struct vsum_rows_eval_args {
     const int32_t * idx;
     float       * out;
     int          squares;  // 0: ggml_sparq_vsum_rows, 1: ggml_sparq_kstat_rows
+    float       * table_out;  // NULL, or [n_seq][width] f32: the table after the op (it writes the rows back)
 };
 SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
 

@@ -253,20 +253,54 @@ static const char * sum_rows_check(
     return NULL;
 }
 
-static struct ggml_tensor * sum_rows_op(
-        struct ggml_context * ctx, struct ggml_tensor * table, struct ggml_tensor * v, struct ggml_tensor * idx,
-        enum ggml_type v_type, int squares) {
-    const char * err = sum_rows_check(table, v, idx, v_type, squares);
+static const char * upkeep_fail(const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    const char * msg = sparq_vfail("ggml_sparq_decode_upkeep", fmt, args);
+    va_end(args);
+    return msg;
+}
+
+const char * ggml_sparq_decode_upkeep_check(const struct ggml_sparq_upkeep * u) {
+    if (!u || !u->idx || (!u->vsum && !u->kstat)) {
+        return upkeep_fail("idx and at least one table of sums (vsum, kstat) are required");
+    }
+    const char * err = NULL;
+    if (u->vsum && (err = sum_rows_check(u->vsum, u->v, u->idx, u->v_type, 0))) {
+        return err;
+    }
+    if (u->kstat && (err = sum_rows_check(u->kstat, u->k_new, u->idx, u->k_type, 1))) {
+        return err;
+    }
+    if (u->vsum && u->kstat && u->v->ne[1] != u->k_new->ne[1]) {
+        return upkeep_fail("v and k_new must have the same KV heads");
+    }
+    if (u->kt && (err = ggml_sparq_index_write_check(u->kt, u->k, u->cells, u->mask, u->blk, u->s0))) {
+        return err;
+    }
+    return NULL;
+}
+
+struct ggml_tensor * ggml_sparq_decode_upkeep(struct ggml_context * ctx, const struct ggml_sparq_upkeep * u) {
+    const char * err = ggml_sparq_decode_upkeep_check(u);
     if (err) {
         GGML_ABORT("%s", err);
     }
-    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, table->ne[0], v->ne[2]);
-    const int32_t op_params[2] = { (int32_t) v_type, squares };
+    const int64_t n_v = u->vsum ? u->vsum->ne[0] : 0, n_k = u->kstat ? u->kstat->ne[0] : 0;
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_v + n_k, u->idx->ne[0]);
+    const int32_t op_params[3] = { (int32_t) u->v_type, (int32_t) u->k_type, u->s0 };
     ggml_set_op_params(result, op_params, sizeof(op_params));
-    result->op     = GGML_OP_SPARQ_VSUM_ROWS;
-    result->src[0] = table;
-    result->src[1] = v;
-    result->src[2] = idx;
+    result->op     = GGML_OP_SPARQ_VSUM_ROWS;  // the op of all three builders
+    result->src[0] = u->idx;
+    result->src[1] = u->vsum;
+    result->src[2] = u->vsum ? u->v : NULL;
+    result->src[3] = u->kstat;
+    result->src[4] = u->kstat ? u->k_new : NULL;
+    result->src[5] = u->kt;
+    result->src[6] = u->kt ? u->k : NULL;
+    result->src[7] = u->kt ? u->cells : NULL;
+    result->src[8] = u->kt ? u->blk : NULL;
+    result->src[9] = u->kt ? u->mask : NULL;
     return result;
 }
 
@@ -282,7 +316,8 @@ struct ggml_tensor * ggml_sparq_vsum_rows(
         struct ggml_tensor  * v,
         struct ggml_tensor  * idx,
         enum ggml_type        v_type) {
-    return sum_rows_op(ctx, table, v, idx, v_type, 0);
+    const struct ggml_sparq_upkeep u = { idx, table, v, v_type, NULL, NULL, GGML_TYPE_F32, NULL, NULL, NULL, NULL, NULL, 0 };
+    return ggml_sparq_decode_upkeep(ctx, &u);
 }
 
 const char * ggml_sparq_kstat_rows_check(
@@ -297,7 +332,8 @@ struct ggml_tensor * ggml_sparq_kstat_rows(
         struct ggml_tensor  * k,
         struct ggml_tensor  * idx,
         enum ggml_type        k_type) {
-    return sum_rows_op(ctx, table, k, idx, k_type, 1);
+    const struct ggml_sparq_upkeep u = { idx, NULL, NULL, GGML_TYPE_F32, table, k, k_type, NULL, NULL, NULL, NULL, NULL, 0 };
+    return ggml_sparq_decode_upkeep(ctx, &u);
 }
 
 static const char * index_fail(const char * fmt, ...) {

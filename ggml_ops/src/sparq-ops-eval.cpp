@@ -56,7 +56,7 @@ ggml_backend * open_backend(const char * device, int n_threads, ggml_backend_dev
 // tensors, sets the inputs (a NULL tensor is skipped), computes, and copies the result to dst. 0, or 1 with err.
 int compute_op(ggml_backend * backend, ggml_backend_dev_t dev, ggml_context * c, ggml_tensor * out, const char * op_name,
                std::initializer_list<std::pair<ggml_tensor *, const void *>> inputs, void * dst, char * err,
-               size_t err_size) {
+               size_t err_size, std::initializer_list<std::pair<const ggml_tensor *, void *>> written = {}) {
     if (!ggml_backend_supports_op(backend, out)) {
         return fail(err, err_size, "device '%s' does not support %s with these types", ggml_backend_dev_name(dev), op_name);
     }
@@ -75,6 +75,11 @@ int compute_op(ggml_backend * backend, ggml_backend_dev_t dev, ggml_context * c,
         return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
     }
     ggml_backend_tensor_get(out, dst, 0, ggml_nbytes(out));
+    for (const auto & [t, data] : written) {  // inputs the op writes in place, as they are after it
+        if (data) {
+            ggml_backend_tensor_get(t, data, 0, ggml_nbytes(t));
+        }
+    }
     return 0;
 }
 
@@ -136,6 +141,12 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
             return fail(err, err_size, "idx[%lld] = %d is not a table row (n_seq = %lld)", (long long) t, a->idx[t],
                         (long long) a->n_seq);
         }
+        for (int64_t u = 0; u < t; ++u) {
+            if (a->idx[u] == a->idx[t]) {
+                return fail(err, err_size, "idx[%lld] and idx[%lld] are both row %d: the op writes each row back, so "
+                            "the rows must be distinct", (long long) u, (long long) t, a->idx[t]);
+            }
+        }
     }
     ggml_backend_dev_t dev = nullptr;
     std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
@@ -158,7 +169,8 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
     ggml_tensor * out = a->squares ? ggml_sparq_kstat_rows(c, table, v, idx, v_type)
                                    : ggml_sparq_vsum_rows(c, table, v, idx, v_type);
     return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
-                      { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size);
+                      { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size,
+                      { { table, a->table_out } });
 }
 
 int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * err, size_t err_size) {

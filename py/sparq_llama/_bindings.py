@@ -357,7 +357,8 @@ class VsumRowsEvalArgs(ctypes.Structure):
 
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("v_type", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("d_v", "n_head_kv", "n_tokens", "n_seq", "v_ld")] + \
-        [(n, ctypes.c_void_p) for n in ("table", "v", "idx", "out")] + [("squares", ctypes.c_int)]
+        [(n, ctypes.c_void_p) for n in ("table", "v", "idx", "out")] + [("squares", ctypes.c_int)] + \
+        [("table_out", ctypes.c_void_p)]
 
 
 class CentroidEvalArgs(ctypes.Structure):

@@ -217,25 +217,27 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
 
 
 def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str = "f16", v_ld: int | None = None,
-              n_threads: int | None = None, backend: str = "cpu") -> np.ndarray:
+              n_threads: int | None = None, backend: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """ggml_sparq_vsum_rows on a backend: a decode step's V sums. table [n_seq, n_head_kv, d_v + 1] (per sequence
     and KV head the sum of V, then the count), v [n_tokens, n_head_kv, d_v] (the tokens' values, rounded to v_dtype
-    by the op, as the cache stores them), idx [n_tokens] (each token's table row). With v_ld the op reads v
-    through a strided view (v_ld >= d_v components per row). Returns [n_tokens, n_head_kv, d_v + 1] float32:
-    table[idx] + [round(v), 1] (`kv_round` gives round(v))."""
+    by the op, as the cache stores them), idx [n_tokens] (each token's table row, distinct: the op writes them back).
+    With v_ld the op reads v through a strided view (v_ld >= d_v components per row). Returns the result
+    [n_tokens, n_head_kv, d_v + 1] float32, table[idx] + [round(v), 1] (`kv_round` gives round(v)), and the table as
+    the op left it (those rows written back, the others as they were)."""
     return _sum_rows(table, v, idx, v_dtype, v_ld, n_threads, backend, squares=False)
 
 
 def kstat_rows(table: np.ndarray, k: np.ndarray, idx: np.ndarray, *, k_dtype: str = "f16", k_ld: int | None = None,
-               n_threads: int | None = None, backend: str = "cpu") -> np.ndarray:
+               n_threads: int | None = None, backend: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """ggml_sparq_kstat_rows on a backend: a decode step's key statistics. table [n_seq, n_head_kv, 2d + 1] (per
     sequence and KV head the sum of the keys, the sum of their squares, the count), k [n_tokens, n_head_kv, d],
-    idx [n_tokens]. Returns [n_tokens, n_head_kv, 2d + 1] float32: table[idx] + [r, r*r, 1], r = round(k)."""
+    idx [n_tokens] (distinct). Returns the result [n_tokens, n_head_kv, 2d + 1] float32, table[idx] + [r, r*r, 1]
+    with r = round(k), and the table as the op left it."""
     return _sum_rows(table, k, idx, k_dtype, k_ld, n_threads, backend, squares=True)
 
 
 def _sum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str, v_ld: int | None, n_threads: int | None,
-              backend: str, squares: bool) -> np.ndarray:
+              backend: str, squares: bool) -> tuple[np.ndarray, np.ndarray]:
     tab = np.ascontiguousarray(table, dtype=np.float32)
     vv = np.asarray(v, dtype=np.float32)
     ix = np.ascontiguousarray(idx, dtype=np.int32)
@@ -254,12 +256,13 @@ def _sum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str, v
     padded[..., :d_v] = vv
     padded[..., d_v:] = np.nan  # never read: a kernel that reads past d_v turns its sums into NaN
     out = np.zeros((n_tokens, n_head_kv, width * d_v + 1), dtype=np.float32)
+    table_out = np.full_like(tab, np.nan)
     args = VsumRowsEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
                             v_type=_GGML_TYPES[v_dtype], d_v=d_v, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
                             v_ld=ld, table=tab.ctypes.data, v=padded.ctypes.data, idx=ix.ctypes.data,
-                            out=out.ctypes.data, squares=int(squares))
+                            out=out.ctypes.data, squares=int(squares), table_out=table_out.ctypes.data)
     _call(C.sparq_llama_eval_vsum_rows, args)
-    return out
+    return out, table_out
 
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,

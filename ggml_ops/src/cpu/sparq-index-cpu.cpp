@@ -18,12 +18,15 @@ constexpr int64_t MAX_B = 32;  // the largest index block (q8_0)
 }  // namespace
 
 void ggml_compute_forward_sparq_index_write(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor * kt = dst->src[0], * k = dst->src[1], * cells = dst->src[2], * blk = dst->src[3];
-    const ggml_tensor * mask = dst->src[4];
-    GGML_ASSERT(dst->data == kt->data);  // the result is kt, written in place
+    GGML_ASSERT(dst->data == dst->src[0]->data);  // the result is kt, written in place
+    sparq_index_write_tasks(params, dst->src[0], dst->src[1], dst->src[2], dst->src[3], dst->src[4],
+                            ggml_get_op_params_i32(dst, 0));
+}
+
+void sparq_index_write_tasks(const ggml_compute_params * params, const ggml_tensor * kt, const ggml_tensor * k,
+                             const ggml_tensor * cells, const ggml_tensor * blk, const ggml_tensor * mask, int32_t s0) {
     const int64_t B = ggml_blck_size(kt->type), n_embd = kt->ne[1], row_len = kt->ne[0], n_stream = kt->ne[2];
     const int64_t kv_size = k->ne[1], n_blk = blk->ne[0], ns = blk->ne[2];
-    const int32_t s0 = ggml_get_op_params_i32(dst, 0);
     GGML_ASSERT(B <= MAX_B && k->ne[0] == n_embd && s0 >= 0 && s0 + ns <= n_stream);
     GGML_ASSERT(n_embd % ggml_blck_size(k->type) == 0 && SEG % ggml_blck_size(k->type) == 0);
     ggml_to_float_t const to_float = ggml_get_type_traits(k->type)->to_float;

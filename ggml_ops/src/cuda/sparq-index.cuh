@@ -1,4 +1,4 @@
-// CUDA kernel of ggml_sparq_index_write (ggml_ops/src/cuda/sparq-index.cu), called from the patched ggml-cuda.cu.
+// CUDA kernel of ggml_sparq_index_write (ggml_ops/src/cuda/sparq-upkeep.cu), called from the patched ggml-cuda.cu.
 #pragma once
 
 #include "common.cuh"

@@ -382,6 +382,23 @@ void sparq_log_fallback(const sparq_kv_layer * L, int il, const char * why) {
     }
 }
 
+// The upkeep ops write the derived state in place, so they run on the backend whose memory holds it: left to choose by
+// a node's neighbours, the scheduler could run one elsewhere on a copy of the state, and the writes would be lost.
+void run_where_state_is(ggml_backend_sched_t sched, ggml_tensor * node, const ggml_tensor * state) {
+    const ggml_backend_buffer_t buf = state->view_src ? state->view_src->buffer : state->buffer;
+    if (sched == nullptr || buf == nullptr) {
+        return;
+    }
+    const ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(buf);
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_supports_buft(backend, buft) && ggml_backend_supports_op(backend, node)) {
+            ggml_backend_sched_set_tensor_backend(sched, node, backend);
+            return;
+        }
+    }
+}
+
 // x [d, h, n_tokens] as the sum ops read it (contiguous components, any row strides): x itself where it is (a
 // decode step's one token counts too: ggml_n_dims would call it 2-dimensional), else a copy.
 ggml_tensor * rows_as_3d(ggml_context * ctx0, ggml_tensor * x, int64_t d, int64_t h, int64_t n_tokens) {
@@ -395,7 +412,8 @@ ggml_tensor * rows_as_3d(ggml_context * ctx0, ggml_tensor * x, int64_t d, int64_
 // adding the graph's nodes that write the table back. The V sums pass V and its cache type (the rows are rounded
 // to it here); the key statistics pass [k, k*k] of the keys as stored, type f32. Either way the sums are over the
 // values the cache holds, so a rebuild from the cache agrees.
-ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, sparq_graph_input * inp, ggml_tensor * tab,
+ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, ggml_backend_sched_t sched,
+                                sparq_graph_input * inp, ggml_tensor * tab,
                                 ggml_tensor * v_cur, ggml_type type_v, int64_t d_v, int64_t h, bool select,
                                 bool need_future) {
     const int64_t n_tokens = inp->n_tokens;
@@ -403,10 +421,10 @@ ggml_tensor * build_vsum_upkeep(ggml_context * ctx0, ggml_cgraph * gf, sparq_gra
                             (type_v == GGML_TYPE_F32 || type_v == GGML_TYPE_F16 || type_v == GGML_TYPE_BF16);
     if (inp->one_seq_each && plain_type) {
         // a decode step: each row is its sequence's sums plus its own value, and is the sequence's new row of
-        // the table (the rows are distinct): one node, then the write back
-        ggml_tensor * v3 = rows_as_3d(ctx0, v_cur, d_v, h, n_tokens);
-        ggml_tensor * rows = ggml_sparq_vsum_rows(ctx0, tab, v3, inp->seq_idx, type_v);
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx0, tab, rows, inp->seq_idx));
+        // the table (the rows are distinct): one node that also writes it back
+        ggml_tensor * rows = ggml_sparq_vsum_rows(ctx0, tab, rows_as_3d(ctx0, v_cur, d_v, h, n_tokens), inp->seq_idx,
+                                                  type_v);
+        run_where_state_is(sched, rows, tab);
         ggml_build_forward_expand(gf, rows);
         return rows;
     }
@@ -510,7 +528,42 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         return ggml_get_rows(ctx0, x2d, inp->get_tok_cells(ctx0, *entry));
     };
 
-    if (k_cur && L->kt) {
+    const ggml_type k_type = mctx_cur->type_k(), v_type = mctx_cur->type_v();
+    auto plain = [](ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; };
+    // a decode step over a float cache: the new rows rounded to the cache's type as its write rounds them, added to
+    // their sequences' sums, the sums written back and the index blocks recomputed, all in one node
+    const bool step_v = inp->one_seq_each && v_cur && L->vsum && v_cur->type == GGML_TYPE_F32 && plain(v_type);
+    const bool step_k = inp->one_seq_each && k_cur && L->kstat && k_cur->type == GGML_TYPE_F32 && plain(k_type);
+    const bool need_future = select && !decode;
+    ggml_tensor * vsum_rows  = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
+    ggml_tensor * kstat_rows = nullptr; // [(2*d_k + 1)*n_head_kv, n_tokens]: the key statistics each row sees
+    bool index_written = false;
+    if (step_v || step_k) {
+        inp->ensure_seq_inputs(ctx0, false, true, false);
+        ggml_sparq_upkeep u = {};
+        u.idx = inp->seq_idx;
+        if (step_v) {
+            u.vsum = L->vsum; u.v = rows_as_3d(ctx0, v_cur, d_v, n_head_kv, n_tokens); u.v_type = v_type;
+        }
+        if (step_k) {
+            u.kstat = L->kstat; u.k_new = rows_as_3d(ctx0, k_cur, d_k, n_head_kv, n_tokens); u.k_type = k_type;
+        }
+        if (k_cur && L->kt) {
+            inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
+            u.kt = L->kt; u.k = L->k; u.cells = entry->cells; u.mask = entry->mask; u.blk = entry->blk;
+            u.s0 = (int32_t) entry->s0;
+            index_written = true;
+        }
+        ggml_tensor * rows = ggml_sparq_decode_upkeep(ctx0, &u);
+        run_where_state_is(sched, rows, step_v ? L->vsum : L->kstat);
+        ggml_build_forward_expand(gf, rows);
+        const int64_t n_v = step_v ? L->vsum->ne[0] : 0;
+        vsum_rows  = step_v ? ggml_view_2d(ctx0, rows, n_v, n_tokens, rows->nb[1], 0) : nullptr;
+        kstat_rows = step_k ? ggml_view_2d(ctx0, rows, L->kstat->ne[0], n_tokens, rows->nb[1], n_v*sizeof(float))
+                            : nullptr;
+    }
+
+    if (k_cur && L->kt && !index_written) {
         // recompute the index blocks the new keys fall in from K (q8_0: whole blocks of 32 cells), after the graph's
         // K write (graph order), so the index is a function of the cache's K only
         inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
@@ -518,40 +571,27 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
                                                              (int32_t) entry->s0));
     }
 
-    const bool need_future = select && !decode;
-    ggml_tensor * vsum_rows = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
-    if (v_cur && L->vsum) {
+    if (v_cur && L->vsum && !step_v) {
         inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);  // one_seq_each implies select
         ggml_tensor * v_new  = v_cur;
-        ggml_type     v_type = mctx_cur->type_v();
+        ggml_type     v_sum_type = v_type;
         if (ggml_is_quantized(v_type)) {
             // quantized V: the values as stored (the quantize/dequantize round trip), read back from the cache
             ggml_tensor * r = cache_rows(L->v);
-            v_new  = ggml_view_3d(ctx0, r, d_v, n_head_kv, n_tokens, ggml_row_size(r->type, d_v), r->nb[1], 0);
-            v_type = GGML_TYPE_F32;
+            v_new      = ggml_view_3d(ctx0, r, d_v, n_head_kv, n_tokens, ggml_row_size(r->type, d_v), r->nb[1], 0);
+            v_sum_type = GGML_TYPE_F32;
         }
-        vsum_rows = build_vsum_upkeep(ctx0, gf, inp, L->vsum, v_new, v_type, d_v, n_head_kv, select, need_future);
+        vsum_rows = build_vsum_upkeep(ctx0, gf, sched, inp, L->vsum, v_new, v_sum_type, d_v, n_head_kv, select,
+                                      need_future);
     }
 
-    ggml_tensor * kstat_rows = nullptr; // [(2*d_k + 1)*n_head_kv, n_tokens]: the key statistics each row sees
-    if (k_cur && L->kstat) {
+    if (k_cur && L->kstat && !step_k) {
+        // the keys as stored (rounded to K's type) and their squares, per head: [2*d_k, n_head_kv, n_tokens]
         inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);
-        const ggml_type k_type = mctx_cur->type_k();
-        if (inp->one_seq_each && k_cur->type == GGML_TYPE_F32 &&
-            (k_type == GGML_TYPE_F32 || k_type == GGML_TYPE_F16 || k_type == GGML_TYPE_BF16)) {
-            // a decode step over a float cache: the new keys rounded to K's type as the cache write rounds them,
-            // their squares and counts added in one node, then written back
-            ggml_tensor * k3 = rows_as_3d(ctx0, k_cur, d_k, n_head_kv, n_tokens);
-            kstat_rows = ggml_sparq_kstat_rows(ctx0, L->kstat, k3, inp->seq_idx, k_type);
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx0, L->kstat, kstat_rows, inp->seq_idx));
-            ggml_build_forward_expand(gf, kstat_rows);
-        } else {
-            // the keys as stored (rounded to K's type) and their squares, per head: [2*d_k, n_head_kv, n_tokens]
-            ggml_tensor * r3 = ggml_reshape_3d(ctx0, cache_rows(L->k), d_k, n_head_kv, n_tokens);
-            ggml_tensor * k2 = ggml_concat(ctx0, r3, ggml_sqr(ctx0, r3), 0);
-            kstat_rows = build_vsum_upkeep(ctx0, gf, inp, L->kstat, k2, GGML_TYPE_F32, 2*d_k, n_head_kv, select,
-                                           need_future);
-        }
+        ggml_tensor * r3 = ggml_reshape_3d(ctx0, cache_rows(L->k), d_k, n_head_kv, n_tokens);
+        ggml_tensor * k2 = ggml_concat(ctx0, r3, ggml_sqr(ctx0, r3), 0);
+        kstat_rows = build_vsum_upkeep(ctx0, gf, sched, inp, L->kstat, k2, GGML_TYPE_F32, 2*d_k, n_head_kv, select,
+                                       need_future);
     }
 
     if (!cparams.causal_attn) {
@@ -589,14 +629,13 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     k  = ggml_permute(ctx0, k,  0, 2, 1, 3);
     v  = ggml_permute(ctx0, v,  0, 2, 1, 3);
 
-    ggml_tensor * vsum = nullptr;
-    if (vsum_rows) {
-        vsum = ggml_reshape_4d(ctx0, vsum_rows, d_v + 1, n_head_kv, n_tokens/ns, ns);
-    }
-    ggml_tensor * kstat = nullptr;
-    if (kstat_rows) {
-        kstat = ggml_reshape_4d(ctx0, kstat_rows, 2*d_k + 1, n_head_kv, n_tokens/ns, ns);
-    }
+    // the rows [width*n_head_kv, n_tokens] (any row stride) per KV head, query row and stream, as the op reads them
+    auto per_row = [&](ggml_tensor * rows, int64_t width) {
+        return ggml_view_4d(ctx0, rows, width, n_head_kv, n_tokens/ns, ns, width*sizeof(float), rows->nb[1],
+                            rows->nb[1]*(n_tokens/ns), 0);
+    };
+    ggml_tensor * vsum  = vsum_rows  ? per_row(vsum_rows, d_v + 1)  : nullptr;
+    ggml_tensor * kstat = kstat_rows ? per_row(kstat_rows, 2*d_k + 1) : nullptr;
 
     // k1 by default: about 1/8 of dense attention's bytes read by the score pass (k1 rows of the index per cell
     // against 2*d_k elements of K and V), so twice the components for the q8 index's half-size rows

@@ -1,0 +1,287 @@
+// CUDA kernel of SparQ's derived-state upkeep: ggml_sparq_index_write and ggml_sparq_decode_upkeep (and its one-table
+// forms ggml_sparq_vsum_rows, ggml_sparq_kstat_rows). Semantics: ggml_ops/include/ggml-sparq.h; the CPU kernels
+// (ggml_ops/src/cpu/sparq-index-cpu.cpp, sparq-vsum-cpu.cpp) are the reference.
+//
+// One kernel, its grid in two ranges:
+//   - index blocks: per written index block (block b of stream j) a chunk of UK_THREADS key components; thread e takes
+//     component e: it gathers the B cells' values of component e from K, dequantized as ggml-cuda's get_rows
+//     dequantizes them (the same device functions), times the mask, and writes them to row e of K^T converted as
+//     ggml-cuda's set_rows converts (q8_0: its block quantizer). K rows are read by consecutive threads (coalesced
+//     along the components); the writes of one thread are one index block. A decode step writes one index block a
+//     layer, so the components are what spreads it over the GPU;
+//   - sums: per (token, KV head) one block; thread i adds component i of the token's rounded value to its sequence's
+//     V-sum row and of its rounded key (and square) to its key-statistics row, writes both to the result and back
+//     to the tables; one thread adds the counts. The rounding is CUDA's round-to-nearest-even conversion, as
+//     ggml-cuda's own cast to the cache type.
+// A decode step's upkeep is then one launch where it took five (the index write, two sums and their two write backs),
+// each a few microseconds on the step's chain whatever its work (measured: ~22 us a layer for the five, Llama-2-7B
+// shape, H100).
+#include "sparq-index.cuh"
+#include "sparq-vsum.cuh"
+#include "attn-cuda-common.cuh"
+#include "convert.cuh"
+#include "cpy-utils.cuh"
+#include "dequantize.cuh"
+
+#include "ggml-sparq.h"
+
+#include <cstdint>
+
+namespace {
+
+using namespace attn_cuda;  // pdl_wait
+
+constexpr int UK_THREADS = 128;
+constexpr int IW_MAX_B   = QK8_0;  // the largest index block
+
+struct index_args {  // the index part; n_blocks 0 without one
+    char * kt; const char * k; const int32_t * cells; const int64_t * blk; const float * mask;
+    int64_t n_embd, n_blk, n_chunks, n_blocks;
+    size_t kt_nb1, kt_nb2, k_nb1;
+    int32_t s0;
+};
+
+struct sums_args {  // one table of sums; tab NULL without it
+    float * tab; const char * x;
+    int64_t d, n_seq, out_off;  // out_off: the part's first element in a result column
+    size_t t_nb1, x_nb1, x_nb2;
+    ggml_type type;             // the cache type the values are rounded to
+};
+
+struct upkeep_args {
+    index_args ix;
+    sums_args vs, ks;           // V sums [r, 1], key statistics [r, r*r, 1] per head
+    const char * idx; size_t i_nb0;
+    char * dst; size_t o_nb1;
+    int64_t n_head_kv;
+};
+
+// Component e of a K row of type K_TYPE, as ggml-cuda's get_rows gives it (its dequantize functions: pairs of values,
+// qr = 1 at adjacent positions, qr = 2 at j and j + qk/2).
+template <ggml_type K_TYPE>
+__device__ __forceinline__ float key_value(const char * row, int64_t e) {
+    if constexpr (K_TYPE == GGML_TYPE_F32) {
+        return ((const float *) row)[e];
+    } else if constexpr (K_TYPE == GGML_TYPE_F16) {
+        return ggml_cuda_cast<float>(((const half *) row)[e]);
+    } else if constexpr (K_TYPE == GGML_TYPE_BF16) {
+        return ggml_cuda_cast<float>(((const nv_bfloat16 *) row)[e]);
+    } else {
+        constexpr int qk = ggml_cuda_type_traits<K_TYPE>::qk, qr = ggml_cuda_type_traits<K_TYPE>::qr;
+        const int64_t ib = e / qk;
+        const int j = (int) (e % qk);
+        const int iqs = qr == 1 ? (j & ~1) : (j < qk/2 ? j : j - qk/2);
+        const bool second = qr == 1 ? (j & 1) : j >= qk/2;
+        float2 v;
+        if constexpr (K_TYPE == GGML_TYPE_Q8_0) {
+            dequantize_q8_0(row, ib, iqs, v);
+        } else if constexpr (K_TYPE == GGML_TYPE_Q4_0) {
+            dequantize_q4_0(row, ib, iqs, v);
+        } else if constexpr (K_TYPE == GGML_TYPE_Q4_1) {
+            dequantize_q4_1(row, ib, iqs, v);
+        } else if constexpr (K_TYPE == GGML_TYPE_Q5_0) {
+            dequantize_q5_0(row, ib, iqs, v);
+        } else {
+            static_assert(K_TYPE == GGML_TYPE_Q5_1, "a KV cache type");
+            dequantize_q5_1(row, ib, iqs, v);
+        }
+        return second ? v.y : v.x;
+    }
+}
+
+template <ggml_type K_TYPE, ggml_type KT_TYPE>
+__device__ __forceinline__ void write_index_block(const index_args & a, int64_t bid) {
+    constexpr int B = KT_TYPE == GGML_TYPE_Q8_0 ? QK8_0 : 1;
+    static_assert(B <= IW_MAX_B, "an index block fits the thread's values");
+    const int64_t t = bid / a.n_chunks;  // block b of stream j: t = j*n_blk + b
+    const int64_t j = t / a.n_blk;
+    const int64_t first = t*B;           // this index block's cells in cells and mask
+    const int64_t blk = a.blk[t];
+    char * kt_s = a.kt + (a.s0 + j)*a.kt_nb2;
+    const int64_t e = (bid % a.n_chunks)*UK_THREADS + threadIdx.x;
+    if (e < a.n_embd) {
+        float x[B];
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            const float val = key_value<K_TYPE>(a.k + (int64_t) a.cells[first + u]*a.k_nb1, e);
+            x[u] = a.mask ? val * a.mask[first + u] : val;
+        }
+        char * row = kt_s + e*a.kt_nb1;
+        if constexpr (KT_TYPE == GGML_TYPE_Q8_0) {
+            quantize_f32_q8_0_block(x, (block_q8_0 *) row + blk);
+        } else if constexpr (KT_TYPE == GGML_TYPE_F16) {
+            ((half *) row)[blk] = ggml_cuda_cast<half>(x[0]);
+        } else if constexpr (KT_TYPE == GGML_TYPE_BF16) {
+            ((nv_bfloat16 *) row)[blk] = ggml_cuda_cast<nv_bfloat16>(x[0]);
+        } else {
+            ((float *) row)[blk] = x[0];
+        }
+    }
+}
+
+__device__ __forceinline__ float round_to_cache(float x, ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_F16:  return __half2float(__float2half_rn(x));
+        case GGML_TYPE_BF16: return __bfloat162float(__float2bfloat16_rn(x));
+        default:             return x;
+    }
+}
+
+// Token t's KV head h in one table of sums (squares: the key statistics' [r, r*r, 1], else [r, 1]).
+template <bool SQUARES>
+__device__ __forceinline__ void add_token(const sums_args & s, float * out_col, int32_t row, int64_t t, int64_t h) {
+    constexpr int W = SQUARES ? 2 : 1;  // per head: W*d sums and the count
+    if (s.tab == nullptr || row < 0 || row >= s.n_seq) {  // a row outside the table is a caller's bug (the CPU
+        return;                                           // asserts); leave it unwritten
+    }
+    float * tab = (float *) ((char *) s.tab + row*s.t_nb1) + h*(W*s.d + 1);
+    const float * xh = (const float *) (s.x + h*s.x_nb1 + t*s.x_nb2);
+    float * out = out_col + s.out_off + h*(W*s.d + 1);
+    for (int64_t i = threadIdx.x; i < s.d; i += UK_THREADS) {
+        const float r = round_to_cache(xh[i], s.type);
+        const float sum = tab[i] + r;
+        out[i] = tab[i] = sum;
+        if constexpr (SQUARES) {
+            const float sq = __fadd_rn(tab[s.d + i], __fmul_rn(r, r));  // no contraction: the CPU's two roundings
+            out[s.d + i] = tab[s.d + i] = sq;
+        }
+    }
+    if (threadIdx.x == 0) {
+        out[W*s.d] = tab[W*s.d] = tab[W*s.d] + 1.0f;
+    }
+}
+
+template <ggml_type K_TYPE, ggml_type KT_TYPE>
+__global__ void __launch_bounds__(UK_THREADS) upkeep_kernel(const upkeep_args a) {
+    pdl_wait();
+    const int64_t bid = blockIdx.x;
+    if (bid < a.ix.n_blocks) {
+        write_index_block<K_TYPE, KT_TYPE>(a.ix, bid);
+        return;
+    }
+    const int64_t t = (bid - a.ix.n_blocks) / a.n_head_kv, h = (bid - a.ix.n_blocks) % a.n_head_kv;
+    const int32_t row = *(const int32_t *) (a.idx + t*a.i_nb0);
+    float * out_col = (float *) (a.dst + t*a.o_nb1);
+    add_token<false>(a.vs, out_col, row, t, h);
+    add_token<true>(a.ks, out_col, row, t, h);
+}
+
+template <ggml_type K_TYPE>
+void launch_for_index(ggml_type kt_type, unsigned n_blocks, cudaStream_t stream, const upkeep_args & a) {
+    const ggml_cuda_kernel_launch_params lp(dim3(n_blocks), UK_THREADS, 0, stream);
+    switch (kt_type) {
+        case GGML_TYPE_Q8_0: ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_Q8_0>, lp, a); break;
+        case GGML_TYPE_F16:  ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_F16>,  lp, a); break;
+        case GGML_TYPE_BF16: ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_BF16>, lp, a); break;
+        default:             ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_F32>,  lp, a); break;
+    }
+}
+
+// The kernel for K's and K^T's types (the sums alone: any instantiation, here f32), over the args' blocks.
+void launch_upkeep(ggml_type k_type, ggml_type kt_type, cudaStream_t stream, const upkeep_args & a, int64_t n_tokens) {
+    const int64_t n_blocks = a.ix.n_blocks + n_tokens*a.n_head_kv;
+    if (n_blocks == 0) {
+        return;
+    }
+    GGML_ASSERT(n_blocks <= INT32_MAX);
+    switch (k_type) {
+        case GGML_TYPE_F16:  launch_for_index<GGML_TYPE_F16> (kt_type, (unsigned) n_blocks, stream, a); break;
+        case GGML_TYPE_BF16: launch_for_index<GGML_TYPE_BF16>(kt_type, (unsigned) n_blocks, stream, a); break;
+        case GGML_TYPE_Q8_0: launch_for_index<GGML_TYPE_Q8_0>(kt_type, (unsigned) n_blocks, stream, a); break;
+        case GGML_TYPE_Q4_0: launch_for_index<GGML_TYPE_Q4_0>(kt_type, (unsigned) n_blocks, stream, a); break;
+        case GGML_TYPE_Q4_1: launch_for_index<GGML_TYPE_Q4_1>(kt_type, (unsigned) n_blocks, stream, a); break;
+        case GGML_TYPE_Q5_0: launch_for_index<GGML_TYPE_Q5_0>(kt_type, (unsigned) n_blocks, stream, a); break;
+        case GGML_TYPE_Q5_1: launch_for_index<GGML_TYPE_Q5_1>(kt_type, (unsigned) n_blocks, stream, a); break;
+        default:             launch_for_index<GGML_TYPE_F32> (kt_type, (unsigned) n_blocks, stream, a); break;
+    }
+}
+
+// The index part from ggml_sparq_index_write's arguments.
+index_args index_part(const ggml_tensor * kt, const ggml_tensor * k, const ggml_tensor * cells,
+                      const ggml_tensor * blk, const ggml_tensor * mask, int32_t s0) {
+    index_args a = {};
+    a.kt = (char *) kt->data; a.k = (const char *) k->data; a.cells = (const int32_t *) cells->data;
+    a.blk = (const int64_t *) blk->data; a.mask = mask ? (const float *) mask->data : nullptr;
+    a.n_embd = kt->ne[1]; a.n_blk = blk->ne[0]; a.n_chunks = (a.n_embd + UK_THREADS - 1) / UK_THREADS;
+    a.n_blocks = a.n_blk*blk->ne[2]*a.n_chunks;
+    a.kt_nb1 = kt->nb[1]; a.kt_nb2 = kt->nb[2]; a.k_nb1 = k->nb[1];
+    a.s0 = s0;
+    return a;
+}
+
+sums_args sums_part(const ggml_tensor * tab, const ggml_tensor * x, ggml_type type, int64_t out_off) {
+    sums_args s = {};
+    if (tab) {
+        s.tab = (float *) tab->data; s.x = (const char *) x->data;
+        s.d = x->ne[0]; s.n_seq = tab->ne[1]; s.out_off = out_off;
+        s.t_nb1 = tab->nb[1]; s.x_nb1 = x->nb[1]; s.x_nb2 = x->nb[2];
+        s.type = type;
+    }
+    return s;
+}
+
+bool kt_type_ok(ggml_type t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 || t == GGML_TYPE_Q8_0;
+}
+bool k_type_ok(ggml_type t) {
+    return kt_type_ok(t) || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
+}
+
+bool index_supported(const ggml_tensor * kt, const ggml_tensor * k, const ggml_tensor * blk) {
+    return kt_type_ok(kt->type) && k_type_ok(k->type) &&
+           blk->ne[0]*blk->ne[2]*((kt->ne[1] + UK_THREADS - 1) / UK_THREADS) <= INT32_MAX / 2;  // a 1-D grid
+}
+
+bool sums_supported(const ggml_tensor * tab, const ggml_tensor * x, ggml_type type) {
+    return tab == nullptr || (tab->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && tab->nb[0] == sizeof(float) &&
+                              x->nb[0] == sizeof(float) &&
+                              (type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16));
+}
+
+}  // namespace
+
+bool ggml_cuda_sparq_index_write_supported(int device, const ggml_tensor * op) {
+    GGML_UNUSED(device);
+    return index_supported(op->src[0], op->src[1], op->src[3]);
+}
+
+void ggml_cuda_sparq_index_write(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * kt = dst->src[0], * k = dst->src[1];
+    GGML_ASSERT(ggml_cuda_sparq_index_write_supported(ctx.device, dst));
+    GGML_ASSERT(dst->data == kt->data);  // the result is kt, written in place
+    upkeep_args a = {};
+    a.ix = index_part(kt, k, dst->src[2], dst->src[3], dst->src[4], ggml_get_op_params_i32(dst, 0));
+    a.n_head_kv = 1;
+    launch_upkeep(k->type, kt->type, ctx.stream(), a, 0);
+}
+
+bool ggml_cuda_sparq_vsum_rows_supported(int device, const ggml_tensor * op) {
+    GGML_UNUSED(device);
+    const ggml_tensor * idx = op->src[0], * vsum = op->src[1], * v = op->src[2], * kstat = op->src[3];
+    const ggml_tensor * k_new = op->src[4], * kt = op->src[5];
+    const auto v_type = (ggml_type) ggml_get_op_params_i32(op, 0), k_type = (ggml_type) ggml_get_op_params_i32(op, 1);
+    const ggml_tensor * x = vsum ? v : k_new;
+    return idx->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) && x != nullptr &&
+           sums_supported(vsum, v, v_type) && sums_supported(kstat, k_new, k_type) &&
+           (kt == nullptr || index_supported(kt, op->src[6], op->src[8])) && x->ne[1]*x->ne[2] <= INT32_MAX;
+}
+
+void ggml_cuda_sparq_vsum_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * idx = dst->src[0], * vsum = dst->src[1], * v = dst->src[2], * kstat = dst->src[3];
+    const ggml_tensor * k_new = dst->src[4], * kt = dst->src[5];
+    GGML_ASSERT(ggml_cuda_sparq_vsum_rows_supported(ctx.device, dst));
+    const int64_t n_v = vsum ? vsum->ne[0] : 0, n_k = kstat ? kstat->ne[0] : 0, n_tokens = idx->ne[0];
+    GGML_ASSERT(dst->ne[0] == n_v + n_k && dst->ne[1] == n_tokens);
+    GGML_ASSERT(!vsum || vsum->ne[0] == (v->ne[0] + 1)*v->ne[1]);
+    GGML_ASSERT(!kstat || kstat->ne[0] == (2*k_new->ne[0] + 1)*k_new->ne[1]);
+    upkeep_args a = {};
+    if (kt) {
+        a.ix = index_part(kt, dst->src[6], dst->src[7], dst->src[8], dst->src[9], ggml_get_op_params_i32(dst, 2));
+    }
+    a.vs = sums_part(vsum, v, (ggml_type) ggml_get_op_params_i32(dst, 0), 0);
+    a.ks = sums_part(kstat, k_new, (ggml_type) ggml_get_op_params_i32(dst, 1), n_v);
+    a.idx = (const char *) idx->data; a.i_nb0 = idx->nb[0];
+    a.dst = (char *) dst->data; a.o_nb1 = dst->nb[1];
+    a.n_head_kv = (vsum ? v : k_new)->ne[1];
+    launch_upkeep(kt ? dst->src[6]->type : GGML_TYPE_F32, kt ? kt->type : GGML_TYPE_F32, ctx.stream(), a, n_tokens);
+}
