@@ -154,6 +154,7 @@ __device__ __forceinline__ void add_token(const sums_args & s, float * out_col, 
 template <ggml_type K_TYPE, ggml_type KT_TYPE>
 __global__ void __launch_bounds__(UK_THREADS) upkeep_kernel(const upkeep_args a) {
     pdl_wait();
+    pdl_release();  // the SparQ op's first kernel launches now and waits on the device for this one to finish
     const int64_t bid = blockIdx.x;
     if (bid < a.ix.n_blocks) {
         write_index_block<K_TYPE, KT_TYPE>(a.ix, bid);
