@@ -13,9 +13,9 @@
 //     V-sum row and of its rounded key (and square) to its key-statistics row, writes both to the result and back
 //     to the tables; one thread adds the counts. The rounding is CUDA's round-to-nearest-even conversion, as
 //     ggml-cuda's own cast to the cache type.
-// A decode step's upkeep is then one launch where it took five (the index write, two sums and their two write backs),
-// each a few microseconds on the step's chain whatever its work (measured: ~22 us a layer for the five, Llama-2-7B
-// shape, H100).
+// A decode step's upkeep is then one launch where it took five (the index write, two sums and their two write backs):
+// each small kernel costs a few microseconds on the step's serial chain whatever its work. The five took ~22 us a layer
+// (Llama-2-7B shape, H100); the one launch gave back ~7 of them (docs/performance.md, "(b) End to end on CUDA").
 #include "sparq-index.cuh"
 #include "sparq-vsum.cuh"
 #include "attn-cuda-common.cuh"
