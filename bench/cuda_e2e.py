@@ -8,11 +8,19 @@ llama-bench tg32 at depths 4k / 8k / 16k / 32k / 64k, -fa 1 -ngl 99, SparQ at th
 the targets, and llama-bench's raw JSON.
 
     python bench/cuda_e2e.py --bin build/cuda/bin --models /tmp/models [--reps 2]
+
+With --base-bin (another build's llama-bench, e.g. the base commit of bench/device.sh) it compares two builds
+instead: the same runs for both, interleaved in rounds so that a drift of the machine hits both, written to
+bench/results/cuda_e2e_ab.json: rows {model_shape, depth, build, round, dense_tps, sparq_tps} and per shape and depth
+the medians' ratio head / base, for SparQ and for dense (the control: code that only SparQ runs leaves it at ~1).
+
+    python bench/cuda_e2e.py --bin build/cuda/bin --base-bin build/base-src/build/cuda/bin --rounds 2
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -47,16 +55,24 @@ def run_tool(cmd: list[str], timeout: int) -> str:
     return proc.stdout
 
 
-def measure(bin_dir: Path, models: Path, depths: list[int], reps: int) -> dict[str, Any]:
+def llama_bench(bin_dir: Path, model: Path, depths: list[int], reps: int) -> tuple[str, list[dict[str, Any]]]:
+    """tg32 at each depth, dense and SparQ: the command and llama-bench's JSON rows."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-ctk", "f16", "-ctv", "f16",
+           "-p", "0", "-n", "32", "-r", str(reps), "-d", ",".join(map(str, depths)), "-sparq", "0,1",
+           *SPARQ_ARGS, "-o", "json"]
+    return " ".join(cmd), json.loads(run_tool(cmd, timeout=3000))
+
+
+def tps_of(out: list[dict[str, Any]]) -> dict[tuple[int, bool], float]:
+    return {(int(r["n_depth"]), bool(r["sparq"])): float(r["avg_ts"]) for r in out}
+
+
+def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: list[str]) -> dict[str, Any]:
     rows, raw = [], {}
-    for shape in ("llama2-7b", "llama3-8b"):
-        model = model_path(models, shape)
-        cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-ctk", "f16", "-ctv", "f16",
-               "-p", "0", "-n", "32", "-r", str(reps), "-d", ",".join(map(str, depths)), "-sparq", "0,1",
-               *SPARQ_ARGS, "-o", "json"]
-        out = json.loads(run_tool(cmd, timeout=3000))
-        raw[shape] = {"command": " ".join(cmd), "output": out}
-        tps = {(int(r["n_depth"]), bool(r["sparq"])): float(r["avg_ts"]) for r in out}
+    for shape in shapes:
+        command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps)
+        raw[shape] = {"command": command, "output": out}
+        tps = tps_of(out)
         for depth in depths:
             dense, sparq = tps[(depth, False)], tps[(depth, True)]
             device = next((r.get("gpu_info") for r in out if r.get("gpu_info")), "")
@@ -72,17 +88,61 @@ def measure(bin_dir: Path, models: Path, depths: list[int], reps: int) -> dict[s
     return dict(rows=rows, targets=targets, raw=raw)
 
 
+def measure_ab(builds: dict[str, Path], models: Path, depths: list[int], reps: int, rounds: int,
+               shapes: list[str]) -> dict[str, Any]:
+    """The same runs on each build, the builds interleaved within every round."""
+    rows, raw = [], []
+    for rnd in range(1, rounds + 1):
+        for shape in shapes:
+            for build, bin_dir in builds.items():
+                command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps)
+                raw.append({"build": build, "round": rnd, "model_shape": shape, "command": command, "output": out})
+                tps = tps_of(out)
+                for depth in depths:
+                    rows.append(dict(model_shape=shape, depth=depth, build=build, round=rnd,
+                                     dense_tps=tps[(depth, False)], sparq_tps=tps[(depth, True)]))
+    summary = []
+    for shape in shapes:
+        for depth in depths:
+            med = {(b, k): statistics.median(r[k] for r in rows if r["model_shape"] == shape and r["depth"] == depth
+                                             and r["build"] == b)
+                   for b in builds for k in ("dense_tps", "sparq_tps")}
+            row = dict(model_shape=shape, depth=depth,
+                       **{f"{b}_{k}": med[(b, k)] for b in builds for k in ("dense_tps", "sparq_tps")},
+                       sparq_head_over_base=med[("head", "sparq_tps")] / med[("base", "sparq_tps")],
+                       dense_head_over_base=med[("head", "dense_tps")] / med[("base", "dense_tps")])
+            summary.append(row)
+            print(f"{shape} depth {depth}: SparQ head / base {row['sparq_head_over_base']:.3f}, "
+                  f"dense {row['dense_head_over_base']:.3f}", flush=True)
+    return dict(rows=rows, summary=summary, raw=raw)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", type=Path, required=True, help="directory with llama-bench")
+    ap.add_argument("--base-bin", type=Path, help="another build's directory with llama-bench: compare the two")
+    ap.add_argument("--rounds", type=int, default=2, help="with --base-bin: rounds of both builds")
     ap.add_argument("--models", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--shapes", default="llama2-7b,llama3-8b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--depths", default="4096,8192,16384,32768,65536")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS / "cuda_e2e.json")
+    ap.add_argument("--out", type=Path, help="default: bench/results/cuda_e2e.json (cuda_e2e_ab.json with --base-bin)")
     args = ap.parse_args()
-    record = provenance("cuda_e2e")
-    record.update(measure(args.bin, args.models, [int(x) for x in args.depths.split(",")], args.reps))
-    write_record(args.out, record)
+    shapes = args.shapes.split(",")
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    depths = [int(x) for x in args.depths.split(",")]
+    if args.base_bin:
+        record = provenance("cuda_e2e_ab")
+        record.update(measure_ab({"head": args.bin, "base": args.base_bin}, args.models, depths, args.reps,
+                                 args.rounds, shapes))
+        write_record(args.out or RESULTS / "cuda_e2e_ab.json", record)
+    else:
+        record = provenance("cuda_e2e")
+        record.update(measure(args.bin, args.models, depths, args.reps, shapes))
+        write_record(args.out or RESULTS / "cuda_e2e.json", record)
     return 0
 
 

@@ -8,6 +8,7 @@
 #                                           about 3 min; its summary line in $OUT/test_fit_cuda.log and cuda_checks.json)
 #   bench/device.sh op                      benchmark (a): the op vs flash attention      -> $OUT/cuda_op.json
 #   bench/device.sh e2e                     benchmark (b): llama-bench end to end         -> $OUT/cuda_e2e.json
+#                                           (with BASE_COMMIT: both builds, $OUT/cuda_e2e_ab.json)
 #   bench/device.sh batched                 benchmark (c): llama-batched-bench            -> $OUT/cuda_batched.json
 #   bench/device.sh squeeze                 centroid-sparse op and clustering time        -> $OUT/squeeze_op_cuda.json,
 #                                                                                            $OUT/squeeze_cluster_cuda.json
@@ -28,7 +29,7 @@
 # SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
 # switch SPARQ_CUDA_SELECT), SPARQ_TESTS_K (a pytest -k expression for the SparQ op tests), TEST_PARTS (which of the
 # test stage's parts run, default "sparq centroid model"), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
-# CUDA_ARCH (default 90), OUT (default /tmp/out). ccache is used where the machine has it, or where .device/debs
+# CUDA_ARCH (default 90), OUT (default /tmp/out), DEPTHS (e2e). ccache is used where the machine has it, or where .device/debs
 # carries its Debian packages (unpacked into /tmp/cc; `apt-get download ccache libhiredis0.14`); cache in build/ccache.
 #
 # Preparing `.device` where a package registry is reachable (carry it with the tree; 64 MiB at most):
@@ -219,9 +220,13 @@ PY
     return 0
 }
 
-stage_e2e() {
-    python3 bench/cuda_e2e.py --bin "$BUILD/bin" --models /tmp/models --out "$OUT/cuda_e2e.json" 2>&1 \
-        | tee "$OUT/cuda_e2e.log" | grep -v "^running"
+stage_e2e() {  # with a base build: both builds compared (cuda_e2e_ab.json), ROUNDS rounds interleaved
+    local name=cuda_e2e ab=()
+    if [ -n "${BASE_COMMIT:-}" ] && [ -f "$BASE_BUILD/bin/llama-bench" ]; then
+        name=cuda_e2e_ab; ab=(--base-bin "$BASE_BUILD/bin" --rounds "${ROUNDS:-2}")
+    fi
+    with_build "$REPO" "$BUILD" "$SPARQ_COMMIT" python3 bench/cuda_e2e.py --bin "$BUILD/bin" "${ab[@]}" --models /tmp/models \
+        ${DEPTHS:+--depths "$DEPTHS"} --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v "^running"
 }
 
 stage_batched() {

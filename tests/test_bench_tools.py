@@ -1,10 +1,13 @@
 """The CUDA benchmark drivers' host-side parts, on the CPU: the random-weight model writer makes GGUFs that
-llama.cpp loads and runs (dense and SparQ), batched-bench's table is parsed, the SparQ op microbenchmark takes
+llama.cpp loads and runs (dense and SparQ), the end-to-end driver compares two builds, batched-bench's table is
+parsed, the SparQ op microbenchmark takes
 several sequences, and the centroid-sparse one reads the fraction of the prefix it is asked to."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +40,29 @@ def test_random_model_has_the_shape_and_a_real_tokenizer(tmp_path):
     q = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
     assert q.tensor_type == gguf.GGMLQuantizationType.Q8_0
     assert list(q.shape) == [shape.n_embd, shape.n_head_kv * shape.n_embd // shape.n_head]
+
+
+def test_end_to_end_bench_compares_two_builds(tmp_path):
+    # the A/B mode of bench/cuda_e2e.py on the CPU: the installed llama-bench as both builds, a tiny model, two
+    # rounds; every (build, round) gets its rows and each depth its medians' ratio (the same binary: about 1)
+    bin_dir = Path(shutil.which("llama-bench")).parent
+    out = tmp_path / "ab.json"
+    res = run([sys.executable, str(REPO / "bench" / "cuda_e2e.py"), "--bin", str(bin_dir), "--base-bin", str(bin_dir),
+               "--models", str(tmp_path), "--shapes", "tiny", "--depths", "300,600", "--reps", "1", "--rounds", "2",
+               "--out", str(out)], timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "cuda_e2e_ab"
+    got = sorted((r["build"], r["round"], r["depth"]) for r in rec["rows"])
+    assert got == sorted((b, n, d) for b in ("head", "base") for n in (1, 2) for d in (300, 600))
+    assert all(r["dense_tps"] > 0 and r["sparq_tps"] > 0 for r in rec["rows"])
+    assert [(r["model_shape"], r["depth"]) for r in rec["summary"]] == [("tiny", 300), ("tiny", 600)]
+    for r in rec["summary"]:
+        assert 0.2 < r["sparq_head_over_base"] < 5 and 0.2 < r["dense_head_over_base"] < 5
+    assert len(rec["raw"]) == 4 and all("-sparq 0,1" in r["command"] for r in rec["raw"])
+    res = run([sys.executable, str(REPO / "bench" / "cuda_e2e.py"), "--bin", str(bin_dir), "--shapes", "llama9"],
+              timeout=120)
+    assert res.returncode != 0 and "unknown llama9" in res.stderr
 
 
 def test_batched_bench_table_is_parsed(tmp_path):
