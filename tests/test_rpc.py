@@ -20,8 +20,8 @@ try:
 except FileNotFoundError as e:
     pytest.skip(f"ggml-rpc-server is not built: {e}", allow_module_level=True)
 
-# upstream llama.cpp's protocol at the pin is 7.0.0; ours is (0x90 | 7).0.0 (vendor/patches/0013, 0014)
-STOCK_MAJOR, OUR_MAJOR = 7, 0x90 | 7
+# upstream llama.cpp's protocol at the pin is 7.0.0; ours is (0xA0 | 7).0.0 (vendor/patches/0013, 0014, 0015)
+STOCK_MAJOR, OUR_MAJOR = 7, 0xA0 | 7
 RPC_CMD_HELLO = 14
 CONN_CAPS = 24  # bytes of conn_caps in the HELLO request and reply
 
@@ -105,7 +105,7 @@ def assert_layers_on_rpc(log: str) -> None:
 
 
 def test_server_speaks_our_protocol(servers):
-    """A HELLO to our server answers (0x90 | 7).0.0: a stock llama.cpp client (major 7) refuses it."""
+    """A HELLO to our server answers (0xA0 | 7).0.0: a stock llama.cpp client (major 7) refuses it."""
     host, port = servers.split(",")[0].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(bytes([RPC_CMD_HELLO]) + struct.pack("<Q", CONN_CAPS) + bytes(CONN_CAPS))
