@@ -44,15 +44,10 @@ CAPS = (2, 4, 8)  # the candidate cap, in units of k2
 
 
 def head_logits(qg: np.ndarray, keys: np.ndarray, k1: int, scale: float) -> np.ndarray:
-    """The approximate logits [G, n] that p_hat softmaxes (sigma s_hat / sqrt(rho)) over keys [n, d] for the group's
-    queries qg [G, d]: the defaults (q8 index, qsigma), as the float64 reference computes p_hat."""
+    """The approximate logits [G, n] that p_hat softmaxes over keys [n, d] for the group's queries qg [G, d], with the
+    defaults (q8 index, qsigma), as the float64 reference computes them."""
     i1, spread = ref._components(qg, keys, k1, "qsigma")
-    k_index = ref._index_keys(keys, "q8")
-    weight = (qg * spread) ** 2
-    full, part = weight.sum(axis=1), weight[:, i1].sum(axis=1)
-    rho = np.divide(part, full, out=np.ones_like(full), where=full > 0)
-    rho = np.where(rho > 0, rho, 1.0)
-    return scale * (qg[:, i1] @ k_index[:, i1].T) / np.sqrt(rho)[:, None]
+    return ref._approx_logits(qg, ref._index_keys(keys, "q8"), i1, scale, spread)
 
 
 def log_norm(logits: np.ndarray) -> np.ndarray:

@@ -16,27 +16,19 @@
 
 static SPARQ_THREAD_LOCAL char g_sparq_msg[512];
 
-static const char * sparq_vfail(const char * op, const char * fmt, va_list args) {
+// The message of a failed check, "<op>: <what>", in a thread-local buffer (valid until the thread's next check).
+static const char * op_fail(const char * op, const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
     int n = snprintf(g_sparq_msg, sizeof(g_sparq_msg), "%s: ", op);
     vsnprintf(g_sparq_msg + n, sizeof(g_sparq_msg) - n, fmt, args);
+    va_end(args);
     return g_sparq_msg;
 }
-
-static const char * sparq_fail(const char * fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    const char * msg = sparq_vfail("ggml_sparq_attn", fmt, args);
-    va_end(args);
-    return msg;
-}
-
-static const char * vsum_fail(const char * fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    const char * msg = sparq_vfail("ggml_sparq_vsum_rows", fmt, args);
-    va_end(args);
-    return msg;
-}
+#define sparq_fail(...)  op_fail("ggml_sparq_attn", __VA_ARGS__)
+#define vsum_fail(...)   op_fail("ggml_sparq_vsum_rows", __VA_ARGS__)
+#define upkeep_fail(...) op_fail("ggml_sparq_decode_upkeep", __VA_ARGS__)
+#define index_fail(...)  op_fail("ggml_sparq_index_write", __VA_ARGS__)
 
 struct ggml_sparq_params ggml_sparq_default_params(void) {
     struct ggml_sparq_params p = {
@@ -253,14 +245,6 @@ static const char * sum_rows_check(
     return NULL;
 }
 
-static const char * upkeep_fail(const char * fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    const char * msg = sparq_vfail("ggml_sparq_decode_upkeep", fmt, args);
-    va_end(args);
-    return msg;
-}
-
 const char * ggml_sparq_decode_upkeep_check(const struct ggml_sparq_upkeep * u) {
     if (!u || !u->idx || (!u->vsum && !u->kstat)) {
         return upkeep_fail("idx and at least one table of sums (vsum, kstat) are required");
@@ -334,14 +318,6 @@ struct ggml_tensor * ggml_sparq_kstat_rows(
         enum ggml_type        k_type) {
     const struct ggml_sparq_upkeep u = { idx, NULL, NULL, GGML_TYPE_F32, table, k, k_type, NULL, NULL, NULL, NULL, NULL, 0 };
     return ggml_sparq_decode_upkeep(ctx, &u);
-}
-
-static const char * index_fail(const char * fmt, ...) {
-    va_list args;
-    va_start(args, fmt);
-    const char * msg = sparq_vfail("ggml_sparq_index_write", fmt, args);
-    va_end(args);
-    return msg;
 }
 
 const char * ggml_sparq_index_write_check(

@@ -147,17 +147,22 @@ def _top_cells(score: F64, cells: I64, m: int) -> I64:
     return cells[order[:m]]
 
 
-def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None = None) -> F64:
-    """SparQ's approximate probabilities p_hat [G, n] over the index keys kt [n, d] (no softcap). rho, the
-    temperature's share, is that of |q_g| on I1 (select q), or with the keys' spread [d] of the score's variance,
-    sum_I1 (q_g,i spread_i)^2 / sum_i (q_g,i spread_i)^2 (select qsigma)."""
+def _approx_logits(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None = None) -> F64:
+    """The logits [G, n] SparQ's p_hat softmaxes over the index keys kt [n, d] (no softcap): sigma s_hat / sqrt(rho).
+    rho, the temperature's share, is that of |q_g| on I1 (select q), or with the keys' spread [d] of the score's
+    variance, sum_I1 (q_g,i spread_i)^2 / sum_i (q_g,i spread_i)^2 (select qsigma)."""
     s_hat = qg[:, i1] @ kt[:, i1].T
     weight = np.abs(qg) if spread is None else (qg * spread) ** 2
     full = weight.sum(axis=1)
     part = weight[:, i1].sum(axis=1)
     rho = np.divide(part, full, out=np.ones_like(full), where=full > 0)
     rho = np.where(rho > 0, rho, 1.0)  # s_hat's spread is 0 there: p_hat uniform for any temperature
-    return _softmax(sigma * s_hat / np.sqrt(rho)[:, None])
+    return sigma * s_hat / np.sqrt(rho)[:, None]
+
+
+def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None = None) -> F64:
+    """SparQ's approximate probabilities p_hat [G, n] over the index keys kt [n, d]: the softmax of _approx_logits."""
+    return _softmax(_approx_logits(qg, kt, i1, sigma, spread))
 
 
 def _index_keys(keys: F64, index: str | None) -> F64:

@@ -537,9 +537,9 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     const bool need_future = select && !decode;
     ggml_tensor * vsum_rows  = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
     ggml_tensor * kstat_rows = nullptr; // [(2*d_k + 1)*n_head_kv, n_tokens]: the key statistics each row sees
-    bool index_written = false;
-    if (step_v || step_k) {
-        inp->ensure_seq_inputs(ctx0, false, true, false);
+    const bool one_node = step_v || step_k;  // the index blocks go into that node too
+    if (one_node) {
+        inp->ensure_seq_inputs(ctx0, !inp->one_seq_each, select, need_future);
         ggml_sparq_upkeep u = {};
         u.idx = inp->seq_idx;
         if (step_v) {
@@ -552,7 +552,6 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
             inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
             u.kt = L->kt; u.k = L->k; u.cells = entry->cells; u.mask = entry->mask; u.blk = entry->blk;
             u.s0 = (int32_t) entry->s0;
-            index_written = true;
         }
         ggml_tensor * rows = ggml_sparq_decode_upkeep(ctx0, &u);
         run_where_state_is(sched, rows, step_v ? L->vsum : L->kstat);
@@ -563,7 +562,7 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
                             : nullptr;
     }
 
-    if (k_cur && L->kt && !index_written) {
+    if (k_cur && L->kt && !one_node) {
         // recompute the index blocks the new keys fall in from K (q8_0: whole blocks of 32 cells), after the graph's
         // K write (graph order), so the index is a function of the cache's K only
         inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
