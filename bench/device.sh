@@ -10,6 +10,8 @@
 #   bench/device.sh e2e                     benchmark (b): llama-bench end to end         -> $OUT/cuda_e2e.json
 #                                           (with BASE_COMMIT: both builds, $OUT/cuda_e2e_ab.json)
 #   bench/device.sh batched                 benchmark (c): llama-batched-bench            -> $OUT/cuda_batched.json
+#   bench/device.sh kernels                 each kernel's time in a decode step of a model (ncu, dense and SparQ)
+#                                                                                         -> $OUT/cuda_kernels.json
 #   bench/device.sh squeeze                 centroid-sparse op and clustering time        -> $OUT/squeeze_op_cuda.json,
 #                                                                                            $OUT/squeeze_cluster_cuda.json
 # test and sanitize add their summaries (and log tails) to $OUT/cuda_checks.json. Each file in $OUT is named as the
@@ -232,6 +234,11 @@ stage_e2e() {  # with a base build: both builds compared (cuda_e2e_ab.json), ROU
 stage_batched() {
     python3 bench/cuda_batched.py --bin "$BUILD/bin" --models /tmp/models --out "$OUT/cuda_batched.json" 2>&1 \
         | tee "$OUT/cuda_batched.log" | grep -v "^running"
+}
+
+stage_kernels() {  # ncu over llama-bench on models cut to 4 layers; its CSVs stay in /tmp/cuda_kernels
+    python3 bench/cuda_kernels.py --bin "$BUILD/bin" --models /tmp/models --keep-csv /tmp/cuda_kernels \
+        --out "$OUT/cuda_kernels.json" 2>&1 | tee "$OUT/cuda_kernels.log" | grep -v "^running"
 }
 
 stage_squeeze() {

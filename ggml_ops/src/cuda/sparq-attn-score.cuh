@@ -553,10 +553,12 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     extern __shared__ double smq_d[];  // layout: query_smem
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];
+    SPARQ_TIMING_MARKS(4);
     SPARQ_TL_SCOPE(TL_Q);
     pdl_wait();
     SPARQ_TL_WAITED();
     pdl_release();
+    SPARQ_TIMING_MARK(0);
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t d = a.d, G = a.group;
@@ -572,14 +574,17 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     } else if (qrow) {
         __syncthreads();
     }
+    SPARQ_TIMING_MARK(1);
     if (qrow) {
         row_query_fast(a, c, sigma, smq, (int *) (smq + d), qrow, i1, fac);
+        SPARQ_TIMING_MARK(2);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
             const int64_t g = idx / k1, i = idx % k1;
             s.qs[(w*G + g)*k1 + i] = qrow[g*d + i1[i]] * fac[g];
         }
     } else {
         row_query(a, c, sigma, smq, (int *) (smq + d), i1, fac);
+        SPARQ_TIMING_MARK(2);
         for (int64_t idx = threadIdx.x; idx < G*k1; idx += blockDim.x) {
             const int64_t g = idx / k1, i = idx % k1;
             s.qs[(w*G + g)*k1 + i] = q_row(a, c.h*G + g, c)[i1[i]] * fac[g];
@@ -588,6 +593,8 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     for (int i = threadIdx.x; i < k1; i += blockDim.x) {
         s.i1[w*k1 + i] = i1[i];
     }
+    SPARQ_TIMING_MARK(3);
+    SPARQ_TIMING_PRINT("Q: loads, select+factors, writes", w, 4);
 }
 
 // Heads g0 .. g0+NG of the row into shared memory: scaled components at I1 (SparQ) or whole rows (exact).

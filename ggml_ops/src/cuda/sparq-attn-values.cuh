@@ -42,9 +42,11 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
     extern __shared__ __align__(16) unsigned char smlv[];  // [k2] I2, [k2] logits of head g
     __shared__ float red[32];
     __shared__ float part[V_GROUPS][V_SLICE];
+    SPARQ_TIMING_MARKS(6);
     SPARQ_TL_SCOPE(TL_LV);
     pdl_wait();
     SPARQ_TL_WAITED();
+    SPARQ_TIMING_MARK(0);
     const int64_t w = blockIdx.y, G = a.group, d = a.d, d_v = a.d_v, k2 = a.p.k2;
     const int64_t n_slices = (d_v + V_SLICE - 1) / V_SLICE;
     const int64_t slice = blockIdx.x % n_slices, g = blockIdx.x / n_slices;
@@ -77,6 +79,7 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         }
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(1);
     // this thread's V components of the first round of cells (grp, grp + V_GROUPS), loaded with the K rows
     const char * vb = a.v + c.h*a.v_nb2 + c.st*a.v_nb3;
     const int64_t e0v = dim0 + lv*8;
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         }
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(2);
     // softmax statistics and the Sparse-V cut (as kernel V)
     float mx = -INFINITY;
     for (int64_t i = tid; i < n_sel; i += blockDim.x) {
@@ -166,6 +170,7 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         }
         renorm = 1.0f / block_reduce(kept, op_add(), 0.0f, red);
     }
+    SPARQ_TIMING_MARK(3);
     float acc[8] = {};
     for (int64_t i0 = grp; i0 < n_sel; i0 += 2*V_GROUPS) {
         if (i0 != grp) {
@@ -194,6 +199,7 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         part[grp][lv*8 + e] = acc[e];
     }
     __syncthreads();
+    SPARQ_TIMING_MARK(4);
     if (tid < V_SLICE && dim0 + tid < d_v) {
         float y = 0.0f;
         for (int q = 0; q < V_GROUPS; ++q) {
@@ -224,6 +230,8 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         }
         out[dim0 + tid] = y;
     }
+    SPARQ_TIMING_MARK(5);
+    SPARQ_TIMING_PRINT("LV: ri+i2, logits, softmax, values, mean+write", w + blockIdx.x, 6);
 }
 
 }  // namespace
