@@ -25,7 +25,8 @@ and bench/results/decode_cpu.png (speedup vs depth: measured points per k1, the 
     .venv/bin/python bench/decode_cpu.py --from-json bench/results/decode_cpu.json   # plot again
 
 --min-kv-crossover measures where SparQ starts to pay on this machine (the --sparq-min-kv default): depths
-256..2048, k1 = 16, -sparq-min-kv 0, 32 generated tokens, into bench/results/decode_cpu_min_kv.json (+ .png).
+256..2048, the index's default k1, -sparq-min-kv 0, 32 generated tokens, into bench/results/decode_cpu_min_kv.json
+(+ .png).
 
 The plot needs matplotlib: pip install 'sparq-llama[bench]' (or matplotlib).
 """
@@ -310,7 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json", help="JSON written")
     ap.add_argument("--png", type=Path, default=RESULTS / "decode_cpu.png", help="plot written")
     ap.add_argument("--min-kv-crossover", action="store_true",
-                    help="the crossover run: --depths 256,512,1024,2048 --k1 16 --min-kv 0 --n-gen 32, written to "
+                    help="the crossover run: --depths 256,512,1024,2048 --k1 0 --min-kv 0 --n-gen 32, written to "
                          "decode_cpu_min_kv.json / .png")
     ap.add_argument("--from-json", type=Path, metavar="JSON",
                     help="do not run anything: derive and plot again from this earlier result")
@@ -319,7 +320,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.cache_type != "f16" and args.out == RESULTS / "decode_cpu.json":
         args.out, args.png = RESULTS / f"decode_cpu_{args.cache_type}.json", RESULTS / f"decode_cpu_{args.cache_type}.png"
     if args.min_kv_crossover:
-        args.depths, args.k1, args.min_kv, args.n_gen = [256, 512, 1024, 2048], [16], 0, 32
+        args.depths, args.k1, args.min_kv, args.n_gen = [256, 512, 1024, 2048], [0], 0, 32
         args.out, args.png = RESULTS / "decode_cpu_min_kv.json", RESULTS / "decode_cpu_min_kv.png"
     if any(d < 0 for d in args.depths) or any(k < 0 for k in args.k1) or min(args.k2, args.n_gen, args.threads,
                                                                               args.reps) < 1:

@@ -82,10 +82,10 @@ struct llama_model;
 uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & model);
 
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
-// lives and, on a GPU, on the layer's GQA group. CPU: measured on the 2-core x86 machine with SmolLM2
-// (bench/results/decode_cpu_min_kv.json: dense and SparQ k1=16 k2=128 about equal at 256 cells, SparQ ahead from
-// 512). GPU: bench/results/cuda_e2e.json (H200, the default q8 index and qsigma) has SparQ slower than dense
-// at 8k, 32k and 64k for the Llama-2-7B and Llama-3-8B shapes (0.41-0.88x), so the GPU's defaults stay dense.
+// lives and, on a GPU, on the layer's GQA group: the first depths measured with SparQ (default index and selection)
+// at least as fast as dense. CPU: SmolLM2 on 2 x86 cores (bench/results/decode_cpu_min_kv.json: 0.94x of dense at
+// 256 cells, 1.10x at 512). GPU: llama-bench end to end, Llama-2-7B and Llama-3-8B shapes (bench/results/
+// cuda_e2e.json: 1.08x at 24k with 32 KV heads; cuda_e2e_min_kv.json: 0.95x at 48k with 8, so 64k).
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV         = LLAMA_SPARQ_MIN_N_KV_HOST;
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_MHA = LLAMA_SPARQ_MIN_N_KV_GPU_MHA;
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_GQA = LLAMA_SPARQ_MIN_N_KV_GPU_GQA;
