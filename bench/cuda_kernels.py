@@ -134,9 +134,7 @@ def record_from(csv_dir: Path, summary_command: str) -> dict[str, Any]:
             rows.append({"model_shape": shape, "mode": mode, "depth": params["depth"], "layers": params["layers"],
                          **summarise(token, params["layers"])})
             raw[f"{shape}_{mode}"] = {"launches_profiled": len(launches), "last_token": token}
-    rec = {k: v for k, v in meta.items() if k not in ("params",)}
-    rec["summary_command"] = summary_command
-    return {**rec, "params": params, "rows": rows, "raw": raw}
+    return {**meta, "summary_command": summary_command, "rows": rows, "raw": raw}
 
 
 def print_table(rec: dict[str, Any]) -> None:
