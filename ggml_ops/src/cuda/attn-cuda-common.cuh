@@ -9,7 +9,8 @@
 namespace attn_cuda {
 
 // Programmatic dependent launch (Hopper): a kernel launched with ggml_cuda_kernel_launch waits here for its
-// predecessor before it reads or writes anything; pdl_release lets its successor's blocks launch at once.
+// predecessor before it reads or writes anything; pdl_release lets its successor's blocks launch at once (without
+// it they launch as its blocks exit).
 __device__ __forceinline__ void pdl_wait()    { ggml_cuda_pdl_sync(); }
 __device__ __forceinline__ void pdl_release() { ggml_cuda_pdl_lc(); }
 

@@ -30,7 +30,7 @@
 
 namespace {
 
-using namespace attn_cuda;  // pdl_wait, pdl_release, to_f32, load8, load8_row
+using namespace attn_cuda;  // pdl_wait, to_f32, load8, load8_row
 
 constexpr int      A_THREADS   = 256;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
@@ -47,12 +47,11 @@ constexpr int      N_CTR       = 8;                      // per-row counters (se
 static_assert(A_THREADS % WARP_SIZE == 0 && A_WARPS <= WARP_SIZE, "block reductions: the warps' results fit one warp");
 static_assert(B_THREADS % WARP_SIZE == 0 && B_THREADS / WARP_SIZE <= WARP_SIZE, "block reductions as for kernel A");
 
-// Programmatic dependent launch (Hopper; pdl_wait / pdl_release in attn-cuda-common.cuh): each kernel is
-// launched while its predecessor still runs and waits before it reads or writes anything; the kernels of one
-// or a few blocks per row also let their successor's blocks launch at once (pdl_release), which hides the
-// launch latency between the six kernels. Kernel A releases once its blocks have passed their wait too: the
-// release takes effect only when every block of A has released or exited, i.e. when A's last block has a slot,
-// so kernel P's blocks never take a slot from a waiting block of A.
+// Programmatic dependent launch (Hopper; pdl_wait in attn-cuda-common.cuh): each kernel is launched dependent on its
+// predecessor and waits before it reads or writes anything; its blocks launch as the predecessor's blocks exit. None
+// of the op's kernels releases its successor early (pdl_release): with the early release the op took 9-14 us longer on
+// an H100 (Llama-2 and Llama-3 heads, 8k and 32k cells; docs/performance.md), likely because the successor's waiting
+// blocks held slots and scheduler work the running kernel still needed.
 
 // ---- instrumentation of the debugging build -----------------------------------------------------------------
 // Compiled only with -DSPARQ_CUDA_INSTRUMENT (sparq-attn.cu's header says how); without it the macros below are

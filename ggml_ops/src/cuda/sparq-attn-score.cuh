@@ -557,7 +557,6 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     SPARQ_TL_SCOPE(TL_Q);
     pdl_wait();
     SPARQ_TL_WAITED();
-    pdl_release();
     SPARQ_TIMING_MARK(0);
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
@@ -637,7 +636,6 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
     __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
     __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
     pdl_wait();
-    pdl_release();
     __shared__ int   i1_buf[MAX_HEAD_DIM];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;

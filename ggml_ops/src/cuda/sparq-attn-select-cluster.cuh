@@ -120,7 +120,6 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     SPARQ_TL_SCOPE(TL_PBS);
     pdl_wait();
     SPARQ_TL_WAITED();
-    pdl_release();
     SPARQ_TIMING_MARK(0);
     const int rank = (int) cluster.block_rank();
     const int64_t w = blockIdx.x / CL;

@@ -370,7 +370,6 @@ __global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, c
     SPARQ_TL_SCOPE(TL_P);
     pdl_wait();
     SPARQ_TL_WAITED();
-    pdl_release();
     // kernel B's counters of this row start at zero (here rather than a memset: a memset would break the
     // chain of dependent launches)
     for (int i = threadIdx.x; i < N_CTR; i += blockDim.x) {
@@ -487,7 +486,6 @@ __global__ void __launch_bounds__(B_THREADS, 6) sparq_sweep(const sparq_args a, 
     SPARQ_TL_SCOPE(TL_B);
     pdl_wait();
     SPARQ_TL_WAITED();
-    pdl_release();
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, n_kv = a.n_kv;
@@ -676,7 +674,6 @@ __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, co
     SPARQ_TL_SCOPE(TL_S);
     pdl_wait();
     SPARQ_TL_WAITED();
-    pdl_release();
     const int64_t w = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, k2 = a.p.k2;
