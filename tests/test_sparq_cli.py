@@ -107,7 +107,7 @@ def test_default_dense_threshold_is_per_backend(smollm2_path):
     # (the end-to-end crossovers of docs/performance.md)
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-v", "--sparq"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "dense below n_kv = 512 (CPU) / 24576 (GPU, MHA) / 65536 (GPU, GQA) (measured defaults)" in res.stdout + res.stderr
+    assert "dense below n_kv = 512 (CPU) / 12288 (GPU, MHA) / 49152 (GPU, GQA) (measured defaults)" in res.stdout + res.stderr
 
 
 def test_llama_bench_sweep_columns(smollm2_path):
@@ -334,10 +334,10 @@ def test_llama_server_timings_with_speculative_decoding(smollm2_path, tmp_path, 
 def test_min_kv_help_states_the_measured_defaults():
     res = run(["llama-completion", "--help"], timeout=60)
     entry = _help_entry(res.stdout, "--sparq-min-kv N")
-    assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 24576 for MHA layers, "
-            "65536 for GQA layers") in entry, entry
+    assert ("default: -1 = measured per layer: 512 with the KV in host memory; on a GPU 12288 for MHA layers, "
+            "49152 for GQA layers") in entry, entry
     bench = " ".join(run(["llama-bench", "--help"], timeout=60).stdout.split())
-    assert "512 with the KV in host memory; on a GPU 24576 for MHA layers, 65536 for GQA layers" in bench
+    assert "512 with the KV in host memory; on a GPU 12288 for MHA layers, 49152 for GQA layers" in bench
 
 
 # ---- number parse errors name the flag ---------------------------------------------------------------------------

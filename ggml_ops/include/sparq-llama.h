@@ -78,10 +78,10 @@ struct llama_sparq_params {
 // What min_n_kv = -1 resolves to per layer: the measured cell counts from which SparQ beats dense attention, with the
 // layer's KV in host memory, or on a GPU for MHA layers and for GQA layers (several query heads per KV head). The GPU
 // values are the first depths at which llama-bench measured SparQ (q8 index, qsigma) at least as fast as dense flash
-// attention end to end (H200, docs/performance.md): 24k with 32 KV heads (8k: 0.81x), 64k with 8 (32k: 0.90x).
+// attention end to end (H100, docs/performance.md): 12k with 32 KV heads (8k: 0.91x), 48k with 8 (32k: 0.90x).
 #define LLAMA_SPARQ_MIN_N_KV_HOST    512
-#define LLAMA_SPARQ_MIN_N_KV_GPU_MHA 24576
-#define LLAMA_SPARQ_MIN_N_KV_GPU_GQA 65536
+#define LLAMA_SPARQ_MIN_N_KV_GPU_MHA 12288
+#define LLAMA_SPARQ_MIN_N_KV_GPU_GQA 49152
 
 // enabled = false, k1 = 0 (by the index), k2 = 128, window = -1 (k2/4), sinks = 0, mean auto, policy sparq,
 // sparse_v_thresh = 0, default_layout/prefill/swa = false, min_n_kv = -1, index q8, select qsigma

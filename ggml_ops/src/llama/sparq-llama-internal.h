@@ -84,8 +84,9 @@ uint32_t sparq_graph_nodes(const llama_cparams & cparams, const llama_model & mo
 // Dense below this many cells in the graph's KV view unless the user sets min_n_kv, by where the layer's KV
 // lives and, on a GPU, on the layer's GQA group: the first depths measured with SparQ (default index and selection)
 // at least as fast as dense. CPU: SmolLM2 on 2 x86 cores (bench/results/decode_cpu_min_kv.json: 0.94x of dense at
-// 256 cells, 1.10x at 512). GPU: llama-bench end to end, Llama-2-7B and Llama-3-8B shapes (bench/results/
-// cuda_e2e.json: 1.08x at 24k with 32 KV heads; cuda_e2e_min_kv.json: 0.95x at 48k with 8, so 64k).
+// 256 cells, 1.10x at 512). GPU: llama-bench end to end, Llama-2-7B and Llama-3-8B shapes, H100 (bench/results/
+// cuda_e2e_min_kv.json: 1.04x at 12k with 32 KV heads, 1.04x at 48k with 8; cuda_e2e.json: 0.91x at 8k and 0.90x at
+// 32k).
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV         = LLAMA_SPARQ_MIN_N_KV_HOST;
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_MHA = LLAMA_SPARQ_MIN_N_KV_GPU_MHA;
 constexpr int32_t SPARQ_DEFAULT_MIN_N_KV_GPU_GQA = LLAMA_SPARQ_MIN_N_KV_GPU_GQA;
