@@ -103,7 +103,7 @@ def test_default_layout_without_an_index_takes_f16(smollm2_path):
 
 
 def test_default_dense_threshold_is_per_backend(smollm2_path):
-    # the measured defaults: 512 cells where the KV is in host memory; on a GPU 32k for MHA and 64k for GQA layers
+    # the measured defaults: 512 cells where the KV is in host memory; on a GPU 12k for MHA and 48k for GQA layers
     # (the end-to-end crossovers of docs/performance.md)
     res = run(["llama-completion", "-m", str(smollm2_path), *GEN, "-v", "--sparq"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

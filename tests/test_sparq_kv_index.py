@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from sparq_llama import SparqConfig
 from sparq_llama import _bindings as C
+from sparq_llama.sparq import SparqRun, last_run
 from test_sparq_decode import N_CTX, N_THREADS, TOL, TOL_DENSE, Ctx, assert_logits_agree
 
 from llama_cpp import llama_cpp as lc  # isort: skip  (after sparq_llama, which points it at our libllama)
@@ -169,12 +170,13 @@ def toks(model) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The derived state against the cache's keys (attention stays dense: min_n_kv above the view)
+# The derived state against the cache's keys (min_n_kv = 0: kept from the first step; below min_n_kv it is not
+# kept at all, test_sparq_last_run.py)
 
 
 @pytest.mark.parametrize("index,select,kv", COMBOS, ids=COMBO_IDS)
 def test_state_follows_the_cache(model, toks, index, select, kv):
-    cfg = dataclasses.replace(SPARSE, min_n_kv=N_CTX)
+    cfg = SPARSE
     n0, n1 = 150, 190
 
     def check(ctx: Ctx, what: str) -> None:
@@ -213,7 +215,7 @@ def test_two_sequences_in_one_batch(model, toks, index, kv_unified):
     """Both sequences decode in each batch: one stream each (a write per stream), or one shared stream, where the
     two new cells fall in one q8 block or in two as the steps go on (graphs built for one block are not reused
     then). The state is checked after each phase and after removing a sequence."""
-    cfg = dataclasses.replace(SPARSE, min_n_kv=N_CTX)
+    cfg = SPARSE
     with make_ctx(model, "q8_0", cfg, index=index, select="qsigma", n_seq_max=2, kv_unified=kv_unified) as ctx:
         ctx.prefill(toks[:150], seq=0)
         ctx.prefill(toks[300:397], seq=1)
@@ -232,7 +234,7 @@ def test_two_sequences_in_one_batch(model, toks, index, kv_unified):
 def test_rebuild_over_eight_streams(model, toks):
     """One stream per sequence, 8 of them, each with a hole removed: the rebuild reads every stream's cells in one
     product per table (the graph budget holds it) and each stream's index and each sequence's statistics match."""
-    cfg = dataclasses.replace(SPARSE, min_n_kv=N_CTX)
+    cfg = SPARSE
     with make_ctx(model, "q4_0", cfg, index="q8", select="qsigma", n_seq_max=8) as ctx:
         for q in range(8):
             ctx.prefill(toks[q * 50:q * 50 + 40 + q], seq=q)
@@ -241,6 +243,32 @@ def test_rebuild_over_eight_streams(model, toks):
         ctx.decode([(toks[500 + q], 40 + q, q, True) for q in range(8)])
         check_index(ctx, "q8", "8 streams after seq_rm in each and a decode")
         check_kstat(ctx, "8 streams after seq_rm in each and a decode")
+
+
+def test_state_is_kept_from_where_a_step_may_read_it(model, toks):
+    """Below min_n_kv no step reads the derived state, so the graphs skip its upkeep and it stays stale; it is
+    rebuilt before the first step whose cache view may reach min_n_kv and kept from there. A batch that reaches it
+    by more cells than that look-ahead reads densely and asks for the state; a removal makes it stale, and below
+    min_n_kv it waits again. llama.cpp's cache view grows in steps of 256 cells."""
+    cfg = dataclasses.replace(SPARSE, min_n_kv=512, prefill=True)
+    with make_ctx(model, "q8_0", cfg, index="q8", select="qsigma") as ctx:
+        ctx.prefill(toks[:250])
+        ctx.steps(toks[250:256], 250)                # views of 256 cells: dense, the state not kept
+        assert last_run(ctx.ctx) == SparqRun(1, 0, 0, N_LAYER)
+        ctx.steps(toks[256:260], 256)                # cell 256 makes the view 512: rebuilt before that step
+        assert last_run(ctx.ctx) == SparqRun(1, N_LAYER, 0, 0)
+        check_index(ctx, "q8", "after the view reached min_n_kv and decodes")
+        check_kstat(ctx, "after the view reached min_n_kv and decodes")
+
+        assert lc.llama_memory_seq_rm(ctx.mem, 0, 100, -1)
+        ctx.steps(toks[100:102], 100)                # stale, and the view is back to 256 cells
+        assert last_run(ctx.ctx) == SparqRun(1, 0, 0, N_LAYER)
+        ctx.prefill(toks[102:300], pos0=102)         # a selecting batch whose view is 512: read densely
+        assert last_run(ctx.ctx) == SparqRun(198, 0, 0, N_LAYER)
+        ctx.steps(toks[300:302], 300)                # wanted, so rebuilt before the next step
+        assert last_run(ctx.ctx) == SparqRun(1, N_LAYER, 0, 0)
+        check_index(ctx, "q8", "after a batch crossed min_n_kv and decodes")
+        check_kstat(ctx, "after a batch crossed min_n_kv and decodes")
 
 
 def test_q8_index_is_refused_with_the_default_layout(model):

@@ -2,8 +2,8 @@
 the rebuild (ggml_sparq_index_write into f16 or q8_0 rows), the decode steps' key statistics (ggml_sparq_kstat_rows)
 and the rebuild's one-hot sums run on the CUDA backend; the checks are test_sparq_kv_index.py's (the index and the key statistics against the cache's
 own keys, read back), after decodes, a removal in the middle, a state load and two sequences decoding in one
-batch. Attention stays dense (min_n_kv above the view), so the op's CUDA support for the q8 index, qsigma and
-quantized caches is not needed here. A random-weight model of the Llama-2 layout (sparq_llama.eval.random_gguf,
+batch. SparQ decodes from the first step (min_n_kv = 0: the state is kept only where a step may read it), so the
+SparQ op runs on the GPU too; its own tests are test_op_sparq_attn_cuda.py's. A random-weight model of the Llama-2 layout (sparq_llama.eval.random_gguf,
 2 layers, 2 KV heads, d = 64) stands in for SmolLM2, which the GPU machine has no registry to fetch.
 
 Run on a GPU machine: bench/device.sh build, then python3 -m pytest tests/test_sparq_kv_index_cuda.py with the
@@ -12,7 +12,6 @@ environment device.sh sets (PYTHONPATH, SPARQ_LLAMA_LIB_DIR).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import numpy as np
 import pytest
@@ -53,7 +52,7 @@ def test_state_follows_the_cache_on_the_gpu(gpu_model, index, kv):
     rng = np.random.default_rng(3)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(gpu_model))
     toks = rng.integers(10, n_vocab, 400).tolist()
-    cfg = dataclasses.replace(SPARSE, min_n_kv=100000)
+    cfg = SPARSE
     n0, n1 = 150, 190
     with make_ctx(gpu_model, kv, cfg, index=index, select="qsigma") as ctx:
         ctx.prefill(toks[:n0])

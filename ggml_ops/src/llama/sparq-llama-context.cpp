@@ -83,7 +83,7 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
         }
         const bool q8 = params.index == LLAMA_SPARQ_INDEX_Q8;
         LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
-                       "index = %s, select = %s, dense below n_kv = %s\n", __func__,
+                       "index = %s, select = %s, dense below n_kv = %s (the derived state kept from there on)\n", __func__,
                 params.k1, params.k1 == 0 ? (q8 ? " (head_dim/2)" : " (head_dim/4)") : "", params.k2,
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",

@@ -316,9 +316,28 @@ public:
         }
     }
 
+    // Per cache whether this graph keeps its derived state (adds the upkeep): a graph built for one case is not
+    // reused in the other, which an invalidation or a rebuild between two steps brings about.
+    std::vector<std::pair<const sparq_kv_state *, bool>> kept;
+
+    void note_kept(const sparq_kv_state * st, bool keep) {
+        for (const auto & [s, k] : kept) {
+            if (s == st) {
+                GGML_ASSERT(k == keep);
+                return;
+            }
+        }
+        kept.emplace_back(st, keep);
+    }
+
     bool can_reuse(const llm_graph_params & params) override {
         if ((int64_t) params.ubatch.n_tokens != n_tokens || one_seq_per_token(params.ubatch) != one_seq_each) {
             return false;
+        }
+        for (const auto & [st, keep] : kept) {
+            if (st->stale() == keep) {
+                return false;
+            }
         }
         // the graph's index writes have room for as many blocks per stream as the ubatch it was built for touched
         for (const auto & e : caches) {
@@ -515,8 +534,16 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
 
     const bool select = decode || sp.prefill;
 
-    // 1. the derived state follows this ubatch's writes. The K and V writes (cpy_k, cpy_v) are already in the
+    // 1. the derived state follows this ubatch's writes where it is kept (not stale: sparq_kv_state::wanted); a
+    // reserve graph sizes the buffers for the steps that keep it (llama_batch_allocr::ubatch_reserve gives its
+    // tokens no sequences, which a decoded token always has). The K and V writes (cpy_k, cpy_v) are already in the
     // graph, and graph order is execution order, so reading the cache here reads this ubatch's rows too.
+    const bool reserve = ubatch.n_tokens > 0 && ubatch.n_seq_id[0] == 0;
+    const bool keep    = reserve || !kv->sparq->stale();
+    inp->note_kept(kv->sparq.get(), keep);
+    if (!keep) {
+        k_cur = v_cur = nullptr;  // no upkeep: nothing adds this ubatch's rows to a stale state
+    }
     const auto & sinfo = mctx_cur->get_sinfo();
     const int64_t n_head_kv = hparams.n_head_kv(il);
     const int64_t d_k       = hparams.n_embd_head_k(il);
@@ -614,6 +641,12 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     }
     if (kq_b || sinks || v_mla) {
         sparq_log_fallback(L, il, kq_b ? "KQ bias" : sinks ? "attention-sink tensors" : "MLA");
+        return nullptr;
+    }
+    if (!keep) {
+        // the view reached min_n_kv by more than the one cell update() looks ahead: this step reads densely, and
+        // the state is rebuilt before the next one
+        kv->sparq->wanted = true;
         return nullptr;
     }
 

@@ -52,6 +52,16 @@ struct sparq_kv_state {
     bool vsum_dirty  = true; // V sums must be recomputed (cells removed, copied, cleared, state load)
     bool kstat_dirty = true; // key statistics must be recomputed (whenever K^T or the V sums would be)
 
+    // Whether the state is kept at all: update() rebuilds stale parts only once a step may read them, and graphs
+    // add the decode upkeep only to a state that is not stale. Below --sparq-min-kv every layer reads its cache
+    // densely, and the upkeep there cost ~13 us a layer on a GPU (its kernel and K's RoPE no longer fused with the
+    // cache write) for nothing. Set by update() when the next step's cache view reaches a layer's min_n_kv, or by a
+    // graph that would have selected over a stale state (that step reads densely); cleared by each rebuild, so
+    // after an invalidation (a new conversation) the state waits again. Always set where min_n_kv = 0.
+    bool wanted = false;
+
+    bool stale() const { return kt_dirty || vsum_dirty || kstat_dirty; }
+
     bool has_kt() const {
         for (const auto & l : layers) { if (l.kt) { return true; } }
         return false;

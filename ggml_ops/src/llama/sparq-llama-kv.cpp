@@ -5,7 +5,8 @@
 //        sequence's cells and their count (the mean value of step 5 without reading V).
 // Graphs write both next to cpy_k/cpy_v (sparq-llama-graph.cpp). Whatever changes K or the cells outside a
 // graph (K-shift, seq_rm/cp/keep/add, clear, state load, stream copy) marks them stale, and update(),
-// which runs before every decode, rebuilds them from K, V and the cells on the device that holds them.
+// which runs before every decode, rebuilds them from K, V and the cells on the device that holds them once a step
+// may read them (sparq_kv_state::wanted): until the cache reaches --sparq-min-kv they stay stale and unkept.
 #include "sparq-llama-internal.h"
 #include "sparq-squeeze.h"
 
@@ -196,6 +197,7 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
     st->kt_dirty    = !hparams.no_alloc && st->has_kt();
     st->vsum_dirty  = !hparams.no_alloc && st->has_vsum();
     st->kstat_dirty = !hparams.no_alloc && st->has_kstat();
+    st->wanted      = params.min_n_kv == 0;
     sparq = std::move(st);
     return true;
 }
@@ -267,8 +269,33 @@ void llama_kv_cache::sparq_stream_copied(uint32_t s_src, uint32_t s_dst) {
     }
 }
 
+// Whether update() has work: a stale derived state that the next step may read, or a prepared prefix to verify. The
+// next step may read the state where a graph wanted it, or where the cache view after one more cell (padded as
+// get_n_kv pads it) reaches a SparQ layer's min_n_kv; a step that crosses it by more cells than that reads
+// densely and wants the state (build_attn_sparq).
 bool llama_kv_cache::sparq_pending() const {
-    return (sparq && (sparq->kt_dirty || sparq->vsum_dirty || sparq->kstat_dirty)) || (squeeze && squeeze->check);
+    if (squeeze && squeeze->check) {
+        return true;
+    }
+    if (!sparq || !sparq->stale()) {
+        return false;
+    }
+    if (sparq->wanted) {
+        return true;
+    }
+    const uint32_t n_pad_cur = std::max(n_pad, 256u);
+    uint32_t n_kv_next = 0;
+    for (const auto & cells : v_cells) {
+        n_kv_next = std::max(n_kv_next, std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1() + 1, n_pad_cur))));
+    }
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const int32_t il = layers[ikv].il;
+        const bool mha = hparams.n_head(il) == hparams.n_head_kv(il);
+        if (sparq->layers[ikv].active && n_kv_next >= (uint32_t) sparq_min_n_kv(sparq->params, sparq_on_host(layers[ikv].k), mha)) {
+            return true;
+        }
+    }
+    return false;
 }
 
 // The derived state's buffers, counted like the cache's own (llama_get_memory_breakdown, llama.cpp's parameter fitting);
@@ -415,7 +442,7 @@ ggml_tensor * sparq_seq_sums(ggml_context * ctx, ggml_tensor * x, int64_t w, int
 
 bool llama_kv_cache::sparq_update(llama_context * lctx) {
     sparq_squeeze_access::verify(*this); // host only: whether the prepared prefix's cells still hold it
-    if (!sparq || !(sparq->kt_dirty || sparq->vsum_dirty || sparq->kstat_dirty)) {
+    if (!sparq_pending()) {  // after the verify: the SparQ state's due
         return false;
     }
 
@@ -522,6 +549,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
     sparq->kt_dirty    = false;
     sparq->vsum_dirty  = false;
     sparq->kstat_dirty = false;
+    sparq->wanted      = sparq->params.min_n_kv == 0;
 
     if (n_work == 0) {
         return false;
@@ -531,7 +559,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
 
     if (!ggml_backend_sched_alloc_graph(sched, gf)) {
         LLAMA_LOG_ERROR("%s: SparQ: failed to allocate the graph that rebuilds the derived KV state\n", __func__);
-        sparq->kt_dirty = sparq->vsum_dirty = sparq->kstat_dirty = true;
+        sparq->kt_dirty = sparq->vsum_dirty = sparq->kstat_dirty = sparq->wanted = true;
         return false;
     }
 
@@ -539,7 +567,7 @@ bool llama_kv_cache::sparq_update(llama_context * lctx) {
 
     if (lctx->graph_compute(gf, false) != GGML_STATUS_SUCCESS) {
         LLAMA_LOG_ERROR("%s: SparQ: failed to rebuild the derived KV state\n", __func__);
-        sparq->kt_dirty = sparq->vsum_dirty = sparq->kstat_dirty = true;
+        sparq->kt_dirty = sparq->vsum_dirty = sparq->kstat_dirty = sparq->wanted = true;
         return false;
     }
 
