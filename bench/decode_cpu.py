@@ -309,7 +309,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3, help="repetitions (-r)")
     ap.add_argument("--llama-bench", help="llama-bench binary (default: next to this Python, else on PATH)")
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json", help="JSON written")
-    ap.add_argument("--png", type=Path, default=RESULTS / "decode_cpu.png", help="plot written")
+    ap.add_argument("--png", type=Path, help="plot written (default: the JSON's path with .png)")
     ap.add_argument("--min-kv-crossover", action="store_true",
                     help="the crossover run: --depths 256,512,1024,2048 --k1 0 --min-kv 0 --n-gen 32, written to "
                          "decode_cpu_min_kv.json / .png")
@@ -322,6 +322,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.min_kv_crossover:
         args.depths, args.k1, args.min_kv, args.n_gen = [256, 512, 1024, 2048], [0], 0, 32
         args.out, args.png = RESULTS / "decode_cpu_min_kv.json", RESULTS / "decode_cpu_min_kv.png"
+    if args.png is None:
+        args.png = (args.from_json or args.out).with_suffix(".png")
     if any(d < 0 for d in args.depths) or any(k < 0 for k in args.k1) or min(args.k2, args.n_gen, args.threads,
                                                                               args.reps) < 1:
         ap.error("depths and k1 must be >= 0; k2, n-gen, threads and reps >= 1")
