@@ -286,12 +286,14 @@ bool llama_kv_cache::sparq_pending() const {
     const uint32_t n_pad_cur = std::max(n_pad, 256u);
     uint32_t n_kv_next = 0;
     for (const auto & cells : v_cells) {
-        n_kv_next = std::max(n_kv_next, std::min(cells.size(), std::max(n_pad_cur, GGML_PAD(cells.used_max_p1() + 1, n_pad_cur))));
+        const uint32_t padded = std::max(n_pad_cur, GGML_PAD(cells.used_max_p1() + 1, n_pad_cur));
+        n_kv_next = std::max(n_kv_next, std::min(cells.size(), padded));
     }
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
-        const int32_t il = layers[ikv].il;
-        const bool mha = hparams.n_head(il) == hparams.n_head_kv(il);
-        if (sparq->layers[ikv].active && n_kv_next >= (uint32_t) sparq_min_n_kv(sparq->params, sparq_on_host(layers[ikv].k), mha)) {
+        const int32_t il  = layers[ikv].il;
+        const bool    mha = hparams.n_head(il) == hparams.n_head_kv(il);
+        const int32_t min_n_kv = sparq_min_n_kv(sparq->params, sparq_on_host(layers[ikv].k), mha);
+        if (sparq->layers[ikv].active && n_kv_next >= (uint32_t) min_n_kv) {
             return true;
         }
     }
