@@ -171,7 +171,7 @@ def toks(model) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------
 # The derived state against the cache's keys (min_n_kv = 0: kept from the first step; below min_n_kv it is not
-# kept at all, test_sparq_last_run.py)
+# kept at all, test_state_is_kept_from_where_a_step_may_read_it)
 
 
 @pytest.mark.parametrize("index,select,kv", COMBOS, ids=COMBO_IDS)
