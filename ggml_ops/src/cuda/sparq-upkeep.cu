@@ -127,27 +127,51 @@ __device__ __forceinline__ float round_to_cache(float x, ggml_type type) {
     }
 }
 
-// Token t's KV head h in one table of sums (squares: the key statistics' [r, r*r, 1], else [r, 1]).
-template <bool SQUARES>
-__device__ __forceinline__ void add_token(const sums_args & s, float * out_col, int32_t row, int64_t t, int64_t h) {
-    constexpr int W = SQUARES ? 2 : 1;  // per head: W*d sums and the count
-    if (s.tab == nullptr || row < 0 || row >= s.n_seq) {  // a row outside the table is a caller's bug (the CPU
-        return;                                           // asserts); leave it unwritten
+// One table's part of token t's KV head h: its table row, the token's values and its part of the result column; tab
+// NULL without the table or where the row is outside it (a caller's bug: the CPU asserts; left unwritten). W: 2 for
+// the key statistics' [r, r*r, 1] per head, 1 for the V sums' [r, 1].
+struct token_part {
+    float * tab; const float * x; float * out;
+    int64_t d; ggml_type type;
+};
+template <int W>
+__device__ __forceinline__ token_part part_of(const sums_args & s, float * out_col, int32_t row, int64_t t, int64_t h) {
+    if (s.tab == nullptr || row < 0 || row >= s.n_seq) {
+        return { nullptr, nullptr, nullptr, 0, s.type };
     }
-    float * tab = (float *) ((char *) s.tab + row*s.t_nb1) + h*(W*s.d + 1);
-    const float * xh = (const float *) (s.x + h*s.x_nb1 + t*s.x_nb2);
-    float * out = out_col + s.out_off + h*(W*s.d + 1);
-    for (int64_t i = threadIdx.x; i < s.d; i += UK_THREADS) {
-        const float r = round_to_cache(xh[i], s.type);
-        const float sum = tab[i] + r;
-        out[i] = tab[i] = sum;
-        if constexpr (SQUARES) {
-            const float sq = __fadd_rn(tab[s.d + i], __fmul_rn(r, r));  // no contraction: the CPU's two roundings
-            out[s.d + i] = tab[s.d + i] = sq;
+    return { (float *) ((char *) s.tab + row*s.t_nb1) + h*(W*s.d + 1), (const float *) (s.x + h*s.x_nb1 + t*s.x_nb2),
+             out_col + s.out_off + h*(W*s.d + 1), s.d, s.type };
+}
+
+// Token t's KV head h in both tables (V sums v, key statistics k), every load before any store: the compiler cannot
+// tell the tables and the result apart, so a store between two loads would make the second wait for it (a round trip
+// each, where the whole part is two: the table row's index, then the sums).
+__device__ __forceinline__ void add_token(const token_part & v, const token_part & k) {
+    const int64_t n = v.d > k.d ? v.d : k.d;  // d is 0 without the table
+    for (int64_t i = threadIdx.x; i < n; i += UK_THREADS) {
+        const bool in_v = i < v.d, in_k = i < k.d;
+        const float v_sum = in_v ? v.tab[i] : 0.0f, v_new = in_v ? v.x[i] : 0.0f;
+        const float k_sum = in_k ? k.tab[i] : 0.0f, k_sq = in_k ? k.tab[k.d + i] : 0.0f, k_new = in_k ? k.x[i] : 0.0f;
+        if (in_v) {
+            const float sum = v_sum + round_to_cache(v_new, v.type);
+            v.out[i] = v.tab[i] = sum;
+        }
+        if (in_k) {
+            const float r = round_to_cache(k_new, k.type);
+            const float sum = k_sum + r;
+            const float sq  = __fadd_rn(k_sq, __fmul_rn(r, r));  // no contraction: the CPU's two roundings
+            k.out[i] = k.tab[i] = sum;
+            k.out[k.d + i] = k.tab[k.d + i] = sq;
         }
     }
     if (threadIdx.x == 0) {
-        out[W*s.d] = tab[W*s.d] = tab[W*s.d] + 1.0f;
+        const float v_n = v.tab ? v.tab[v.d] : 0.0f, k_n = k.tab ? k.tab[2*k.d] : 0.0f;
+        if (v.tab) {
+            v.out[v.d] = v.tab[v.d] = v_n + 1.0f;
+        }
+        if (k.tab) {
+            k.out[2*k.d] = k.tab[2*k.d] = k_n + 1.0f;
+        }
     }
 }
 
@@ -163,8 +187,7 @@ __global__ void __launch_bounds__(UK_THREADS) upkeep_kernel(const upkeep_args a)
     const int64_t t = (bid - a.ix.n_blocks) / a.n_head_kv, h = (bid - a.ix.n_blocks) % a.n_head_kv;
     const int32_t row = *(const int32_t *) (a.idx + t*a.i_nb0);
     float * out_col = (float *) (a.dst + t*a.o_nb1);
-    add_token<false>(a.vs, out_col, row, t, h);
-    add_token<true>(a.ks, out_col, row, t, h);
+    add_token(part_of<1>(a.vs, out_col, row, t, h), part_of<2>(a.ks, out_col, row, t, h));
 }
 
 template <ggml_type K_TYPE>
