@@ -27,6 +27,7 @@ from llama_cpp import llama_cpp as lc  # isort: skip  (after sparq_llama, which 
 INDEX = {"f16": 0, "q8": 1}          # enum llama_sparq_index
 SELECT = {"q": 0, "qsigma": 1}       # enum llama_sparq_select
 KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0}
+CACHE_TYPES = {**KV_TYPES, "f32": lc.GGML_TYPE_F32}  # f32 once (test_f32_cache_keeps_the_state), not in every combo
 SPARSE = SparqConfig(k1=8, k2=32, min_n_kv=0, mean="on")
 N_LAYER, N_HEAD_KV, D = 30, 3, 64
 LAYERS = (0, 13, 29)                 # the layers whose tensors the state tests read
@@ -40,7 +41,7 @@ def make_ctx(model, kv: str, cfg: SparqConfig | None = None, *, index: str = "f1
     """A context (flash attention, N_THREADS) with K and V caches of type kv, SparQ applied when cfg is given."""
     p = lc.llama_context_default_params()
     p.n_ctx, p.n_batch, p.n_ubatch = N_CTX, 512, 512
-    p.type_k = p.type_v = KV_TYPES[kv]
+    p.type_k = p.type_v = CACHE_TYPES[kv]
     p.n_seq_max, p.kv_unified = n_seq_max, kv_unified
     p.n_threads = p.n_threads_batch = N_THREADS
     p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -269,6 +270,16 @@ def test_state_is_kept_from_where_a_step_may_read_it(model, toks):
         assert last_run(ctx.ctx) == SparqRun(1, N_LAYER, 0, 0)
         check_index(ctx, "q8", "after a batch crossed min_n_kv and decodes")
         check_kstat(ctx, "after a batch crossed min_n_kv and decodes")
+
+
+@pytest.mark.parametrize("index", list(INDEX))
+def test_f32_cache_keeps_the_state(model, toks, index):
+    """-ctk f32: the index write reads K's rows as they are (ggml's f32 has no dequantizer to call)."""
+    with make_ctx(model, "f32", SPARSE, index=index, select="qsigma") as ctx:
+        ctx.prefill(toks[:150])
+        ctx.steps(toks[150:170], 150)
+        check_index(ctx, index, "an f32 cache after a prefill and decodes")
+        check_kstat(ctx, "an f32 cache after a prefill and decodes")
 
 
 def test_q8_index_is_refused_with_the_default_layout(model):

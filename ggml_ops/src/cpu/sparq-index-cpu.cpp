@@ -15,6 +15,11 @@ namespace {
 constexpr int64_t SEG = 32;    // key components dequantized at a time: one block of any quantized KV type
 constexpr int64_t MAX_B = 32;  // the largest index block (q8_0)
 
+// ggml's f32 has no to_float (get_rows copies f32 rows): the same here
+void copy_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    std::copy_n((const float *) x, n, y);
+}
+
 }  // namespace
 
 void ggml_compute_forward_sparq_index_write(const ggml_compute_params * params, ggml_tensor * dst) {
@@ -29,7 +34,7 @@ void sparq_index_write_tasks(const ggml_compute_params * params, const ggml_tens
     const int64_t kv_size = k->ne[1], n_blk = blk->ne[0], ns = blk->ne[2];
     GGML_ASSERT(B <= MAX_B && k->ne[0] == n_embd && s0 >= 0 && s0 + ns <= n_stream);
     GGML_ASSERT(n_embd % ggml_blck_size(k->type) == 0 && SEG % ggml_blck_size(k->type) == 0);
-    ggml_to_float_t const to_float = ggml_get_type_traits(k->type)->to_float;
+    ggml_to_float_t const to_float = k->type == GGML_TYPE_F32 ? copy_f32 : ggml_get_type_traits(k->type)->to_float;
     ggml_from_float_t const from_float = ggml_get_type_traits_cpu(kt->type)->from_float;
     GGML_ASSERT(to_float && from_float);
     const int32_t * cell = (const int32_t *) cells->data;
