@@ -38,6 +38,7 @@ from test_op_sparq_attn import (
     make_mask,
     run_both,
 )
+from test_op_index_write import INDEX_WRITE_CASES, check_index_write, index_write_case
 from test_op_vsum_rows import (VSUM_CASES, assert_kstat_equal, expected, kstat_case, kstat_rows_reference, vsum_case,
                               written_back)
 
@@ -400,6 +401,18 @@ def test_kstat_rows_equals_reference_and_cpu(case):
     cpu, cpu_table = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2)
     assert_kstat_equal(got, cpu, k_dtype)
     assert_kstat_equal(table_after, cpu_table, k_dtype)
+
+
+@pytest.mark.parametrize("seed", range(len(INDEX_WRITE_CASES)),
+                         ids=["-".join(map(str, c)) for c in INDEX_WRITE_CASES])
+def test_index_write_holds_the_keys_of_its_cells_as_on_the_cpu(seed):
+    case = INDEX_WRITE_CASES[seed]
+    kt, k, cells, blk, mask = index_write_case(case, seed)
+    kw = dict(mask=mask, s0=case[5], kt_dtype=case[0], kv_dtype=case[1])
+    got = ops.index_write(kt, k, cells, blk, backend="cuda", **kw)
+    check_index_write(got, case, kt, k, cells, blk, mask)
+    if case[0] != "q8_0" and case[1] in ("f32", "f16", "bf16"):  # one conversion of exact inputs: the same bits
+        np.testing.assert_array_equal(got, ops.index_write(kt, k, cells, blk, n_threads=2, **kw))
 
 
 # The cases whose selection differs most between the two kernel families (window and sinks by position, the exact

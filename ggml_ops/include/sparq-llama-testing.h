@@ -74,6 +74,25 @@ struct vsum_rows_eval_args {
 };
 SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
 
+// One evaluation of ggml_sparq_index_write (sparq_llama.ops.index_write): kt [n_stream][n_embd][row_len] of kt_type
+// (f32, f16, bf16 or q8_0 as ggml's blocks: the index before the op), k [n_stream][kv_size][n_embd] of k_type (a KV
+// cache type, as ggml's blocks), cells [B*n_blk*ns] i32 (B = 32 for q8_0, else 1), mask [B*n_blk*ns] f32 (or NULL),
+// blk [ns][n_blk] i64, s0 as the op takes them; kt_out gets the index after the op (kt's size in bytes).
+struct index_write_eval_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          kt_type, k_type;
+    int64_t      n_embd, row_len, kv_size, n_stream, n_blk, ns;
+    int32_t      s0;
+    const void    * kt;
+    const void    * k;
+    const int32_t * cells;
+    const float   * mask;
+    const int64_t * blk;
+    void          * kt_out;
+};
+SPARQ_API int sparq_llama_eval_index_write(const struct index_write_eval_args * args, char * err, size_t err_size);
+
 struct ggml_centroid_params;
 
 // One evaluation of ggml_centroid_attn over host arrays (sparq_llama.ops.centroid_attn). Arrays are

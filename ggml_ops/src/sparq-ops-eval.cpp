@@ -173,6 +173,57 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
                       { { table, a->table_out } });
 }
 
+int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * err, size_t err_size) {
+    if (!a || !a->kt || !a->k || !a->cells || !a->blk || !a->kt_out) {
+        return fail(err, err_size, "kt, k, cells, blk and kt_out are required");
+    }
+    for (const int t : { a->kt_type, a->k_type }) {
+        if (t < 0 || t >= GGML_TYPE_COUNT || ggml_get_type_traits((ggml_type) t)->blck_size == 0) {
+            return fail(err, err_size, "kt_type and k_type must be ggml types, got %d", t);
+        }
+    }
+    const auto kt_type = (ggml_type) a->kt_type, k_type = (ggml_type) a->k_type;
+    const int64_t B = ggml_blck_size(kt_type);
+    if (a->n_embd < 1 || a->row_len < 1 || a->kv_size < 1 || a->n_stream < 1 || a->n_blk < 1 || a->ns < 1) {
+        return fail(err, err_size, "need n_embd, row_len, kv_size, n_stream, n_blk, ns >= 1");
+    }
+    if (a->row_len % B != 0 || a->n_embd % ggml_blck_size(k_type) != 0) {  // ggml cannot hold such tensors
+        return fail(err, err_size, "kt's rows must be whole blocks of %s and k's of %s", ggml_type_name(kt_type),
+                    ggml_type_name(k_type));
+    }
+    for (int64_t i = 0; i < B*a->n_blk*a->ns; ++i) {  // the kernels trust cells and blk (as ggml_set_rows): check here
+        if (a->cells[i] < 0 || a->cells[i] >= a->kv_size*a->n_stream) {
+            return fail(err, err_size, "cells[%lld] = %d is not a row of k", (long long) i, a->cells[i]);
+        }
+    }
+    for (int64_t i = 0; i < a->n_blk*a->ns; ++i) {
+        if (a->blk[i] < 0 || (a->blk[i] + 1)*B > a->row_len) {
+            return fail(err, err_size, "blk[%lld] = %lld is not a block of kt's rows", (long long) i,
+                        (long long) a->blk[i]);
+        }
+    }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_tensor * kt    = ggml_new_tensor_3d(c, kt_type, a->row_len, a->n_embd, a->n_stream);
+    ggml_tensor * k     = ggml_new_tensor_3d(c, k_type, a->n_embd, a->kv_size, a->n_stream);
+    ggml_tensor * cells = ggml_new_tensor_1d(c, GGML_TYPE_I32, B*a->n_blk*a->ns);
+    ggml_tensor * mask  = a->mask ? ggml_new_tensor_1d(c, GGML_TYPE_F32, B*a->n_blk*a->ns) : nullptr;
+    ggml_tensor * blk   = ggml_new_tensor_3d(c, GGML_TYPE_I64, a->n_blk, 1, a->ns);
+    if (const char * msg = ggml_sparq_index_write_check(kt, k, cells, mask, blk, a->s0)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    ggml_tensor * out = ggml_sparq_index_write(c, kt, k, cells, mask, blk, a->s0);
+    return compute_op(backend.get(), dev, c, out, "sparq_index_write",
+                      { { kt, a->kt }, { k, a->k }, { cells, a->cells }, { mask, a->mask }, { blk, a->blk } },
+                      a->kt_out, err, err_size);
+}
+
 int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * err, size_t err_size) {
     if (!a || !a->q || !a->k || !a->v || !a->cent || !a->cell || !a->out || !a->params) {
         return fail(err, err_size, "q, k, v, cent, cell, out and params are required");

@@ -361,6 +361,15 @@ class VsumRowsEvalArgs(ctypes.Structure):
         [("table_out", ctypes.c_void_p)]
 
 
+class IndexWriteEvalArgs(ctypes.Structure):
+    """struct index_write_eval_args (sparq-llama-testing.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kt_type", ctypes.c_int),
+                ("k_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("n_embd", "row_len", "kv_size", "n_stream", "n_blk", "ns")] + \
+        [("s0", ctypes.c_int32)] + [(n, ctypes.c_void_p) for n in ("kt", "k", "cells", "mask", "blk", "kt_out")]
+
+
 class CentroidEvalArgs(ctypes.Structure):
     """struct centroid_eval_args (sparq-llama-testing.h)."""
 
@@ -450,6 +459,12 @@ def sparq_llama_memory_breakdown(ctx: int | None, out: Any, /) -> int:
 @c_function(libllama, _entry(VsumRowsEvalArgs), ctypes.c_int)
 def sparq_llama_eval_vsum_rows(args: Any, err: Any, err_size: int, /) -> int:
     """One ggml_sparq_vsum_rows graph over host arrays."""
+
+
+# SPARQ_API int sparq_llama_eval_index_write(const struct index_write_eval_args * args, char * err, size_t err_size);
+@c_function(libllama, _entry(IndexWriteEvalArgs), ctypes.c_int)
+def sparq_llama_eval_index_write(args: Any, err: Any, err_size: int, /) -> int:
+    """One ggml_sparq_index_write graph over host arrays."""
 
 
 # SPARQ_API int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * args, char * err, size_t err_size);

@@ -22,6 +22,7 @@ from ._bindings import (
     CentroidEvalArgs,
     GgmlCentroidParams,
     GgmlSparqParams,
+    IndexWriteEvalArgs,
     KmeansBenchArgs,
     KmeansEvalArgs,
     SparqBenchArgs,
@@ -263,6 +264,61 @@ def _sum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str, v
                             out=out.ctypes.data, squares=int(squares), table_out=table_out.ctypes.data)
     _call(C.sparq_llama_eval_vsum_rows, args)
     return out, table_out
+
+
+def index_bytes(kt: np.ndarray, kt_dtype: str) -> np.ndarray:
+    """An index [..., row_len] as the bytes of kt_dtype (f32, f16, bf16, or q8_0: blocks of 32 cells along the row),
+    uint8 [..., row bytes] in ggml's layout."""
+    kt = np.asarray(kt, dtype=np.float32)
+    if kt_dtype == "q8_0":
+        if kt.shape[-1] % Q8_BLOCK != 0:
+            raise ValueError(f"a q8_0 index holds rows of whole {Q8_BLOCK}-cell blocks, got {kt.shape[-1]} cells")
+        return np.ascontiguousarray(q8_0_bytes(*q8_0_quantize(kt)))
+    if kt_dtype not in _GGML_TYPES:
+        raise ValueError(f"kt_dtype must be one of {sorted(_GGML_TYPES) + ['q8_0']}, got {kt_dtype!r}")
+    return _to_kv(kt, kt_dtype).view(np.uint8).reshape(*kt.shape[:-1], -1)
+
+
+def index_write(kt: np.ndarray, k: np.ndarray, cells: np.ndarray, blk: np.ndarray, *, mask: np.ndarray | None = None,
+                s0: int = 0, kt_dtype: str = "q8_0", kv_dtype: str = "f16", n_threads: int | None = None,
+                backend: str = "cpu") -> np.ndarray:
+    """ggml_sparq_index_write on a backend: blocks of the index recomputed from the cache's keys.
+    kt [n_stream, n_embd, row_len]: the index before the op, stored as kt_dtype (f32, f16, bf16, or q8_0: blocks of
+    B = 32 cells along the row); k [n_stream, kv_size, n_embd]: the cache's keys, stored as kv_dtype; cells
+    [ns * n_blk * B] (rows of k over all streams: stream * kv_size + cell), mask [ns * n_blk * B] or None, blk
+    [ns, n_blk] (block numbers in streams s0 .. s0 + ns - 1), as the op takes them (ggml-sparq.h). Returns the index
+    after the op as its bytes, uint8 [n_stream, n_embd, row bytes] in ggml's layout of kt_dtype."""
+    kt_types = {**_GGML_TYPES, "q8_0": _Q8_0}
+    if kt_dtype not in kt_types:
+        raise ValueError(f"kt_dtype must be one of {sorted(kt_types)}, got {kt_dtype!r}")
+    if kv_dtype not in _GGML_TYPES and kv_dtype not in _QUANT_TYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(_GGML_TYPES) + sorted(_QUANT_TYPES)}, got {kv_dtype!r}")
+    kt, k = np.asarray(kt), np.asarray(k)
+    if kt.ndim != 3 or k.ndim != 3 or kt.shape[0] != k.shape[0] or kt.shape[1] != k.shape[2]:
+        raise ValueError(f"kt must be [n_stream, n_embd, row_len] and k [n_stream, kv_size, n_embd], got {kt.shape} "
+                         f"and {k.shape}")
+    n_stream, n_embd, row_len = kt.shape
+    kt_dev = index_bytes(kt, kt_dtype)
+    k_dev = _to_kv(k, kv_dtype)
+    cells_dev = np.ascontiguousarray(cells, dtype=np.int32)
+    blk_dev = np.ascontiguousarray(blk, dtype=np.int64)
+    if blk_dev.ndim != 2:
+        raise ValueError(f"blk must be [ns, n_blk], got {blk_dev.shape}")
+    n_block = Q8_BLOCK if kt_dtype == "q8_0" else 1
+    if cells_dev.shape != (blk_dev.size * n_block,):
+        raise ValueError(f"cells must hold {n_block} cells per block: [{blk_dev.size * n_block}], got {cells_dev.shape}")
+    mask_dev = None if mask is None else np.ascontiguousarray(mask, dtype=np.float32)
+    if mask_dev is not None and mask_dev.shape != cells_dev.shape:
+        raise ValueError(f"mask must be shaped as cells {cells_dev.shape}, got {mask_dev.shape}")
+    out = np.zeros(kt_dev.nbytes, dtype=np.uint8)
+    args = IndexWriteEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
+                              kt_type=kt_types[kt_dtype], k_type=_kv_type(kv_dtype), n_embd=n_embd, row_len=row_len,
+                              kv_size=k.shape[1], n_stream=n_stream, n_blk=blk_dev.shape[1], ns=blk_dev.shape[0],
+                              s0=int(s0), kt=kt_dev.ctypes.data, k=k_dev.ctypes.data, cells=cells_dev.ctypes.data,
+                              mask=None if mask_dev is None else mask_dev.ctypes.data, blk=blk_dev.ctypes.data,
+                              kt_out=out.ctypes.data)
+    _call(C.sparq_llama_eval_index_write, args)
+    return out.reshape(n_stream, n_embd, -1)
 
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,

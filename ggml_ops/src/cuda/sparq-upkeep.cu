@@ -7,8 +7,8 @@
 //     component e: it gathers the B cells' values of component e from K, dequantized as ggml-cuda's get_rows
 //     dequantizes them (the same device functions), times the mask, and writes them to row e of K^T converted as
 //     ggml-cuda's set_rows converts (q8_0: its block quantizer). K rows are read by consecutive threads (coalesced
-//     along the components); the writes of one thread are one index block. A decode step writes one index block a
-//     layer, so the components are what spreads it over the GPU;
+//     along the components); a q8_0 block is stored by its warp, a row at a time. A decode step writes one index
+//     block a layer, so the components are what spreads it over the GPU;
 //   - sums: per (token, KV head) one block; thread i adds component i of the token's rounded value to its sequence's
 //     V-sum row and of its rounded key (and square) to its key-statistics row, writes both to the result and back
 //     to the tables; one thread adds the counts. The rounding is CUDA's round-to-nearest-even conversion, as
@@ -89,6 +89,30 @@ __device__ __forceinline__ float key_value(const char * row, int64_t e) {
     }
 }
 
+// The q8_0 blocks of a warp's 32 components (one block of row e each), stored a row at a time: each thread quantizes
+// its block into shared memory, then 17 lanes store one row's 34-byte block as 2-byte pieces. Stored by its own thread,
+// each of a block's 33 stores hit a different row in every lane: 32 sectors for 32 bytes (ncu on the prefill launch:
+// 1.0 of 32 bytes used per sector, 60% of the warps' stalls waiting on the LG queue).
+__device__ __forceinline__ void store_q8_0_by_warp(const float * x, bool in_row, char * kt_s, size_t kt_nb1,
+                                                   int64_t e, int64_t n_embd, int64_t blk) {
+    constexpr int PIECES = sizeof(block_q8_0)/sizeof(uint16_t);
+    static_assert(sizeof(block_q8_0) == PIECES*sizeof(uint16_t) && alignof(block_q8_0) <= alignof(uint16_t),
+                  "a q8_0 block is whole 2-byte pieces");
+    __shared__ uint16_t stage[UK_THREADS/WARP_SIZE][WARP_SIZE][PIECES + 1];  // an odd word stride: no bank conflicts
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    if (in_row) {
+        quantize_f32_q8_0_block(x, (block_q8_0 *) stage[warp][lane]);
+    }
+    __syncwarp();
+    const int64_t e0 = e - lane;  // the warp's first component
+    const int n_rows = (int) min((int64_t) WARP_SIZE, n_embd - e0);
+    for (int r = 0; r < n_rows; ++r) {
+        if (lane < PIECES) {
+            ((uint16_t *) (kt_s + (e0 + r)*kt_nb1 + blk*sizeof(block_q8_0)))[lane] = stage[warp][r][lane];
+        }
+    }
+}
+
 template <ggml_type K_TYPE, ggml_type KT_TYPE>
 __device__ __forceinline__ void write_index_block(const index_args & a, int64_t bid) {
     constexpr int B = KT_TYPE == GGML_TYPE_Q8_0 ? QK8_0 : 1;
@@ -99,17 +123,22 @@ __device__ __forceinline__ void write_index_block(const index_args & a, int64_t 
     const int64_t blk = a.blk[t];
     char * kt_s = a.kt + (a.s0 + j)*a.kt_nb2;
     const int64_t e = (bid % a.n_chunks)*UK_THREADS + threadIdx.x;
-    if (e < a.n_embd) {
-        float x[B];
+    const bool in_row = e < a.n_embd;
+    float x[B];
+    if (in_row) {
 #pragma unroll
         for (int u = 0; u < B; ++u) {
             const float val = key_value<K_TYPE>(a.k + (int64_t) a.cells[first + u]*a.k_nb1, e);
             x[u] = a.mask ? val * a.mask[first + u] : val;
         }
+    }
+    if constexpr (KT_TYPE == GGML_TYPE_Q8_0) {
+        if (e - threadIdx.x % WARP_SIZE < a.n_embd) {  // the warp has rows (all its lanes take this branch)
+            store_q8_0_by_warp(x, in_row, kt_s, a.kt_nb1, e, a.n_embd, blk);
+        }
+    } else if (in_row) {
         char * row = kt_s + e*a.kt_nb1;
-        if constexpr (KT_TYPE == GGML_TYPE_Q8_0) {
-            quantize_f32_q8_0_block(x, (block_q8_0 *) row + blk);
-        } else if constexpr (KT_TYPE == GGML_TYPE_F16) {
+        if constexpr (KT_TYPE == GGML_TYPE_F16) {
             ((half *) row)[blk] = ggml_cuda_cast<half>(x[0]);
         } else if constexpr (KT_TYPE == GGML_TYPE_BF16) {
             ((nv_bfloat16 *) row)[blk] = ggml_cuda_cast<nv_bfloat16>(x[0]);
