@@ -431,18 +431,11 @@ static __device__ void row_query_fast(const sparq_args & a, const row_coords & c
         const int i = t / R, p = t % R;
         int rk = 0;
         if (i < d) {
-            // (b > ai) | ((b == ai) & (j < i)) as two loops split at i, so that no comparison tests the index: ~6
-            // instructions per comparison in the SASS (sm_90), where the one-loop form took ~11, 64% of kernel Q's
-            // (ncu, Llama-2 heads at 8k); j == i adds nothing to either form
             const float ai = absum[i];
-            int j = p;
 #pragma unroll 8
-            for (; j < i; j += R) {
-                rk += absum[j] >= ai;
-            }
-#pragma unroll 8
-            for (; j < d; j += R) {
-                rk += absum[j] > ai;
+            for (int j = p; j < d; j += R) {
+                const float b = absum[j];
+                rk += (b > ai) | ((b == ai) & (j < i));
             }
         }
         for (int off = R/2; off > 0; off >>= 1) {
