@@ -13,7 +13,7 @@ demo: install
 	$(BIN)/sparq-llama demo
 
 test: install
-	$(BIN)/python -m pytest -ra tests
+	$(BIN)/python -m pytest -ra --durations=20 tests
 
 install: venv
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $(BIN)/pip install --quiet llama-cpp-python==0.3.36

@@ -12,6 +12,8 @@
 #   bench/device.sh batched                 benchmark (c): llama-batched-bench            -> $OUT/cuda_batched.json
 #   bench/device.sh kernels                 each kernel's time in a decode step of a model (ncu, dense and SparQ)
 #                                                                                         -> $OUT/cuda_kernels.json
+#   bench/device.sh profile                 what limits each kernel of the op's decode step (ncu sections, B = 1)
+#                                                                                         -> $OUT/cuda_op_profile.json
 #   bench/device.sh squeeze                 centroid-sparse op and clustering time        -> $OUT/squeeze_op_cuda.json,
 #                                                                                            $OUT/squeeze_cluster_cuda.json
 # test and sanitize add their summaries (and log tails) to $OUT/cuda_checks.json. Each file in $OUT is named as the
@@ -239,6 +241,11 @@ stage_batched() {
 stage_kernels() {  # ncu over llama-bench on models cut to 4 layers; its CSVs stay in /tmp/cuda_kernels
     python3 bench/cuda_kernels.py --bin "$BUILD/bin" --models /tmp/models --keep-csv /tmp/cuda_kernels \
         --out "$OUT/cuda_kernels.json" 2>&1 | tee "$OUT/cuda_kernels.log" | grep -v "^running"
+}
+
+stage_profile() {  # ncu sections of the op's kernels alone (B = 1); its text output stays in /tmp/cuda_op_profile
+    python3 bench/cuda_op_profile.py --keep /tmp/cuda_op_profile --out "$OUT/cuda_op_profile.json" 2>&1 \
+        | tee "$OUT/cuda_op_profile.log" | grep -v "^running"
 }
 
 stage_squeeze() {
