@@ -28,14 +28,13 @@ from record import RESULTS, provenance, write_record
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
 KERNELS = "regex:sparq_|flash_attn"
 SPARQ = re.compile(r"^sparq_")
-# (printed metric name, unit or None for any) -> record key
-METRICS = {("Duration", None): "us", ("DRAM Throughput", "%"): "dram_pct", ("Compute (SM) Throughput", "%"): "sm_pct",
-           ("Memory Throughput", "Gbyte/s"): "mem_gbps", ("SM Frequency", "Ghz"): "sm_ghz",
-           ("Grid Size", None): "grid", ("Registers Per Thread", None): "registers",
-           ("Achieved Active Warps Per SM", None): "warps_per_sm", ("Issued Warp Per Scheduler", None): "issue_per_cycle",
-           ("Achieved Occupancy", "%"): "occupancy_pct"}
-_TIME = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
-_RATE = {"Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}
+# (printed metric name, unit: a time, a rate, or as printed; None for any) -> record key
+METRICS = {("Duration", "time"): "us", ("Memory Throughput", "rate"): "mem_gbps", ("DRAM Throughput", "%"): "dram_pct",
+           ("Compute (SM) Throughput", "%"): "sm_pct", ("SM Frequency", "Ghz"): "sm_ghz", ("Grid Size", None): "grid",
+           ("Registers Per Thread", None): "registers", ("Achieved Active Warps Per SM", None): "warps_per_sm",
+           ("Issued Warp Per Scheduler", None): "issue_per_cycle", ("Achieved Occupancy", "%"): "occupancy_pct"}
+_TIME = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}        # to microseconds
+_RATE = {"Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}  # to GB/s
 _HEADER = re.compile(r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Context ")
 _METRIC = re.compile(r"^    (\S.*?)\s{2,}(\S+)(?:\s{2,}(\S+))?\s*$")
 
@@ -49,15 +48,12 @@ def parse_ncu_text(text: str) -> list[dict[str, Any]]:
             launches.append({"name": short_name(head.group(1))})
             continue
         m = _METRIC.match(line)
-        if not m or not launches or m.group(1) in ("Metric Name", "Section:"):
+        if not m or not launches:
             continue
         name, unit, value = (m.group(1), m.group(2), m.group(3)) if m.group(3) else (m.group(1), None, m.group(2))
-        if unit is not None and unit in _RATE and name == "Memory Throughput":
-            key, scale = "mem_gbps", _RATE[unit]
-        elif name == "Duration" and unit in _TIME:
-            key, scale = "us", _TIME[unit]
-        else:
-            key, scale = METRICS.get((name, unit)) or METRICS.get((name, None)), 1.0
+        kind = "time" if unit in _TIME else "rate" if unit in _RATE else unit
+        key = METRICS.get((name, kind)) or METRICS.get((name, None))
+        scale = _TIME.get(unit) or _RATE.get(unit) or 1.0
         if key is None or key in launches[-1]:
             continue
         try:
@@ -71,12 +67,8 @@ def parse_ncu_text(text: str) -> list[dict[str, Any]]:
 
 def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
     """The last launch of each kernel name (in first-launch order), and the SparQ op's and flash attention's sums."""
-    last: dict[str, dict[str, Any]] = {}
-    for k in launches:
-        last.pop(k["name"], None)
-        last[k["name"]] = k
-    order = list(dict.fromkeys(k["name"] for k in launches))
-    kernels = [last[n] for n in order]
+    last = {k["name"]: k for k in launches}  # insertion order is first launch, values the last launch
+    kernels = list(last.values())
     missing = [k["name"] for k in kernels if "us" not in k]
     if missing:
         raise ValueError(f"no Duration for {', '.join(missing)}")
