@@ -101,3 +101,37 @@ def test_centroid_op_bench_reads_the_asked_fraction():
         assert keep <= kept <= keep + 21 / 2900
     with pytest.raises(ValueError, match="n_prefix"):
         ops.bench_centroid(d=64, n_head=6, n_head_kv=2, n_kv=100, n_prefix=200, n_clusters=10, keep=0.1)
+
+
+def test_int8_tiles_variants_follow_their_definitions():
+    # bench/int8_tiles.py's helpers: the default variant is the reference's selection; a tile index keeps one scale per
+    # 4 components x 32 cells; groups are whole; the int8 query is one scale per head
+    sys.path.insert(0, str(REPO / "bench"))
+    import int8_tiles as t
+    from sparq_llama import reference as ref
+
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((300, 64)) * np.linspace(0.2, 3.0, 64)
+    qg = rng.standard_normal((3, 64))
+    assert np.array_equal(t.variant_top("default", qg, keys, 32, 64, 0.125),
+                          ref.approx_top_cells(qg, keys, 32, 64, scale=0.125, select="qsigma", index="q8"))
+    i1 = t.group_components(np.abs(qg).sum(axis=0), 32)
+    assert len(i1) == 32 and np.all(i1.reshape(-1, 4) % 4 == np.arange(4)) and np.all(np.diff(i1) > 0)
+    # one large value in the tile (cells 0..31, components 4..7): only that tile's other values lose precision
+    small = np.full((64, 8), 0.01)
+    small[3, 5] = 100.0
+    back = t.tile_index(small)
+    tile = back[:32, 4:8]
+    assert abs(tile[3, 1] - 100.0) < 0.1  # the large value (an f16 scale's rounding)
+    assert np.all(np.delete(tile.reshape(-1), 3 * 4 + 1) == 0.0)  # 0.01: below half the tile's step
+    assert np.allclose(back[:32, :4], 0.01, rtol=1e-2) and np.allclose(back[32:], 0.01, rtol=1e-2)
+    q8 = t.int8_query(qg, i1)
+    step = np.abs(qg[:, i1]).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(q8[:, i1] - qg[:, i1]) <= step / 2 + 1e-12)
+    assert np.array_equal(np.delete(q8, i1, axis=1), np.delete(qg, i1, axis=1))
+    # groups in a given order: whole groups of consecutive components of that order, and the tiles follow it
+    order = np.random.default_rng(4).permutation(64)
+    i1 = t.group_components(np.abs(qg).sum(axis=0), 32, order)
+    pos = np.sort(np.argsort(order)[i1]).reshape(-1, 4)
+    assert len(i1) == 32 and np.all(pos - pos[:, :1] == np.arange(4)) and np.all(pos[:, 0] % 4 == 0)
+    assert np.array_equal(t.tile_index(keys[:, order], np.argsort(order))[:, np.argsort(order)], t.tile_index(keys))

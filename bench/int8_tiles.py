@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Scoring straight from int8 (dp4a), in numpy on real queries and keys: what an index laid out for integer dot
+products costs SparQ's selection, before any kernel is built.
+
+Kernel A's time follows the instructions each warp issues per K^T row (docs/performance.md, "What limits each kernel
+of the op on CUDA"): a q8_0 row costs a warp 77 instructions for 8 multiply-adds, most of them the int8-to-float
+conversions and the row's scale and address. A dp4a multiplies 4 int8 pairs and adds them in one instruction, but only
+along one scale: the default q8 index scales each component row of K^T per 32 cells, so 4 components of a cell carry 4
+scales. The variants measured here are the index and selection a dp4a kernel needs:
+
+    default   the op's defaults: q8_0 K^T (each component, blocks of 32 cells), I1 = the k1 components of largest
+              sum_g |q_g,i| * sigma_i (select qsigma), float query coefficients;
+    groups    the q8_0 index, but I1 in whole groups of 4 adjacent components (the k1/4 groups of largest summed
+              weight): the selection's cost alone;
+    tiles     groups as above, the index quantized per tile of 4 components x 32 cells (one scale per tile, 4 int8
+              values per cell side by side: a dp4a operand as stored), float query coefficients;
+    tiles-q8  tiles, and each head's query coefficients on I1 rounded to int8 with one scale per head: the scores are
+              then integer dot products times two scales, as dp4a computes them;
+    sigma-tiles-q8  tiles-q8 with the groups formed of components of similar spread rather than adjacent ones: the
+              components ordered by their spread over the first CALIBRATION cells (an order fixed before the index is
+              written, as a cache would fix it after the prompt's start), groups of 4 consecutive in that order;
+    tiles-q8 x1.25, x1.5  tiles-q8 with 1.25 / 1.5 times the components (and bytes): what the groups need to match
+              the default.
+
+Same bytes per cell for all (k1 = d/2 int8 values and one f16 scale per 32 cells per row or tile). Per row (the last
+`rows` positions of a retrieval example, every earlier cell visible), layer and KV head: the agreement, |exact top-k2
+& approximate top-k2| / k2, where exact ranks by sum_g softmax(sigma q_g . K) and approximate by SparQ's p_hat
+(the float64 reference's temperature: sigma / sqrt(rho), rho from the chosen components; no window or sinks, as
+`sparq_llama.eval.agreement`).
+
+    python bench/int8_tiles.py --model smollm2
+    python bench/int8_tiles.py --model gemma3 --append
+Writes bench/results/int8_tiles.json (per model the mean agreement of each variant, and per layer).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from record import RESULTS, append_run, provenance, write_record
+from sparq_llama import reference as ref
+from sparq_llama.eval import tasks
+from sparq_llama.eval.agreement import QKCapture
+from sparq_llama.eval.engine import Engine, EngineConfig
+from sparq_llama.index import Q8_BLOCK
+from sparq_llama.models import fetch
+from tqdm import tqdm
+
+GROUP = 4  # int8 values a dp4a multiplies and adds
+VARIANTS = ("default", "groups", "tiles", "tiles-q8", "sigma-tiles-q8", "tiles-q8 x1.25", "tiles-q8 x1.5")
+CALIBRATION = 512  # sigma-tiles: the cells whose spread orders the components (fixed before the index is written)
+
+
+def group_components(weight: np.ndarray, k1: int, order: np.ndarray | None = None) -> np.ndarray:
+    """I1 as the k1 / GROUP groups of GROUP components with the largest summed weight (ties: the lower group),
+    ascending: groups of adjacent components, or of GROUP consecutive ones in `order` (a permutation of the d)."""
+    order = np.arange(len(weight)) if order is None else order
+    per_group = weight[order].reshape(-1, GROUP).sum(axis=1)
+    groups = ref._top_components(per_group, k1 // GROUP)
+    return np.sort(order[(groups[:, None] * GROUP + np.arange(GROUP)).reshape(-1)])
+
+
+def tile_index(keys: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """Keys [n, d] as a tile index holds them: per tile of GROUP components (adjacent, or consecutive in `order`) x 32
+    cells one f16 scale (q8_0's rounding over the tile's 128 values), read back as [n, d]."""
+    n, d = keys.shape
+    order = np.arange(d) if order is None else order
+    kt = np.pad(keys[:, order].astype(np.float32), ((0, -n % Q8_BLOCK), (0, 0)))  # [cells, d], whole blocks of cells
+    # [blocks of cells, groups, 32 cells x GROUP components]: one row per tile
+    tiles = kt.reshape(-1, Q8_BLOCK, d // GROUP, GROUP).transpose(0, 2, 1, 3).reshape(-1, Q8_BLOCK * GROUP)
+    amax = np.abs(tiles).max(axis=1)
+    t_scale = (amax / np.float32(127.0)).astype(np.float32)
+    inv = np.divide(np.float32(1.0), t_scale, out=np.zeros_like(t_scale), where=t_scale > 0)
+    scaled = tiles * inv[:, None]
+    q = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))  # roundf, as q8_0
+    back = t_scale.astype(np.float16).astype(np.float32)[:, None] * q
+    back = back.reshape(-1, d // GROUP, Q8_BLOCK, GROUP).transpose(0, 2, 1, 3).reshape(-1, d)
+    out = np.empty_like(back)
+    out[:, order] = back
+    return out[:n].astype(np.float64)
+
+
+def int8_query(qg: np.ndarray, i1: np.ndarray) -> np.ndarray:
+    """Each head's components on I1 rounded to int8 with one scale per head (max |q_g,i| / 127), read back."""
+    sel = qg[:, i1]
+    s = np.abs(sel).max(axis=1, keepdims=True) / 127.0
+    s = np.where(s > 0, s, 1.0)
+    out = qg.copy()
+    out[:, i1] = np.round(sel / s) * s
+    return out
+
+
+def approx_logits(q_products: np.ndarray, qg: np.ndarray, k_index: np.ndarray, i1: np.ndarray, scale: float,
+                  spread: np.ndarray) -> np.ndarray:
+    """The reference's approximate logits (select qsigma) with the products of q_products [G, d] on I1 and the
+    temperature of the query qg as it is (the op computes rho from the float query in kernel Q)."""
+    weight = (qg * spread) ** 2
+    full, part = weight.sum(axis=1), weight[:, i1].sum(axis=1)
+    rho = np.divide(part, full, out=np.ones_like(full), where=full > 0)
+    rho = np.where(rho > 0, rho, 1.0)
+    return scale * (q_products[:, i1] @ k_index[:, i1].T) / np.sqrt(rho)[:, None]
+
+
+def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int, scale: float) -> np.ndarray:
+    """The approximate top-k2 cells (rank order) of one group qg [G, d] over its visible keys [n, d]."""
+    if " x" in variant:
+        variant, times = variant.split(" x")
+        k1 = min(keys.shape[1], int(round(k1 * float(times) / GROUP)) * GROUP)
+    spread = keys.std(axis=0)
+    weight = np.abs(qg).sum(axis=0) * spread  # select qsigma
+    order = np.argsort(-keys[:CALIBRATION].std(axis=0), kind="stable") if variant.startswith("sigma") else None
+    i1 = ref._top_components(weight, k1) if variant == "default" else group_components(weight, k1, order)
+    k_index = ref._index_keys(keys, "q8") if variant in ("default", "groups") else tile_index(keys, order)
+    q_products = int8_query(qg, i1) if variant.endswith("-q8") else qg
+    probs = ref._softmax(approx_logits(q_products, qg, k_index, i1, scale, spread))
+    return ref._top_cells(probs.sum(axis=0), np.arange(keys.shape[0], dtype=np.int64), k2)
+
+
+def agreements(q: np.ndarray, k: np.ndarray, first: int, k2: int) -> np.ndarray:
+    """Per row of one KV head (q [rows, G, d] from row `first`, k [n, d]) and variant, the agreement with the exact
+    top-k2 over the row's visible cells: [rows, variants]."""
+    d = k.shape[1]
+    k1, scale = d // 2, 1.0 / math.sqrt(d)
+    out = []
+    for r in range(q.shape[0]):
+        keys = k[: first + r + 1].astype(np.float64)
+        qg = q[r].astype(np.float64)
+        exact = set(ref.exact_top_cells(qg, keys, k2, scale=scale).tolist())
+        out.append([len(exact & set(variant_top(v, qg, keys, k1, k2, scale).tolist())) / k2 for v in VARIANTS])
+    return np.asarray(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=16, help="decode rows at the end of each example")
+    ap.add_argument("--n", type=int, default=2, help="examples")
+    ap.add_argument("--seed", type=int, default=61)
+    ap.add_argument("--k2", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "int8_tiles.json")
+    ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
+    args = ap.parse_args()
+
+    engine = Engine(EngineConfig(str(fetch(args.model)), n_ctx=args.length + 64, n_threads=args.threads))
+    depths = tuple(round(0.2 + 0.6 * i / max(1, args.n - 1), 3) for i in range(args.n))
+    examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
+                                        n_distractors=2, seed=args.seed)
+    per_layer: dict[int, list[np.ndarray]] = {}
+    t0 = time.time()
+    for ex in tqdm(examples, desc="examples"):
+        tokens = ex.context + ex.tail
+        first = len(tokens) - args.rows
+        cap = QKCapture(engine, n_ctx=len(tokens), keep_q_from=first)
+        try:
+            cap.prefill(tokens)
+            layers = sorted(cap.sparq_layers) or sorted(cap.k)
+            G = cap.n_head // cap.n_head_kv
+            for il in tqdm(layers, desc="layers", leave=False):
+                q = np.concatenate(cap.q[il])  # [rows, n_head, d]
+                k = np.concatenate(cap.k[il])  # [n, n_head_kv, d]
+                for h in range(cap.n_head_kv):
+                    per_layer.setdefault(il, []).append(agreements(q[:, h * G:(h + 1) * G], k[:, h], first, args.k2))
+        finally:
+            cap.close()
+    every = np.concatenate([a for parts in per_layer.values() for a in parts])
+    summary = {v: float(every[:, i].mean()) for i, v in enumerate(VARIANTS)}
+    layers_out = {il: {v: float(np.concatenate(parts)[:, i].mean()) for i, v in enumerate(VARIANTS)}
+                  for il, parts in per_layer.items()}
+    print(f"{args.model}, {len(examples)} examples of {args.length} tokens, {args.rows} rows each, k2 {args.k2}: "
+          f"{len(every)} rows x KV heads over {len(per_layer)} layers ({time.time() - t0:.0f} s)")
+    print("  ".join(f"{v} {a:.3f}" for v, a in summary.items()))
+    (append_run if args.append else write_record)(args.out, dict(
+        provenance("int8_tiles"),
+        params=dict(model=args.model, length=args.length, rows=args.rows, n=args.n, seed=args.seed, k2=args.k2,
+                    k1="head_dim / 2", group=GROUP, select="qsigma", variants=VARIANTS),
+        n_rows=int(len(every)), agreement=summary, per_layer=layers_out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
