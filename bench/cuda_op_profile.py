@@ -3,7 +3,9 @@
 
 One process of `bench/cuda_op.py --one S 1` (the op bench's decode step, B = 1) per attention shape and length, under
 ncu with the sections that say what bounds a kernel: its time, DRAM and SM throughput, grid, registers, achieved
-warps per SM and issued instructions per scheduler and cycle. ncu runs each kernel alone at its locked base clock, so
+warps per SM, issued instructions per scheduler and cycle, the instructions each warp executes and the cycles a warp
+waits per issued instruction (a kernel whose warps issue one instruction per ~4 cycles and leave DRAM idle takes the
+time of its instructions per warp: fewer instructions, not more blocks, shorten it). ncu runs each kernel alone at its locked base clock, so
 times are longer than the op bench's, and each is what the kernel adds to a serial chain. The last launch of each
 kernel name is kept (the first op call warms up).
 
@@ -25,14 +27,17 @@ from cuda_kernels import short_name
 from head_shapes import HEAD_SHAPES
 from record import RESULTS, provenance, write_record
 
-SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats",
+            "InstructionStats")
 KERNELS = "regex:sparq_|flash_attn"
 SPARQ = re.compile(r"^sparq_")
 # (printed metric name, unit: a time, a rate, or as printed; None for any) -> record key
 METRICS = {("Duration", "time"): "us", ("Memory Throughput", "rate"): "mem_gbps", ("DRAM Throughput", "%"): "dram_pct",
            ("Compute (SM) Throughput", "%"): "sm_pct", ("SM Frequency", "Ghz"): "sm_ghz", ("Grid Size", None): "grid",
            ("Registers Per Thread", None): "registers", ("Achieved Active Warps Per SM", None): "warps_per_sm",
-           ("Issued Warp Per Scheduler", None): "issue_per_cycle", ("Achieved Occupancy", "%"): "occupancy_pct"}
+           ("Issued Warp Per Scheduler", None): "issue_per_cycle", ("Achieved Occupancy", "%"): "occupancy_pct",
+           ("Block Size", None): "block", ("Executed Instructions", "inst"): "instructions",
+           ("Warp Cycles Per Issued Instruction", "cycle"): "cycles_per_issue"}
 _TIME = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}        # to microseconds
 _RATE = {"Mbyte/s": 1e-3, "Gbyte/s": 1.0, "Tbyte/s": 1e3}  # to GB/s
 _HEADER = re.compile(r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Context ")
@@ -72,6 +77,9 @@ def summarise(launches: list[dict[str, Any]]) -> dict[str, Any]:
     missing = [k["name"] for k in kernels if "us" not in k]
     if missing:
         raise ValueError(f"no Duration for {', '.join(missing)}")
+    for k in kernels:  # the instructions one warp executes: all of them over the launch's warps
+        if all(key in k for key in ("instructions", "grid", "block")):
+            k["instructions_per_warp"] = k["instructions"] / (k["grid"] * -(-k["block"] // 32))
     sparq = [k for k in kernels if SPARQ.search(k["name"])]
     return {"kernels": kernels, "sparq_us": sum(k["us"] for k in sparq),
             "flash_us": sum(k["us"] for k in kernels if not SPARQ.search(k["name"]))}
@@ -116,7 +124,9 @@ def print_table(rec: dict[str, Any]) -> None:
         print(f"{row['heads']} at {row['S']}: SparQ {row['sparq_us']:.1f} us, flash attention {row['flash_us']:.1f} us")
         for k in row["kernels"]:
             print(f"  {k['us']:6.2f} us  grid {k.get('grid', 0):5.0f}  warps/SM {k.get('warps_per_sm', 0):5.2f}  "
-                  f"issue {k.get('issue_per_cycle', 0):.2f}  DRAM {k.get('dram_pct', 0):5.1f}%  {k['name']}")
+                  f"issue {k.get('issue_per_cycle', 0):.2f}  DRAM {k.get('dram_pct', 0):5.1f}%  "
+                  f"inst/warp {k.get('instructions_per_warp', 0):7.0f}  cycles/issue {k.get('cycles_per_issue', 0):5.2f}  "
+                  f"{k['name']}")
 
 
 def main() -> int:

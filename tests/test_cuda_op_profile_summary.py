@@ -36,6 +36,7 @@ def kernel(name: str, grid: str, duration: str, unit: str, dram: float, gbps: st
         f"    Memory Throughput                      {rate_unit}       {gbps}",
         "    L2 Hit Rate                                      %        44.85", RULE, "",
         "    Section: Launch Statistics", RULE,
+        "    Block Size                                                   256",
         "    Grid Size                                                    128",
         "    Registers Per Thread             register/thread             123", RULE, "",
         "    Section: Occupancy", RULE,
@@ -43,6 +44,13 @@ def kernel(name: str, grid: str, duration: str, unit: str, dram: float, gbps: st
         f"    Achieved Active Warps Per SM           warp         {warps:.2f}", RULE, "",
         "    Section: Scheduler Statistics", RULE,
         f"    Issued Warp Per Scheduler                        {issue:.2f}", RULE, "",
+        "    Section: Warp State Statistics", RULE,
+        "    Warp Cycles Per Issued Instruction             cycle        17.49",
+        "    Warp Cycles Per Executed Instruction           cycle        17.50", RULE, "",
+        "    Section: Instruction Statistics", RULE,
+        "    Avg. Executed Instructions Per Scheduler        inst     9,581.09",
+        "    Executed Instructions                           inst    5,058,688",
+        "    Issued Instructions                             inst    5,058,731", RULE, "",
     ]
 
 
@@ -92,6 +100,9 @@ def test_last_launch_per_kernel_with_units_and_sums(tmp_path):
     assert a["grid"] == 128 and a["registers"] == 123 and a["sm_ghz"] == pytest.approx(1.44)
     assert a["warps_per_sm"] == pytest.approx(7.72) and a["issue_per_cycle"] == pytest.approx(0.44)
     assert a["occupancy_pct"] == pytest.approx(12.07)
+    # 5,058,688 instructions over 128 blocks of 8 warps; the per-issue wait, not the per-execution one
+    assert a["instructions"] == 5058688 and a["instructions_per_warp"] == pytest.approx(5058688 / 1024)
+    assert a["cycles_per_issue"] == pytest.approx(17.49)
     assert row["sparq_us"] == pytest.approx(9.92 + 18.56) and row["flash_us"] == pytest.approx(37.25)
     assert len(rec["raw"]["llama2-7b_8192"]) == 6  # every launch, the warm-up call's too
 
