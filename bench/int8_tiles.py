@@ -22,7 +22,8 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
     tiles-q8 x1.25, x1.5  tiles-q8 with 1.25 / 1.5 times the components (and bytes): what the groups need to match
               the default.
 
-Same bytes per cell for all (k1 = d/2 int8 values and one f16 scale per 32 cells per row or tile). Per row (the last
+The first five read the default's k1 = d/2 int8 values per cell (with one f16 scale per 32 cells per component row, or
+per tile: a quarter of the scales). Per row (the last
 `rows` positions of a retrieval example, every earlier cell visible), layer and KV head: the agreement, |exact top-k2
 & approximate top-k2| / k2, where exact ranks by sum_g softmax(sigma q_g . K) and approximate by SparQ's p_hat
 (the float64 reference's temperature: sigma / sqrt(rho), rho from the chosen components; no window or sinks, as
