@@ -146,6 +146,8 @@ check() {  # name tree build commit env... -- cmd...: runs one check with a buil
     return $rc
 }
 
+# The CUDA test runs capture Python's output only (--capture=sys): an abort in the library (GGML_ABORT, a failed
+# CUDA_CHECK) ends the process before pytest could print what it captured, and with fd capture its message was lost.
 stage_test() {
     local rc=0 name tree build commit path paths
     python3 -c "import sparq_llama, json; print(json.dumps(sparq_llama.devices()))"
@@ -154,12 +156,12 @@ stage_test() {
         for path in $paths; do
             [[ " $TEST_PARTS " == *" sparq "* ]] || break
             check "test_sparq_${path}_$name" "$tree" "$build" "$commit" SPARQ_CUDA_SELECT=$path -- \
-                python3 -m pytest -q -p no:cacheprovider tests/test_op_sparq_attn_cuda.py ${SPARQ_TESTS_K:+-k "$SPARQ_TESTS_K"} || rc=1
+                python3 -m pytest -q --capture=sys -p no:cacheprovider tests/test_op_sparq_attn_cuda.py ${SPARQ_TESTS_K:+-k "$SPARQ_TESTS_K"} || rc=1
         done
         [[ " $TEST_PARTS " == *" centroid "* ]] && { check "test_centroid_$name" "$tree" "$build" "$commit" -- \
-            python3 -m pytest -q -p no:cacheprovider tests/test_op_centroid_attn_cuda.py || rc=1; }
+            python3 -m pytest -q --capture=sys -p no:cacheprovider tests/test_op_centroid_attn_cuda.py || rc=1; }
         [[ " $TEST_PARTS " == *" model "* ]] && { check "test_model_gpu_$name" "$tree" "$build" "$commit" -- \
-            python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/test_squeeze_cuda.py tests/test_lib_isolation.py \
+            python3 -X faulthandler -m pytest -q --capture=sys -p no:cacheprovider tests/test_squeeze_cuda.py tests/test_lib_isolation.py \
             tests/test_sparq_kv_index_cuda.py || rc=1; }
     done < <(builds)
     return $rc
