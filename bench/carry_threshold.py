@@ -31,13 +31,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from captured_rows import captured_rows
 from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import reference as ref
-from sparq_llama.eval import tasks
-from sparq_llama.eval.agreement import QKCapture
-from sparq_llama.eval.engine import Engine, EngineConfig
-from sparq_llama.models import fetch
-from tqdm import tqdm
 
 MARGINS = (0.0, 0.1, 0.25, 0.5, 0.75)
 CAPS = (2, 4, 8)  # the candidate cap, in units of k2
@@ -123,35 +119,17 @@ def main() -> int:
     window = args.k2 // 4  # the op's default window
     need = args.k2 - window
 
-    engine = Engine(EngineConfig(str(fetch(args.model)), n_ctx=args.length + 64, n_threads=args.threads))
-    depths = tuple(round(0.2 + 0.6 * i / max(1, args.n - 1), 3) for i in range(args.n))
-    examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
-                                        n_distractors=2, seed=args.seed)
     per_layer: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
     t0 = time.time()
-    for ex in tqdm(examples, desc="examples"):
-        tokens = ex.context + ex.tail
-        first = len(tokens) - args.rows
-        cap = QKCapture(engine, n_ctx=len(tokens), keep_q_from=first)
-        try:
-            cap.prefill(tokens)
-            layers = sorted(cap.sparq_layers) or sorted(cap.k)
-            G = cap.n_head // cap.n_head_kv
-            for il in tqdm(layers, desc="layers", leave=False):
-                q = np.concatenate(cap.q[il])  # [rows, n_head, d]
-                k = np.concatenate(cap.k[il])  # [n, n_head_kv, d]
-                for h in range(cap.n_head_kv):
-                    per_layer.setdefault(il, []).append(
-                        carried_counts(q[:, h * G:(h + 1) * G], k[:, h], first, args.k2, window, MARGINS))
-        finally:
-            cap.close()
+    for il, q, k, first in captured_rows(args.model, args.length, args.rows, args.n, args.seed, args.threads):
+        per_layer.setdefault(il, []).append(carried_counts(q, k, first, args.k2, window, MARGINS))
     def joined(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         return [np.concatenate([pt[i] for pt in parts]) for i in range(3)]
 
     everything = joined([pt for parts in per_layer.values() for pt in parts])
     summary = shares(*everything, need, args.k2)
     layers_out = {il: shares(*joined(parts), need, args.k2) for il, parts in per_layer.items()}
-    print(f"{args.model}, {len(examples)} examples of {args.length} tokens, {args.rows} rows each, k2 {args.k2}, "
+    print(f"{args.model}, {args.n} examples of {args.length} tokens, {args.rows} rows each, k2 {args.k2}, "
           f"window {window}: {len(everything[0])} steps over {len(per_layer)} layers ({time.time() - t0:.0f} s)")
     print(f"{'margin':>8} {'usable':>7} {'too few':>8} {'<=2k2':>6} {'<=4k2':>6} {'<=8k2':>6} {'median/need':>12} | "
           f"while scoring: {'exact':>6} {'<=4k2':>6} {'median/need':>12}")

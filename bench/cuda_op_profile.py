@@ -5,8 +5,8 @@ One process of `bench/cuda_op.py --one S 1` (the op bench's decode step, B = 1) 
 ncu with the sections that say what bounds a kernel: its time, DRAM and SM throughput, grid, registers, achieved
 warps per SM, issued instructions per scheduler and cycle, the instructions each warp executes and the cycles a warp
 waits per issued instruction (a kernel whose warps issue one instruction per ~4 cycles and leave DRAM idle takes the
-time of its instructions per warp: fewer instructions, not more blocks, shorten it). ncu runs each kernel alone at its locked base clock, so
-times are longer than the op bench's, and each is what the kernel adds to a serial chain. The last launch of each
+time of its instructions per warp: fewer instructions, not more blocks, shorten it). ncu runs each kernel alone at its
+locked base clock, so times are longer than the op bench's, and each is what the kernel adds to a serial chain. The last launch of each
 kernel name is kept (the first op call warms up).
 
     python bench/cuda_op_profile.py                 # needs ncu and a CUDA build (SPARQ_LLAMA_LIB_DIR)

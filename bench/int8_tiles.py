@@ -39,20 +39,36 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from captured_rows import captured_rows
 from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import reference as ref
-from sparq_llama.eval import tasks
-from sparq_llama.eval.agreement import QKCapture
-from sparq_llama.eval.engine import Engine, EngineConfig
 from sparq_llama.index import Q8_BLOCK
-from sparq_llama.models import fetch
-from tqdm import tqdm
 
 GROUP = 4  # int8 values a dp4a multiplies and adds
-VARIANTS = ("default", "groups", "tiles", "tiles-q8", "sigma-tiles-q8", "tiles-q8 x1.25", "tiles-q8 x1.5")
+
+
+@dataclass(frozen=True)
+class Variant:
+    groups: bool = False        # I1 in groups of GROUP components
+    tiles: bool = False         # the index in tiles of GROUP components x 32 cells (else q8_0 K^T)
+    int8_query: bool = False    # the query coefficients on I1 rounded to int8
+    spread_order: bool = False  # groups of components of similar spread (else adjacent)
+    k1_times: float = 1.0       # components (and bytes) against the default's
+
+
+VARIANTS = {
+    "default": Variant(),
+    "groups": Variant(groups=True),
+    "tiles": Variant(groups=True, tiles=True),
+    "tiles-q8": Variant(groups=True, tiles=True, int8_query=True),
+    "sigma-tiles-q8": Variant(groups=True, tiles=True, int8_query=True, spread_order=True),
+    "tiles-q8 x1.25": Variant(groups=True, tiles=True, int8_query=True, k1_times=1.25),
+    "tiles-q8 x1.5": Variant(groups=True, tiles=True, int8_query=True, k1_times=1.5),
+}
 CALIBRATION = 512  # sigma-tiles: the cells whose spread orders the components (fixed before the index is written)
 
 
@@ -95,30 +111,19 @@ def int8_query(qg: np.ndarray, i1: np.ndarray) -> np.ndarray:
     return out
 
 
-def approx_logits(q_products: np.ndarray, qg: np.ndarray, k_index: np.ndarray, i1: np.ndarray, scale: float,
-                  spread: np.ndarray) -> np.ndarray:
-    """The reference's approximate logits (select qsigma) with the products of q_products [G, d] on I1 and the
-    temperature of the query qg as it is (the op computes rho from the float query in kernel Q)."""
-    weight = (qg * spread) ** 2
-    full, part = weight.sum(axis=1), weight[:, i1].sum(axis=1)
-    rho = np.divide(part, full, out=np.ones_like(full), where=full > 0)
-    rho = np.where(rho > 0, rho, 1.0)
-    return scale * (q_products[:, i1] @ k_index[:, i1].T) / np.sqrt(rho)[:, None]
-
-
 def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int, scale: float) -> np.ndarray:
     """The approximate top-k2 cells (rank order) of one group qg [G, d] over its visible keys [n, d]."""
-    if " x" in variant:
-        variant, times = variant.split(" x")
-        k1 = min(keys.shape[1], int(round(k1 * float(times) / GROUP)) * GROUP)
+    v = VARIANTS[variant]
+    k1 = min(keys.shape[1], int(round(k1 * v.k1_times / GROUP)) * GROUP)
     spread = keys.std(axis=0)
     weight = np.abs(qg).sum(axis=0) * spread  # select qsigma
-    order = np.argsort(-keys[:CALIBRATION].std(axis=0), kind="stable") if variant.startswith("sigma") else None
-    i1 = ref._top_components(weight, k1) if variant == "default" else group_components(weight, k1, order)
-    k_index = ref._index_keys(keys, "q8") if variant in ("default", "groups") else tile_index(keys, order)
-    q_products = int8_query(qg, i1) if variant.endswith("-q8") else qg
-    probs = ref._softmax(approx_logits(q_products, qg, k_index, i1, scale, spread))
-    return ref._top_cells(probs.sum(axis=0), np.arange(keys.shape[0], dtype=np.int64), k2)
+    order = np.argsort(-keys[:CALIBRATION].std(axis=0), kind="stable") if v.spread_order else None
+    i1 = group_components(weight, k1, order) if v.groups else ref._top_components(weight, k1)
+    k_index = tile_index(keys, order) if v.tiles else ref._index_keys(keys, "q8")
+    # the products from the int8 query where it is one; the temperature (rho) from the query as it is, as kernel Q
+    q_products = int8_query(qg, i1) if v.int8_query else qg
+    logits = scale * (q_products[:, i1] @ k_index[:, i1].T) / np.sqrt(ref._rho(qg, i1, spread))[:, None]
+    return ref._top_cells(ref._softmax(logits).sum(axis=0), np.arange(keys.shape[0], dtype=np.int64), k2)
 
 
 def agreements(q: np.ndarray, k: np.ndarray, first: int, k2: int) -> np.ndarray:
@@ -148,38 +153,21 @@ def main() -> int:
     ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
 
-    engine = Engine(EngineConfig(str(fetch(args.model)), n_ctx=args.length + 64, n_threads=args.threads))
-    depths = tuple(round(0.2 + 0.6 * i / max(1, args.n - 1), 3) for i in range(args.n))
-    examples = tasks.retrieval_examples(engine, lengths=(args.length,), depths=depths, n_per_cell=1,
-                                        n_distractors=2, seed=args.seed)
     per_layer: dict[int, list[np.ndarray]] = {}
     t0 = time.time()
-    for ex in tqdm(examples, desc="examples"):
-        tokens = ex.context + ex.tail
-        first = len(tokens) - args.rows
-        cap = QKCapture(engine, n_ctx=len(tokens), keep_q_from=first)
-        try:
-            cap.prefill(tokens)
-            layers = sorted(cap.sparq_layers) or sorted(cap.k)
-            G = cap.n_head // cap.n_head_kv
-            for il in tqdm(layers, desc="layers", leave=False):
-                q = np.concatenate(cap.q[il])  # [rows, n_head, d]
-                k = np.concatenate(cap.k[il])  # [n, n_head_kv, d]
-                for h in range(cap.n_head_kv):
-                    per_layer.setdefault(il, []).append(agreements(q[:, h * G:(h + 1) * G], k[:, h], first, args.k2))
-        finally:
-            cap.close()
+    for il, q, k, first in captured_rows(args.model, args.length, args.rows, args.n, args.seed, args.threads):
+        per_layer.setdefault(il, []).append(agreements(q, k, first, args.k2))
     every = np.concatenate([a for parts in per_layer.values() for a in parts])
     summary = {v: float(every[:, i].mean()) for i, v in enumerate(VARIANTS)}
     layers_out = {il: {v: float(np.concatenate(parts)[:, i].mean()) for i, v in enumerate(VARIANTS)}
                   for il, parts in per_layer.items()}
-    print(f"{args.model}, {len(examples)} examples of {args.length} tokens, {args.rows} rows each, k2 {args.k2}: "
+    print(f"{args.model}, {args.n} examples of {args.length} tokens, {args.rows} rows each, k2 {args.k2}: "
           f"{len(every)} rows x KV heads over {len(per_layer)} layers ({time.time() - t0:.0f} s)")
     print("  ".join(f"{v} {a:.3f}" for v, a in summary.items()))
     (append_run if args.append else write_record)(args.out, dict(
         provenance("int8_tiles"),
         params=dict(model=args.model, length=args.length, rows=args.rows, n=args.n, seed=args.seed, k2=args.k2,
-                    k1="head_dim / 2", group=GROUP, select="qsigma", variants=VARIANTS),
+                    k1="head_dim / 2", group=GROUP, select="qsigma", variants=list(VARIANTS)),
         n_rows=int(len(every)), agreement=summary, per_layer=layers_out))
     return 0
 

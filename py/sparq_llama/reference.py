@@ -152,12 +152,16 @@ def _approx_logits(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None =
     rho, the temperature's share, is that of |q_g| on I1 (select q), or with the keys' spread [d] of the score's
     variance, sum_I1 (q_g,i spread_i)^2 / sum_i (q_g,i spread_i)^2 (select qsigma)."""
     s_hat = qg[:, i1] @ kt[:, i1].T
+    return sigma * s_hat / np.sqrt(_rho(qg, i1, spread))[:, None]
+
+
+def _rho(qg: F64, i1: I64, spread: F64 | None = None) -> F64:
+    """Per head the temperature's share rho [G] that _approx_logits divides by the square root of."""
     weight = np.abs(qg) if spread is None else (qg * spread) ** 2
     full = weight.sum(axis=1)
     part = weight[:, i1].sum(axis=1)
     rho = np.divide(part, full, out=np.ones_like(full), where=full > 0)
-    rho = np.where(rho > 0, rho, 1.0)  # s_hat's spread is 0 there: p_hat uniform for any temperature
-    return sigma * s_hat / np.sqrt(rho)[:, None]
+    return np.where(rho > 0, rho, 1.0)  # s_hat's spread is 0 there: p_hat uniform for any temperature
 
 
 def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None = None) -> F64:
