@@ -93,12 +93,12 @@ __device__ __forceinline__ void load_kt8(const char * row, int64_t j0, raw8<T> &
 // ---- kernel A: a q8_0 index read by warps ---------------------------------------------------------------
 // Where K^T is 16-byte aligned with strides of whole 16 bytes (a.vec_kt_q8), a warp's 256 cells of a row are 8 whole
 // blocks, 272 contiguous bytes starting at a multiple of 16: Q8_WARP_PIECES lanes copy them with 16-byte asynchronous
-// copies (cp.async, evict-first in L2 like the other K^T loads) into the warp's area of shared memory, Q8_ROWS rows
-// a stage in a ring of Q8_RING stages (the next rows' copies fly while the current ones are used, and no registers
-// wait for them), and each thread reads its block's scale and 8 values from there. A thread reading its own block takes
-// 5 two-byte loads per row, and with half of f16's bytes in flight per load it left kernel A latency bound: the q8
-// index at k1 = 64 took the time of the f16 index at k1 = 64, twice its bytes (H100, Llama-2 heads: 101 vs 88 us for
-// the op at 32k against the f16 index at k1 = 32, the same bytes; 255 vs 193 at 128k).
+// copies (cp.async) into the warp's area of shared memory, Q8_ROWS rows a stage in a ring of Q8_RING stages (the next
+// rows' copies fly while the current ones are used, and no registers wait for them), and each thread reads its block's
+// scale and 8 values from there. A thread reading its own block takes 5 two-byte loads per row, and with half of f16's
+// bytes in flight per load it left kernel A latency bound: the q8 index at k1 = 64 took the time of the f16 index at
+// k1 = 64, twice its bytes (H100, Llama-2 heads: 101 vs 88 us for the op at 32k against the f16 index at k1 = 32, the
+// same bytes; 255 vs 193 at 128k).
 constexpr int Q8_WARP_BLOCKS = WARP_SIZE*A_CELLS/QK8_0;
 constexpr int Q8_WARP_BYTES  = Q8_WARP_BLOCKS*(int) sizeof(block_q8_0);
 constexpr int Q8_WARP_PIECES = Q8_WARP_BYTES/16;
@@ -111,9 +111,13 @@ static_assert(Q8_WARP_BYTES % 16 == 0 && Q8_WARP_PIECES <= WARP_SIZE, "a warp's 
 // timeline: kernel A 34 us at 32k, 67 us at 128k). The ring takes the same shared memory as two stages of 16 rows.
 constexpr int Q8_ROWS = 8;
 constexpr int Q8_RING = 4;
+// Kernel A's query components of a head in shared memory: k1 rounded up to whole stages of Q8_ROWS rows, the rows past
+// k1 zero (and I1 there row k1 - 1), so that the q8 warp loop needs no test per row: a zero coefficient times the finite
+// values of a real row adds +0 and leaves every sum's bits as they are.
+__host__ __device__ constexpr int a_qs_stride(int k1) { return (k1 + Q8_ROWS - 1) / Q8_ROWS * Q8_ROWS; }
 // Kernel A's dynamic shared memory: the query components (or rows), then the warps' rings where vec_kt_q8
 __host__ __device__ constexpr size_t a_qs_bytes(int ng, int64_t k1, int64_t d) {
-    return ((sizeof(float)*ng*(k1 > d ? k1 : d)) + 15) & ~size_t(15);
+    return ((sizeof(float)*ng*(a_qs_stride((int) k1) > d ? a_qs_stride((int) k1) : d)) + 15) & ~size_t(15);
 }
 __host__ __device__ constexpr size_t a_stage_bytes() { return size_t(A_WARPS)*Q8_RING*Q8_ROWS*Q8_STAGE_ROW; }
 
@@ -126,14 +130,15 @@ constexpr bool Q8_WARP_COPIES = false;
 #endif
 
 // The first src_bytes (0-16) of 16 bytes copied from global to shared memory asynchronously, the rest zero-filled;
-// the copies' group commit and wait (each thread for its own copies; a barrier then shares them)
-__device__ __forceinline__ void copy16_async(void * dst, const void * src, int src_bytes, uint64_t pol) {
+// the copies' group commit and wait (each thread for its own copies; a barrier then shares them). No L2 policy: ptxas
+// 13.0 (sm_90) assembled the evict-first form (.L2::cache_hint) in kernel A's 8-head instance into copies that trap
+// (compute-sanitizer: illegal instruction), with the row addresses of kt_row.
+__device__ __forceinline__ void copy16_async(void * dst, const void * src, int src_bytes) {
 #ifdef CP_ASYNC_AVAILABLE
     const unsigned sdst = (unsigned) __cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
-                 :: "r"(sdst), "l"(src), "r"(src_bytes), "l"(pol) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(sdst), "l"(src), "r"(src_bytes) : "memory");
 #else
-    GGML_UNUSED(dst); GGML_UNUSED(src); GGML_UNUSED(src_bytes); GGML_UNUSED(pol);
+    GGML_UNUSED(dst); GGML_UNUSED(src); GGML_UNUSED(src_bytes);
     NO_DEVICE_CODE;
 #endif
 }
@@ -149,14 +154,20 @@ __device__ __forceinline__ void copies_wait() {
 #endif
 }
 
+// K^T row i from base: one 32 x 32 -> 64-bit multiply-add (the host keeps kt_nb1 below 2^32), where a 64-bit product
+// took ~10 instructions a row in the q8 warp loop
+__device__ __forceinline__ const char * kt_row(const char * base, uint32_t i, const sparq_args & a) {
+    return base + (uint64_t) i * (uint32_t) a.kt_nb1;
+}
+
 // The q8_0 index's products of the warp's cells from first_cell (a multiple of 256) into acc, as kernel A's thread
 // loop makes them (the same products in the same order, so the same bits). Blocks past the row's end are zero-filled:
 // their cells do not exist and are hidden.
 template <int NG>
-__device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int * i1_buf, const float * qs,
+__device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const uint32_t * i1_buf, const float * qs,
                                int64_t first_cell, uint8_t * stage, float (&acc)[NG][A_CELLS]) {
     constexpr int U = Q8_ROWS;
-    const int lane = threadIdx.x % WARP_SIZE, k1 = a.p.k1;
+    const int lane = threadIdx.x % WARP_SIZE, k1 = a.p.k1, qstride = a_qs_stride(k1);
     const int64_t first_block = first_cell / QK8_0, n_blocks = (a.n_kv + QK8_0 - 1) / QK8_0;
     const int n_valid = (int) (n_blocks - first_block < Q8_WARP_BLOCKS ? n_blocks - first_block : Q8_WARP_BLOCKS);
     const int piece = min(max(n_valid*(int) sizeof(block_q8_0) - 16*lane, 0), 16);
@@ -166,11 +177,10 @@ __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int
     // round commits one and the wait below always leaves Q8_RING - 1 groups in flight
     const auto issue = [&](int t) {
         if (t < n_stages && lane < Q8_WARP_PIECES) {
-            const uint64_t pol = l2_evict_first();
 #pragma unroll
             for (int uu = 0; uu < U; ++uu) {
                 copy16_async(stage + ((t % Q8_RING)*U + uu)*Q8_STAGE_ROW + 16*lane,
-                             src + (int64_t) i1_buf[min(t*U + uu, k1 - 1)]*a.kt_nb1, piece, pol);
+                             kt_row(src, i1_buf[t*U + uu], a), piece);
             }
         }
         copies_commit();
@@ -190,10 +200,7 @@ __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int
         __syncwarp();
         const int i = t*U;
 #pragma unroll
-        for (int uu = 0; uu < U; ++uu) {
-            if (i + uu >= k1) {
-                continue;
-            }
+        for (int uu = 0; uu < U; ++uu) {  // rows past k1: zero coefficients (a_qs_stride)
             const uint8_t * row = stage + ((t % Q8_RING)*U + uu)*Q8_STAGE_ROW;
             const float xscale = __half2float(*(const half *) (row + blk));
             const uint32_t * w = (const uint32_t *) (row + (val & ~3));
@@ -207,7 +214,7 @@ __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int
             }
 #pragma unroll
             for (int g = 0; g < NG; ++g) {
-                const float qv = __fmul_rn(qs[g*k1 + i + uu], xscale);
+                const float qv = __fmul_rn(qs[g*qstride + i + uu], xscale);
 #pragma unroll
                 for (int u = 0; u < A_CELLS; ++u) {
                     acc[g][u] += qv * xf[u];
@@ -221,10 +228,10 @@ __device__ void q8_scores_warp(const sparq_args & a, const char * ktb, const int
 // The index's products of a thread's cells [j0, j0 + A_CELLS) into acc, each thread reading its own cells of a_unroll
 // K^T rows at a time: 16-byte streaming loads of a float index, the block's scale and values of a q8_0 index.
 template <typename T, int NG>
-__device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const int * i1_buf, const float * qs, int64_t j0,
-                                 float (&acc)[NG][A_CELLS]) {
+__device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const uint32_t * i1_buf, const float * qs,
+                                 int64_t j0, float (&acc)[NG][A_CELLS]) {
     constexpr bool KT_Q8 = std::is_same_v<T, block_q8_0>;
-    const int k1 = a.p.k1;
+    const int k1 = a.p.k1, qstride = a_qs_stride(k1);
     const int64_t n_kv = a.n_kv;
     const bool vec = KT_Q8 ? j0 < n_kv : a.vec_kt && j0 + A_CELLS <= n_kv;
     constexpr int A_UNROLL = a_unroll<T, NG>();
@@ -235,7 +242,7 @@ __device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const i
             const uint64_t pol = l2_evict_first();  // one instruction: cheaper than a register pair in the loop
 #pragma unroll
             for (int uu = 0; uu < A_UNROLL; ++uu) {
-                load_kt8(ktb + (int64_t) i1_buf[min(i + uu, k1 - 1)]*a.kt_nb1, j0, x[uu], pol);
+                load_kt8(kt_row(ktb, i1_buf[min(i + uu, k1 - 1)], a), j0, x[uu], pol);
             }
         }
 #pragma unroll
@@ -259,7 +266,7 @@ __device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const i
                     xf[u] = 0.0f;  // none of the thread's cells exists
                 }
             } else {
-                const T * row = (const T *) (ktb + (int64_t) i1_buf[i + uu]*a.kt_nb1);
+                const T * row = (const T *) kt_row(ktb, i1_buf[i + uu], a);
 #pragma unroll
                 for (int u = 0; u < A_CELLS; ++u) {
                     xf[u] = j0 + u < n_kv ? to_f32(row[j0 + u]) : 0.0f;
@@ -267,7 +274,7 @@ __device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const i
             }
 #pragma unroll
             for (int g = 0; g < NG; ++g) {
-                const float qv = KT_Q8 ? __fmul_rn(qs[g*k1 + i + uu], xscale) : qs[g*k1 + i + uu];
+                const float qv = KT_Q8 ? __fmul_rn(qs[g*qstride + i + uu], xscale) : qs[g*qstride + i + uu];
 #pragma unroll
                 for (int u = 0; u < A_CELLS; ++u) {
                     acc[g][u] += qv * xf[u];
@@ -606,9 +613,10 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
         __syncthreads();  // qs of the previous pass is no longer read (none before the first: its loads go out with I1's)
     }
     if (POL == SC_KT || POL == SC_GATHER) {
-        for (int idx = threadIdx.x; idx < NG*k1; idx += blockDim.x) {
-            const int gg = idx / k1, i = idx % k1;
-            qs[idx] = g0 + gg >= G ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
+        const int qstride = a_qs_stride(k1);
+        for (int idx = threadIdx.x; idx < NG*qstride; idx += blockDim.x) {
+            const int gg = idx / qstride, i = idx % qstride;
+            qs[idx] = g0 + gg >= G || i >= k1 ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
         }
     } else if (POL == SC_EXACT) {
         for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
@@ -632,17 +640,21 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
 //   pass, 3 barriers each).
 template <typename T, int POL, int NG>
 __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
-    extern __shared__ float qs[];  // [NG][k1] scaled components, or [NG][d] query rows
+    extern __shared__ float qs[];  // [NG][a_qs_stride(k1)] scaled components, or [NG][d] query rows
     __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
     __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
     pdl_wait();
-    __shared__ int   i1_buf[MAX_HEAD_DIM];
+    __shared__ uint32_t i1_buf[MAX_HEAD_DIM];  // I1; with K^T up to a_qs_stride(k1), row k1 - 1 past k1 (see there)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
     const int k1 = a.p.k1;
-    if (POL == SC_KT || POL == SC_GATHER) {
+    if (POL == SC_KT) {
+        for (int i = threadIdx.x; i < a_qs_stride(k1); i += blockDim.x) {
+            i1_buf[i] = s.i1[w*k1 + min(i, k1 - 1)];
+        }
+    } else if (POL == SC_GATHER) {
         for (int i = threadIdx.x; i < k1; i += blockDim.x) {
             i1_buf[i] = s.i1[w*k1 + i];
         }
@@ -730,7 +742,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                         const float x = k_at(krow, i1_buf[i]);
 #pragma unroll
                         for (int g = 0; g < NG; ++g) {
-                            acc[g][u] += qs[g*k1 + i] * x;
+                            acc[g][u] += qs[g*a_qs_stride(k1) + i] * x;
                         }
                     }
                 } else {

@@ -406,6 +406,10 @@ bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
         (kt && kt->ne[0] != GGML_PAD(k->ne[1], ggml_blck_size(kt->type)))) {
         return false;
     }
+    // kernel A takes a K^T row's address as a 32 x 32-bit product (kt_row)
+    if (kt && kt->nb[1] > UINT32_MAX) {
+        return false;
+    }
     const ggml_sparq_op_params p = ggml_sparq_get_op_params(op);
     if (p.select != GGML_SPARQ_SELECT_Q && p.select != GGML_SPARQ_SELECT_QSIGMA) {
         return false;
