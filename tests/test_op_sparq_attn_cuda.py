@@ -39,8 +39,8 @@ from test_op_sparq_attn import (
     run_both,
 )
 from test_op_index_write import INDEX_WRITE_CASES, check_index_write, index_write_case
-from test_op_vsum_rows import (VSUM_CASES, assert_kstat_equal, expected, kstat_case, kstat_rows_reference, vsum_case,
-                              written_back)
+from test_op_vsum_rows import (KSTAT_CASES, VSUM_CASES, assert_kstat_equal, expected, kstat_case, kstat_rows_reference,
+                               vsum_case, written_back)
 
 pytestmark = pytest.mark.skipif("CUDA0" not in [dev["name"] for dev in sparq_llama.devices()],
                                 reason="no CUDA device in this build (the GPU run is bench/device.sh)")
@@ -389,18 +389,19 @@ def test_vsum_rows_equals_reference_and_cpu_bit_for_bit(case):
     np.testing.assert_array_equal(table_after, cpu_table)
 
 
-@pytest.mark.parametrize("case", VSUM_CASES + [(64, 8, 128, 64, 160, "f16"), (33, 8, 128, 33, None, "bf16")],
+@pytest.mark.parametrize("case", KSTAT_CASES + [(64, 8, 128, 64, 80, 1, "f16"), (33, 8, 128, 33, 20, 2, "bf16"),
+                                                 (6, 8, 128, 6, 30, 1, "q4_1")],
                          ids=lambda c: "-".join(map(str, c)))
 def test_kstat_rows_equals_reference_and_cpu(case):
-    n_seq, n_head_kv, d, n_tokens, k_ld, k_dtype = case
+    n_seq, n_head_kv, d, n_tokens, kv_size, n_stream, kv_dtype = case
     rng = np.random.default_rng(n_seq * 1000 + d + 1)
-    table, k, idx = kstat_case(rng, n_seq, n_head_kv, d, n_tokens)
-    got, table_after = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, backend="cuda")
-    assert_kstat_equal(got, kstat_rows_reference(table, k, idx, k_dtype), k_dtype)
+    table, k, cells, idx = kstat_case(rng, n_seq, n_head_kv, d, n_tokens, kv_size, n_stream)
+    got, table_after = ops.kstat_rows(table, k, cells, idx, kv_dtype=kv_dtype, backend="cuda")
+    assert_kstat_equal(got, kstat_rows_reference(table, k, cells, idx, kv_dtype), kv_dtype)
     np.testing.assert_array_equal(table_after, written_back(table, got, idx))
-    cpu, cpu_table = ops.kstat_rows(table, k, idx, k_dtype=k_dtype, k_ld=k_ld, n_threads=2)
-    assert_kstat_equal(got, cpu, k_dtype)
-    assert_kstat_equal(table_after, cpu_table, k_dtype)
+    cpu, cpu_table = ops.kstat_rows(table, k, cells, idx, kv_dtype=kv_dtype, n_threads=2)
+    assert_kstat_equal(got, cpu, kv_dtype)
+    assert_kstat_equal(table_after, cpu_table, kv_dtype)
 
 
 @pytest.mark.parametrize("seed", range(len(INDEX_WRITE_CASES)),

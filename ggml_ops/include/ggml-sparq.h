@@ -120,25 +120,29 @@ GGML_API struct ggml_tensor * ggml_sparq_vsum_rows(
         enum ggml_type        v_type);
 
 // ggml_sparq_kstat_rows: one decode step's running key statistics (the kstat rows ggml_sparq_attn_set_kstat takes),
-// the same op with the squares added:
-//   table  [(2*d+1)*n_head_kv, n_seq] f32: per sequence, per KV head the sum of the keys, the sum of their squares
-//          (component by component) and their count
-//   k      [d, n_head_kv, n_tokens] f32 with contiguous components: the tokens' new keys
-//   k_type f32, f16 or bf16: the type the cache stores K as (each component rounded to it first, r below)
-//   result [(2*d+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [r, r*r, 1], r*r a float32
-//          product (exact for f16 and bf16 keys) added with one float addition; written back as for the V sums
-// It replaces reading the keys back from the cache, squaring them and concatenating (three more nodes a layer).
+// the V sums' op with the squares added, over the keys as the cache holds them:
+//   table  [(2*d+1)*n_head_kv, n_seq] f32 with contiguous rows: per sequence, per KV head the sum of the keys, the sum
+//          of their squares (component by component) and their count
+//   k      [n_embd = d*n_head_kv, kv_size, n_stream] in a KV cache type, contiguous: the cache's keys, this step's
+//          already written (d a whole number of k's blocks; n_head_kv = table->ne[0] - 2*n_embd)
+//   cells  [n_tokens] i32: each token's row of k over all streams (stream * kv_size + cell)
+//   idx    [n_tokens] i32: each token's table row, no two alike
+//   result [(2*d+1)*n_head_kv, n_tokens] f32: column t = table[:, idx[t]] + per head [r, r*r, 1], r the head's
+//          components of k's row cells[t] dequantized (as ggml_get_rows gives them), r*r a float32 product (exact
+//          for f16 and bf16 keys) added with one float addition; written back as for the V sums
+// Reading the keys from the cache rather than from the graph's new keys leaves those one use (the cache write), so
+// ggml-cuda can fuse their RoPE with that write; it also replaces reading them back, squaring and concatenating.
 GGML_API const char * ggml_sparq_kstat_rows_check(
-        const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * idx,
-        enum ggml_type k_type);
+        const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * cells,
+        const struct ggml_tensor * idx);
 
 // Builds the op; aborts with ggml_sparq_kstat_rows_check's message on invalid arguments.
 GGML_API struct ggml_tensor * ggml_sparq_kstat_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * table,
         struct ggml_tensor  * k,
-        struct ggml_tensor  * idx,
-        enum ggml_type        k_type);
+        struct ggml_tensor  * cells,
+        struct ggml_tensor  * idx);
 
 // ggml_sparq_decode_upkeep: a decode step's whole upkeep of SparQ's derived KV state in one node: the V sums (as
 // ggml_sparq_vsum_rows), the key statistics (as ggml_sparq_kstat_rows) and the index blocks the new keys fall in (as
@@ -155,11 +159,10 @@ struct ggml_sparq_upkeep {
     struct ggml_tensor * v;       //   and its v
     enum ggml_type       v_type;  //   and v_type
     struct ggml_tensor * kstat;   // ggml_sparq_kstat_rows's table, or NULL
-    struct ggml_tensor * k_new;   //   and its k
-    enum ggml_type       k_type;  //   and k_type
+    struct ggml_tensor * k_cells; //   and its cells
+    struct ggml_tensor * k;       // the cache's keys: the k of ggml_sparq_kstat_rows and of ggml_sparq_index_write
     struct ggml_tensor * kt;      // ggml_sparq_index_write's kt, or NULL
-    struct ggml_tensor * k;       //   and its k, cells, mask, blk and s0
-    struct ggml_tensor * cells;
+    struct ggml_tensor * cells;   //   and its cells, mask, blk and s0
     struct ggml_tensor * mask;
     struct ggml_tensor * blk;
     int32_t              s0;

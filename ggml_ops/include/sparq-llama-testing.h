@@ -56,10 +56,9 @@ SPARQ_API int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il,
 // derived state), out[2] the compute buffers'. Returns 0, or 1 when ctx or out is NULL.
 SPARQ_API int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out);
 
-// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows), or with squares of ggml_sparq_kstat_rows
-// (ops.kstat_rows): table [n_seq][(W*d_v + 1)*n_head_kv] f32 (W = 2 with squares, else 1), v [n_tokens][n_head_kv][v_ld]
-// f32 (the op sees the first d_v of each v_ld components: a strided view), idx [n_tokens] i32, v_type a ggml_type
-// (f32, f16, bf16); out [n_tokens][(W*d_v + 1)*n_head_kv] f32.
+// One evaluation of ggml_sparq_vsum_rows (sparq_llama.ops.vsum_rows): table [n_seq][(d_v + 1)*n_head_kv] f32,
+// v [n_tokens][n_head_kv][v_ld] f32 (the op sees the first d_v of each v_ld components: a strided view), idx [n_tokens]
+// i32, v_type a ggml_type (f32, f16, bf16); out [n_tokens][(d_v + 1)*n_head_kv] f32.
 struct vsum_rows_eval_args {
     const char * device;   // NULL or "": the CPU
     int          n_threads;
@@ -69,10 +68,26 @@ struct vsum_rows_eval_args {
     const float * v;
     const int32_t * idx;
     float       * out;
-    int          squares;  // 0: ggml_sparq_vsum_rows, 1: ggml_sparq_kstat_rows
     float       * table_out;  // NULL, or [n_seq][width] f32: the table after the op (it writes the rows back)
 };
 SPARQ_API int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * args, char * err, size_t err_size);
+
+// One evaluation of ggml_sparq_kstat_rows (sparq_llama.ops.kstat_rows): table [n_seq][(2*d + 1)*n_head_kv] f32, k
+// [n_stream][kv_size][d*n_head_kv] of k_type (a KV cache type, as ggml's blocks: the cache's keys), cells [n_tokens]
+// i32 (each token's row of k over all streams), idx [n_tokens] i32; out [n_tokens][(2*d + 1)*n_head_kv] f32.
+struct kstat_rows_eval_args {
+    const char * device;   // NULL or "": the CPU
+    int          n_threads;
+    int          k_type;
+    int64_t      d, n_head_kv, n_tokens, n_seq, kv_size, n_stream;
+    const float   * table;
+    const void    * k;
+    const int32_t * cells;
+    const int32_t * idx;
+    float         * out;
+    float         * table_out;  // NULL, or [n_seq][width] f32: the table after the op (it writes the rows back)
+};
+SPARQ_API int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * args, char * err, size_t err_size);
 
 // One evaluation of ggml_sparq_index_write (sparq_llama.ops.index_write): kt [n_stream][n_embd][row_len] of kt_type
 // (f32, f16, bf16 or q8_0 as ggml's blocks: the index before the op), k [n_stream][kv_size][n_embd] of k_type (a KV

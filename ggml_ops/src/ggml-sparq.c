@@ -27,6 +27,7 @@ static const char * op_fail(const char * op, const char * fmt, ...) {
 }
 #define sparq_fail(...)  op_fail("ggml_sparq_attn", __VA_ARGS__)
 #define vsum_fail(...)   op_fail("ggml_sparq_vsum_rows", __VA_ARGS__)
+#define kstat_fail(...)  op_fail("ggml_sparq_kstat_rows", __VA_ARGS__)
 #define upkeep_fail(...) op_fail("ggml_sparq_decode_upkeep", __VA_ARGS__)
 #define index_fail(...)  op_fail("ggml_sparq_index_write", __VA_ARGS__)
 
@@ -215,32 +216,66 @@ void ggml_sparq_attn_set_pos(struct ggml_tensor * op, struct ggml_tensor * pos) 
     op->src[6] = pos;
 }
 
-// The checks of ggml_sparq_vsum_rows (squares 0: [v, 1] per head) and ggml_sparq_kstat_rows (1: [k, k*k, 1]).
-static const char * sum_rows_check(
+// The checks of ggml_sparq_vsum_rows.
+static const char * vsum_check(
         const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
-        enum ggml_type v_type, int squares) {
+        enum ggml_type v_type) {
     if (!table || !v || !idx) {
-        return vsum_fail("table, %s and idx are required", squares ? "k" : "v");
+        return vsum_fail("table, v and idx are required");
     }
     const int64_t d_v = v->ne[0], n_head_kv = v->ne[1], n_tokens = v->ne[2];
     if (v->type != GGML_TYPE_F32 || v->ne[3] != 1 || v->nb[0] != sizeof(float)) {
-        return squares ? vsum_fail("k must be f32 [d, n_head_kv, n_tokens] with contiguous components")
-                       : vsum_fail("v must be f32 [d_v, n_head_kv, n_tokens] with contiguous components");
+        return vsum_fail("v must be f32 [d_v, n_head_kv, n_tokens] with contiguous components");
     }
-    const int64_t width = ((squares ? 2 : 1)*d_v + 1)*n_head_kv;
+    const int64_t width = (d_v + 1)*n_head_kv;
     if (table->type != GGML_TYPE_F32 || table->ne[0] != width || table->ne[1] < 1 ||
         table->ne[2] != 1 || table->ne[3] != 1 || table->nb[0] != sizeof(float)) {
-        return vsum_fail("table must be f32 [%s*n_head_kv=%lld, n_seq >= 1] with "
-                          "contiguous rows, got %s [%lld, %lld, %lld, %lld]", squares ? "(2*d+1)" : "(d_v+1)",
-                          (long long) width, ggml_type_name(table->type), (long long) table->ne[0],
-                          (long long) table->ne[1], (long long) table->ne[2], (long long) table->ne[3]);
+        return vsum_fail("table must be f32 [(d_v+1)*n_head_kv=%lld, n_seq >= 1] with contiguous rows, got %s "
+                         "[%lld, %lld, %lld, %lld]", (long long) width, ggml_type_name(table->type),
+                         (long long) table->ne[0], (long long) table->ne[1], (long long) table->ne[2],
+                         (long long) table->ne[3]);
     }
     if (idx->type != GGML_TYPE_I32 || idx->ne[0] != n_tokens || idx->ne[1] != 1 || idx->ne[2] != 1 ||
         idx->ne[3] != 1 || idx->nb[0] != sizeof(int32_t)) {
         return vsum_fail("idx must be i32 [n_tokens=%lld]", (long long) n_tokens);
     }
     if (v_type != GGML_TYPE_F32 && v_type != GGML_TYPE_F16 && v_type != GGML_TYPE_BF16) {
-        return vsum_fail("%s must be f32, f16 or bf16, got %s", squares ? "k_type" : "v_type", ggml_type_name(v_type));
+        return vsum_fail("v_type must be f32, f16 or bf16, got %s", ggml_type_name(v_type));
+    }
+    return NULL;
+}
+
+// The KV heads of a key-statistics table over k's rows: table->ne[0] = (2*d + 1)*n_head_kv with d*n_head_kv = n_embd.
+static int64_t kstat_heads(const struct ggml_tensor * table, const struct ggml_tensor * k) {
+    return table->ne[0] - 2*k->ne[0];
+}
+
+const char * ggml_sparq_kstat_rows_check(
+        const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * cells,
+        const struct ggml_tensor * idx) {
+    if (!table || !k || !cells || !idx) {
+        return kstat_fail("table, k, cells and idx are required");
+    }
+    if (!sparq_kv_type_ok(k->type) || !ggml_is_contiguous(k) || k->ne[3] != 1) {
+        return kstat_fail("k must be a contiguous [n_embd, kv_size, n_stream] tensor in a KV cache type");
+    }
+    if (table->type != GGML_TYPE_F32 || table->ne[1] < 1 || table->ne[2] != 1 || table->ne[3] != 1 ||
+        table->nb[0] != sizeof(float)) {
+        return kstat_fail("table must be f32 [(2*d+1)*n_head_kv, n_seq >= 1] with contiguous rows");
+    }
+    const int64_t n_embd = k->ne[0], n_head_kv = kstat_heads(table, k);
+    if (n_head_kv < 1 || n_embd % n_head_kv != 0 || (n_embd / n_head_kv) % ggml_blck_size(k->type) != 0) {
+        return kstat_fail("table [%lld, ...] is not a key-statistics table of k's %lld components ((2*d+1)*n_head_kv "
+                          "with d*n_head_kv = n_embd, d whole blocks of %s)", (long long) table->ne[0],
+                          (long long) n_embd, ggml_type_name(k->type));
+    }
+    const int64_t n_tokens = idx->ne[0];
+    if (idx->type != GGML_TYPE_I32 || idx->ne[1] != 1 || idx->ne[2] != 1 || idx->ne[3] != 1 ||
+        idx->nb[0] != sizeof(int32_t)) {
+        return kstat_fail("idx must be i32 [n_tokens]");
+    }
+    if (cells->type != GGML_TYPE_I32 || !ggml_is_contiguous(cells) || ggml_nelements(cells) != n_tokens) {
+        return kstat_fail("cells must be contiguous i32 [n_tokens = %lld]", (long long) n_tokens);
     }
     return NULL;
 }
@@ -250,14 +285,14 @@ const char * ggml_sparq_decode_upkeep_check(const struct ggml_sparq_upkeep * u) 
         return upkeep_fail("idx and at least one table of sums (vsum, kstat) are required");
     }
     const char * err = NULL;
-    if (u->vsum && (err = sum_rows_check(u->vsum, u->v, u->idx, u->v_type, 0))) {
+    if (u->vsum && (err = vsum_check(u->vsum, u->v, u->idx, u->v_type))) {
         return err;
     }
-    if (u->kstat && (err = sum_rows_check(u->kstat, u->k_new, u->idx, u->k_type, 1))) {
+    if (u->kstat && (err = ggml_sparq_kstat_rows_check(u->kstat, u->k, u->k_cells, u->idx))) {
         return err;
     }
-    if (u->vsum && u->kstat && u->v->ne[1] != u->k_new->ne[1]) {
-        return upkeep_fail("v and k_new must have the same KV heads");
+    if (u->vsum && u->kstat && u->v->ne[1] != kstat_heads(u->kstat, u->k)) {
+        return upkeep_fail("v and the key statistics must have the same KV heads");
     }
     if (u->kt && (err = ggml_sparq_index_write_check(u->kt, u->k, u->cells, u->mask, u->blk, u->s0))) {
         return err;
@@ -272,16 +307,16 @@ struct ggml_tensor * ggml_sparq_decode_upkeep(struct ggml_context * ctx, const s
     }
     const int64_t n_v = u->vsum ? u->vsum->ne[0] : 0, n_k = u->kstat ? u->kstat->ne[0] : 0;
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_v + n_k, u->idx->ne[0]);
-    const int32_t op_params[3] = { (int32_t) u->v_type, (int32_t) u->k_type, u->s0 };
+    const int32_t op_params[2] = { (int32_t) u->v_type, u->s0 };
     ggml_set_op_params(result, op_params, sizeof(op_params));
     result->op     = GGML_OP_SPARQ_VSUM_ROWS;  // the op of all three builders
     result->src[0] = u->idx;
     result->src[1] = u->vsum;
     result->src[2] = u->vsum ? u->v : NULL;
     result->src[3] = u->kstat;
-    result->src[4] = u->kstat ? u->k_new : NULL;
+    result->src[4] = u->kstat ? u->k_cells : NULL;
     result->src[5] = u->kt;
-    result->src[6] = u->kt ? u->k : NULL;
+    result->src[6] = u->kstat || u->kt ? u->k : NULL;
     result->src[7] = u->kt ? u->cells : NULL;
     result->src[8] = u->kt ? u->blk : NULL;
     result->src[9] = u->kt ? u->mask : NULL;
@@ -291,7 +326,7 @@ struct ggml_tensor * ggml_sparq_decode_upkeep(struct ggml_context * ctx, const s
 const char * ggml_sparq_vsum_rows_check(
         const struct ggml_tensor * table, const struct ggml_tensor * v, const struct ggml_tensor * idx,
         enum ggml_type v_type) {
-    return sum_rows_check(table, v, idx, v_type, 0);
+    return vsum_check(table, v, idx, v_type);
 }
 
 struct ggml_tensor * ggml_sparq_vsum_rows(
@@ -300,23 +335,17 @@ struct ggml_tensor * ggml_sparq_vsum_rows(
         struct ggml_tensor  * v,
         struct ggml_tensor  * idx,
         enum ggml_type        v_type) {
-    const struct ggml_sparq_upkeep u = { idx, table, v, v_type, NULL, NULL, GGML_TYPE_F32, NULL, NULL, NULL, NULL, NULL, 0 };
+    const struct ggml_sparq_upkeep u = { idx, table, v, v_type, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0 };
     return ggml_sparq_decode_upkeep(ctx, &u);
-}
-
-const char * ggml_sparq_kstat_rows_check(
-        const struct ggml_tensor * table, const struct ggml_tensor * k, const struct ggml_tensor * idx,
-        enum ggml_type k_type) {
-    return sum_rows_check(table, k, idx, k_type, 1);
 }
 
 struct ggml_tensor * ggml_sparq_kstat_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * table,
         struct ggml_tensor  * k,
-        struct ggml_tensor  * idx,
-        enum ggml_type        k_type) {
-    const struct ggml_sparq_upkeep u = { idx, NULL, NULL, GGML_TYPE_F32, table, k, k_type, NULL, NULL, NULL, NULL, NULL, 0 };
+        struct ggml_tensor  * cells,
+        struct ggml_tensor  * idx) {
+    const struct ggml_sparq_upkeep u = { idx, NULL, NULL, GGML_TYPE_F32, table, cells, k, NULL, NULL, NULL, NULL, 0 };
     return ggml_sparq_decode_upkeep(ctx, &u);
 }
 

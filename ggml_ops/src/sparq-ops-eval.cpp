@@ -129,6 +129,24 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
                         { vsum, a->vsum }, { kstat, a->kstat } }, a->out, err, err_size);
 }
 
+// The table rows of a decode step's tokens: each a row of the table, no two alike (the kernels trust idx, as
+// ggml_get_rows: check it here). Returns 0 or fail's 1.
+static int check_table_rows(const int32_t * idx, int64_t n_tokens, int64_t n_seq, char * err, size_t err_size) {
+    for (int64_t t = 0; t < n_tokens; ++t) {
+        if (idx[t] < 0 || idx[t] >= n_seq) {
+            return fail(err, err_size, "idx[%lld] = %d is not a table row (n_seq = %lld)", (long long) t, idx[t],
+                        (long long) n_seq);
+        }
+        for (int64_t u = 0; u < t; ++u) {
+            if (idx[u] == idx[t]) {
+                return fail(err, err_size, "idx[%lld] and idx[%lld] are both row %d: the op writes each row back, so "
+                            "the rows must be distinct", (long long) u, (long long) t, idx[t]);
+            }
+        }
+    }
+    return 0;
+}
+
 int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err, size_t err_size) {
     if (!a || !a->table || !a->v || !a->idx || !a->out) {
         return fail(err, err_size, "table, v, idx and out are required");
@@ -136,16 +154,51 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
     if (a->d_v < 1 || a->n_head_kv < 1 || a->n_tokens < 1 || a->n_seq < 1 || a->v_ld < a->d_v) {
         return fail(err, err_size, "need d_v, n_head_kv, n_tokens, n_seq >= 1 and v_ld >= d_v");
     }
-    for (int64_t t = 0; t < a->n_tokens; ++t) {  // the kernels trust idx (as ggml_get_rows): check it here
-        if (a->idx[t] < 0 || a->idx[t] >= a->n_seq) {
-            return fail(err, err_size, "idx[%lld] = %d is not a table row (n_seq = %lld)", (long long) t, a->idx[t],
-                        (long long) a->n_seq);
-        }
-        for (int64_t u = 0; u < t; ++u) {
-            if (a->idx[u] == a->idx[t]) {
-                return fail(err, err_size, "idx[%lld] and idx[%lld] are both row %d: the op writes each row back, so "
-                            "the rows must be distinct", (long long) u, (long long) t, a->idx[t]);
-            }
+    if (check_table_rows(a->idx, a->n_tokens, a->n_seq, err, err_size)) {
+        return 1;
+    }
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
+    if (!backend) {
+        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    }
+    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
+    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
+    ggml_context * c = ctx.get();
+    ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, (a->d_v + 1)*a->n_head_kv, a->n_seq);
+    ggml_tensor * v_full = ggml_new_tensor_3d(c, GGML_TYPE_F32, a->v_ld, a->n_head_kv, a->n_tokens);
+    ggml_tensor * v      = ggml_view_3d(c, v_full, a->d_v, a->n_head_kv, a->n_tokens, v_full->nb[1], v_full->nb[2], 0);
+    ggml_tensor * idx    = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
+    const ggml_type v_type = (ggml_type) a->v_type;
+    if (const char * msg = ggml_sparq_vsum_rows_check(table, v, idx, v_type)) {
+        return fail(err, err_size, "%s", msg);
+    }
+    ggml_tensor * out = ggml_sparq_vsum_rows(c, table, v, idx, v_type);
+    return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
+                      { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size,
+                      { { table, a->table_out } });
+}
+
+int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * a, char * err, size_t err_size) {
+    if (!a || !a->table || !a->k || !a->cells || !a->idx || !a->out) {
+        return fail(err, err_size, "table, k, cells, idx and out are required");
+    }
+    if (a->d < 1 || a->n_head_kv < 1 || a->n_tokens < 1 || a->n_seq < 1 || a->kv_size < 1 || a->n_stream < 1) {
+        return fail(err, err_size, "need d, n_head_kv, n_tokens, n_seq, kv_size, n_stream >= 1");
+    }
+    if (a->k_type < 0 || a->k_type >= GGML_TYPE_COUNT || ggml_get_type_traits((ggml_type) a->k_type)->blck_size == 0) {
+        return fail(err, err_size, "k_type must be a ggml type, got %d", a->k_type);
+    }
+    const auto k_type = (ggml_type) a->k_type;
+    if ((a->d*a->n_head_kv) % ggml_blck_size(k_type) != 0) {  // ggml cannot hold such tensors
+        return fail(err, err_size, "k's rows must be whole blocks of %s", ggml_type_name(k_type));
+    }
+    if (check_table_rows(a->idx, a->n_tokens, a->n_seq, err, err_size)) {
+        return 1;
+    }
+    for (int64_t t = 0; t < a->n_tokens; ++t) {  // the kernels trust cells (as ggml_get_rows): check here
+        if (a->cells[t] < 0 || a->cells[t] >= a->kv_size*a->n_stream) {
+            return fail(err, err_size, "cells[%lld] = %d is not a row of k", (long long) t, a->cells[t]);
         }
     }
     ggml_backend_dev_t dev = nullptr;
@@ -156,20 +209,16 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
     ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
-    const int64_t width = ((a->squares ? 2 : 1)*a->d_v + 1)*a->n_head_kv;
-    ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, width, a->n_seq);
-    ggml_tensor * v_full = ggml_new_tensor_3d(c, GGML_TYPE_F32, a->v_ld, a->n_head_kv, a->n_tokens);
-    ggml_tensor * v      = ggml_view_3d(c, v_full, a->d_v, a->n_head_kv, a->n_tokens, v_full->nb[1], v_full->nb[2], 0);
-    ggml_tensor * idx    = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
-    const ggml_type v_type = (ggml_type) a->v_type;
-    if (const char * msg = a->squares ? ggml_sparq_kstat_rows_check(table, v, idx, v_type)
-                                      : ggml_sparq_vsum_rows_check(table, v, idx, v_type)) {
+    ggml_tensor * table = ggml_new_tensor_2d(c, GGML_TYPE_F32, (2*a->d + 1)*a->n_head_kv, a->n_seq);
+    ggml_tensor * k     = ggml_new_tensor_3d(c, k_type, a->d*a->n_head_kv, a->kv_size, a->n_stream);
+    ggml_tensor * cells = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
+    ggml_tensor * idx   = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
+    if (const char * msg = ggml_sparq_kstat_rows_check(table, k, cells, idx)) {
         return fail(err, err_size, "%s", msg);
     }
-    ggml_tensor * out = a->squares ? ggml_sparq_kstat_rows(c, table, v, idx, v_type)
-                                   : ggml_sparq_vsum_rows(c, table, v, idx, v_type);
+    ggml_tensor * out = ggml_sparq_kstat_rows(c, table, k, cells, idx);
     return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
-                      { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size,
+                      { { table, a->table }, { k, a->k }, { cells, a->cells }, { idx, a->idx } }, a->out, err, err_size,
                       { { table, a->table_out } });
 }
 

@@ -357,8 +357,15 @@ class VsumRowsEvalArgs(ctypes.Structure):
 
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("v_type", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("d_v", "n_head_kv", "n_tokens", "n_seq", "v_ld")] + \
-        [(n, ctypes.c_void_p) for n in ("table", "v", "idx", "out")] + [("squares", ctypes.c_int)] + \
-        [("table_out", ctypes.c_void_p)]
+        [(n, ctypes.c_void_p) for n in ("table", "v", "idx", "out", "table_out")]
+
+
+class KstatRowsEvalArgs(ctypes.Structure):
+    """struct kstat_rows_eval_args (sparq-llama-testing.h)."""
+
+    _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("k_type", ctypes.c_int)] + \
+        [(n, ctypes.c_int64) for n in ("d", "n_head_kv", "n_tokens", "n_seq", "kv_size", "n_stream")] + \
+        [(n, ctypes.c_void_p) for n in ("table", "k", "cells", "idx", "out", "table_out")]
 
 
 class IndexWriteEvalArgs(ctypes.Structure):
@@ -459,6 +466,12 @@ def sparq_llama_memory_breakdown(ctx: int | None, out: Any, /) -> int:
 @c_function(libllama, _entry(VsumRowsEvalArgs), ctypes.c_int)
 def sparq_llama_eval_vsum_rows(args: Any, err: Any, err_size: int, /) -> int:
     """One ggml_sparq_vsum_rows graph over host arrays."""
+
+
+# SPARQ_API int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * args, char * err, size_t err_size);
+@c_function(libllama, _entry(KstatRowsEvalArgs), ctypes.c_int)
+def sparq_llama_eval_kstat_rows(args: Any, err: Any, err_size: int, /) -> int:
+    """One ggml_sparq_kstat_rows graph over host arrays."""
 
 
 # SPARQ_API int sparq_llama_eval_index_write(const struct index_write_eval_args * args, char * err, size_t err_size);

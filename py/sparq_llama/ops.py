@@ -25,6 +25,7 @@ from ._bindings import (
     IndexWriteEvalArgs,
     KmeansBenchArgs,
     KmeansEvalArgs,
+    KstatRowsEvalArgs,
     SparqBenchArgs,
     SparqEvalArgs,
     SqueezeCalibArgs,
@@ -225,45 +226,66 @@ def vsum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, *, v_dtype: str
     With v_ld the op reads v through a strided view (v_ld >= d_v components per row). Returns the result
     [n_tokens, n_head_kv, d_v + 1] float32, table[idx] + [round(v), 1] (`kv_round` gives round(v)), and the table as
     the op left it (those rows written back, the others as they were)."""
-    return _sum_rows(table, v, idx, v_dtype, v_ld, n_threads, backend, squares=False)
-
-
-def kstat_rows(table: np.ndarray, k: np.ndarray, idx: np.ndarray, *, k_dtype: str = "f16", k_ld: int | None = None,
-               n_threads: int | None = None, backend: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
-    """ggml_sparq_kstat_rows on a backend: a decode step's key statistics. table [n_seq, n_head_kv, 2d + 1] (per
-    sequence and KV head the sum of the keys, the sum of their squares, the count), k [n_tokens, n_head_kv, d],
-    idx [n_tokens] (distinct). Returns the result [n_tokens, n_head_kv, 2d + 1] float32, table[idx] + [r, r*r, 1]
-    with r = round(k), and the table as the op left it."""
-    return _sum_rows(table, k, idx, k_dtype, k_ld, n_threads, backend, squares=True)
-
-
-def _sum_rows(table: np.ndarray, v: np.ndarray, idx: np.ndarray, v_dtype: str, v_ld: int | None, n_threads: int | None,
-              backend: str, squares: bool) -> tuple[np.ndarray, np.ndarray]:
-    tab = np.ascontiguousarray(table, dtype=np.float32)
+    tab, ix = _table_rows(table, idx, 1)
     vv = np.asarray(v, dtype=np.float32)
-    ix = np.ascontiguousarray(idx, dtype=np.int32)
-    width = 2 if squares else 1
-    if tab.ndim != 3 or vv.ndim != 3 or ix.ndim != 1:
-        raise ValueError(f"table must be [n_seq, n_head_kv, {width}*d + 1], the rows [n_tokens, n_head_kv, d], "
-                         "idx [n_tokens]")
     n_seq, n_head_kv, tab_width = tab.shape
-    n_tokens, _, d_v = vv.shape
-    if vv.shape[1] != n_head_kv or tab_width != width * d_v + 1 or ix.shape[0] != n_tokens:
+    if vv.ndim != 3 or vv.shape[1] != n_head_kv or tab_width != vv.shape[2] + 1 or ix.shape[0] != vv.shape[0]:
         raise ValueError(f"shapes do not agree: table {tab.shape}, rows {vv.shape}, idx {ix.shape}")
+    n_tokens, _, d_v = vv.shape
     if v_dtype not in _GGML_TYPES:
-        raise ValueError(f"{'k_dtype' if squares else 'v_dtype'} must be one of {sorted(_GGML_TYPES)}, got {v_dtype!r}")
+        raise ValueError(f"v_dtype must be one of {sorted(_GGML_TYPES)}, got {v_dtype!r}")
     ld = d_v if v_ld is None else int(v_ld)
     padded = np.zeros((n_tokens, n_head_kv, max(ld, d_v)), dtype=np.float32)
     padded[..., :d_v] = vv
     padded[..., d_v:] = np.nan  # never read: a kernel that reads past d_v turns its sums into NaN
-    out = np.zeros((n_tokens, n_head_kv, width * d_v + 1), dtype=np.float32)
+    out = np.zeros((n_tokens, n_head_kv, d_v + 1), dtype=np.float32)
     table_out = np.full_like(tab, np.nan)
     args = VsumRowsEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
                             v_type=_GGML_TYPES[v_dtype], d_v=d_v, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
                             v_ld=ld, table=tab.ctypes.data, v=padded.ctypes.data, idx=ix.ctypes.data,
-                            out=out.ctypes.data, squares=int(squares), table_out=table_out.ctypes.data)
+                            out=out.ctypes.data, table_out=table_out.ctypes.data)
     _call(C.sparq_llama_eval_vsum_rows, args)
     return out, table_out
+
+
+def kstat_rows(table: np.ndarray, k: np.ndarray, cells: np.ndarray, idx: np.ndarray, *, kv_dtype: str = "f16",
+               n_threads: int | None = None, backend: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """ggml_sparq_kstat_rows on a backend: a decode step's key statistics over the keys as the cache holds them.
+    table [n_seq, n_head_kv, 2d + 1] (per sequence and KV head the sum of the keys, the sum of their squares, the
+    count), k [n_stream, kv_size, n_head_kv * d] (the cache's keys, stored as kv_dtype: a float type or a quantized
+    KV type), cells [n_tokens] (each token's row of k over all streams: stream * kv_size + cell), idx [n_tokens]
+    (each token's table row, distinct). Returns the result [n_tokens, n_head_kv, 2d + 1] float32, table[idx] +
+    [r, r*r, 1] with r the row's keys as stored (`kv_round`), and the table as the op left it."""
+    tab, ix = _table_rows(table, idx, 2)
+    kk = np.asarray(k, dtype=np.float32)
+    cc = np.ascontiguousarray(cells, dtype=np.int32)
+    n_seq, n_head_kv, tab_width = tab.shape
+    if kk.ndim != 3 or cc.shape != ix.shape or (tab_width - 1) % 2 or kk.shape[2] != n_head_kv * ((tab_width - 1) // 2):
+        raise ValueError(f"shapes do not agree: table {tab.shape}, k {kk.shape}, cells {cc.shape}, idx {ix.shape}")
+    if kv_dtype not in _GGML_TYPES and kv_dtype not in _QUANT_TYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(_GGML_TYPES) + sorted(_QUANT_TYPES)}, got {kv_dtype!r}")
+    n_stream, kv_size, _ = kk.shape
+    d, n_tokens = (tab_width - 1) // 2, ix.shape[0]
+    k_dev = _to_kv(kk, kv_dtype)
+    out = np.zeros((n_tokens, n_head_kv, 2 * d + 1), dtype=np.float32)
+    table_out = np.full_like(tab, np.nan)
+    args = KstatRowsEvalArgs(device=_device_name(backend), n_threads=int(n_threads or os.cpu_count() or 1),
+                             k_type=_kv_type(kv_dtype), d=d, n_head_kv=n_head_kv, n_tokens=n_tokens, n_seq=n_seq,
+                             kv_size=kv_size, n_stream=n_stream, table=tab.ctypes.data, k=k_dev.ctypes.data,
+                             cells=cc.ctypes.data, idx=ix.ctypes.data, out=out.ctypes.data,
+                             table_out=table_out.ctypes.data)
+    _call(C.sparq_llama_eval_kstat_rows, args)
+    return out, table_out
+
+
+def _table_rows(table: np.ndarray, idx: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sum table [n_seq, n_head_kv, width*d + 1] and its rows idx [n_tokens] as the evaluations take them."""
+    tab = np.ascontiguousarray(table, dtype=np.float32)
+    ix = np.ascontiguousarray(idx, dtype=np.int32)
+    if tab.ndim != 3 or ix.ndim != 1:
+        raise ValueError(f"table must be [n_seq, n_head_kv, {width}*d + 1] and idx [n_tokens], got {tab.shape} and "
+                         f"{ix.shape}")
+    return tab, ix
 
 
 def index_bytes(kt: np.ndarray, kt_dtype: str) -> np.ndarray:

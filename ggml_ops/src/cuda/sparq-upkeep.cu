@@ -10,9 +10,11 @@
 //     along the components); a q8_0 block is stored by its warp, a row at a time. A decode step writes one index
 //     block a layer, so the components are what spreads it over the GPU;
 //   - sums: per (token, KV head) one block; thread i adds component i of the token's rounded value to its sequence's
-//     V-sum row and of its rounded key (and square) to its key-statistics row, writes both to the result and back
-//     to the tables; one thread adds the counts. The rounding is CUDA's round-to-nearest-even conversion, as
-//     ggml-cuda's own cast to the cache type.
+//     V-sum row and of its key as the cache holds it (and its square) to its key-statistics row, writes both to the
+//     result and back to the tables; one thread adds the counts. The rounding is CUDA's round-to-nearest-even
+//     conversion, as ggml-cuda's own cast to the cache type; the keys are read back from the cache, dequantized as
+//     for the index blocks, so the graph's new keys keep one use (their cache write, which ggml-cuda then fuses with
+//     their RoPE).
 // A decode step's upkeep is then one launch where it took five (the index write, two sums and their two write backs):
 // each small kernel costs a few microseconds on the step's serial chain whatever its work. The five took ~22 us a layer
 // (Llama-2-7B shape, H100); the one launch gave back ~7 of them (docs/performance.md, "(b) End to end on CUDA").
@@ -42,10 +44,13 @@ struct index_args {  // the index part; n_blocks 0 without one
 };
 
 struct sums_args {  // one table of sums; tab NULL without it
-    float * tab; const char * x;
+    float * tab;
+    const char * x;             // the V sums' values [d, n_head_kv, n_tokens]; the key statistics' cache keys
+    const int32_t * cells;      // the key statistics: each token's row of x (stream * kv_size + cell)
     int64_t d, n_seq, out_off;  // out_off: the part's first element in a result column
+    int64_t n_rows;             // the key statistics: x's rows over all streams
     size_t t_nb1, x_nb1, x_nb2;
-    ggml_type type;             // the cache type the values are rounded to
+    ggml_type type;             // the V sums: the cache type the values are rounded to
 };
 
 struct upkeep_args {
@@ -156,37 +161,47 @@ __device__ __forceinline__ float round_to_cache(float x, ggml_type type) {
     }
 }
 
-// One table's part of token t's KV head h: its table row, the token's values and its part of the result column; tab
-// NULL without the table or where the row is outside it (a caller's bug: the CPU asserts; left unwritten). W: 2 for
-// the key statistics' [r, r*r, 1] per head, 1 for the V sums' [r, 1].
+// One table's part of token t's KV head h: its table row, the token's values (the V sums: a float row; the key
+// statistics: the cache's K row and the head's first component) and its part of the result column; tab NULL without
+// the table or where a row is outside it (a caller's bug: the CPU asserts; left unwritten). W: 2 for the key
+// statistics' [r, r*r, 1] per head, 1 for the V sums' [r, 1].
 struct token_part {
-    float * tab; const float * x; float * out;
-    int64_t d; ggml_type type;
+    float * tab; const char * x; float * out;
+    int64_t d, e0; ggml_type type;
 };
-template <int W>
-__device__ __forceinline__ token_part part_of(const sums_args & s, float * out_col, int32_t row, int64_t t, int64_t h) {
+__device__ __forceinline__ token_part values_part(const sums_args & s, float * out_col, int32_t row, int64_t t,
+                                                  int64_t h) {
     if (s.tab == nullptr || row < 0 || row >= s.n_seq) {
-        return { nullptr, nullptr, nullptr, 0, s.type };
+        return { nullptr, nullptr, nullptr, 0, 0, s.type };
     }
-    return { (float *) ((char *) s.tab + row*s.t_nb1) + h*(W*s.d + 1), (const float *) (s.x + h*s.x_nb1 + t*s.x_nb2),
-             out_col + s.out_off + h*(W*s.d + 1), s.d, s.type };
+    return { (float *) ((char *) s.tab + row*s.t_nb1) + h*(s.d + 1), s.x + h*s.x_nb1 + t*s.x_nb2,
+             out_col + s.out_off + h*(s.d + 1), s.d, 0, s.type };
+}
+__device__ __forceinline__ token_part keys_part(const sums_args & s, float * out_col, int32_t row, int64_t t,
+                                                int64_t h) {
+    if (s.tab == nullptr || row < 0 || row >= s.n_seq || s.cells[t] < 0 || s.cells[t] >= s.n_rows) {
+        return { nullptr, nullptr, nullptr, 0, 0, s.type };
+    }
+    return { (float *) ((char *) s.tab + row*s.t_nb1) + h*(2*s.d + 1), s.x + (int64_t) s.cells[t]*s.x_nb1,
+             out_col + s.out_off + h*(2*s.d + 1), s.d, h*s.d, s.type };
 }
 
 // Token t's KV head h in both tables (V sums v, key statistics k), every load before any store: the compiler cannot
 // tell the tables and the result apart, so a store between two loads would make the second wait for it (a round trip
 // each, where the whole part is two: the table row's index, then the sums).
+template <ggml_type K_TYPE>
 __device__ __forceinline__ void add_token(const token_part & v, const token_part & k) {
     const int64_t n = v.d > k.d ? v.d : k.d;  // d is 0 without the table
     for (int64_t i = threadIdx.x; i < n; i += UK_THREADS) {
         const bool in_v = i < v.d, in_k = i < k.d;
-        const float v_sum = in_v ? v.tab[i] : 0.0f, v_new = in_v ? v.x[i] : 0.0f;
-        const float k_sum = in_k ? k.tab[i] : 0.0f, k_sq = in_k ? k.tab[k.d + i] : 0.0f, k_new = in_k ? k.x[i] : 0.0f;
+        const float v_sum = in_v ? v.tab[i] : 0.0f, v_new = in_v ? ((const float *) v.x)[i] : 0.0f;
+        const float k_sum = in_k ? k.tab[i] : 0.0f, k_sq = in_k ? k.tab[k.d + i] : 0.0f;
+        const float r = in_k ? key_value<K_TYPE>(k.x, k.e0 + i) : 0.0f;
         if (in_v) {
             const float sum = v_sum + round_to_cache(v_new, v.type);
             v.out[i] = v.tab[i] = sum;
         }
         if (in_k) {
-            const float r = round_to_cache(k_new, k.type);
             const float sum = k_sum + r;
             const float sq  = __fadd_rn(k_sq, __fmul_rn(r, r));  // no contraction: the CPU's two roundings
             k.out[i] = k.tab[i] = sum;
@@ -216,7 +231,7 @@ __global__ void __launch_bounds__(UK_THREADS) upkeep_kernel(const upkeep_args a)
     const int64_t t = (bid - a.ix.n_blocks) / a.n_head_kv, h = (bid - a.ix.n_blocks) % a.n_head_kv;
     const int32_t row = *(const int32_t *) (a.idx + t*a.i_nb0);
     float * out_col = (float *) (a.dst + t*a.o_nb1);
-    add_token(part_of<1>(a.vs, out_col, row, t, h), part_of<2>(a.ks, out_col, row, t, h));
+    add_token<K_TYPE>(values_part(a.vs, out_col, row, t, h), keys_part(a.ks, out_col, row, t, h));
 }
 
 template <ggml_type K_TYPE>
@@ -262,13 +277,27 @@ index_args index_part(const ggml_tensor * kt, const ggml_tensor * k, const ggml_
     return a;
 }
 
-sums_args sums_part(const ggml_tensor * tab, const ggml_tensor * x, ggml_type type, int64_t out_off) {
+sums_args values_args(const ggml_tensor * tab, const ggml_tensor * v, ggml_type type) {
     sums_args s = {};
     if (tab) {
-        s.tab = (float *) tab->data; s.x = (const char *) x->data;
-        s.d = x->ne[0]; s.n_seq = tab->ne[1]; s.out_off = out_off;
-        s.t_nb1 = tab->nb[1]; s.x_nb1 = x->nb[1]; s.x_nb2 = x->nb[2];
+        s.tab = (float *) tab->data; s.x = (const char *) v->data;
+        s.d = v->ne[0]; s.n_seq = tab->ne[1];
+        s.t_nb1 = tab->nb[1]; s.x_nb1 = v->nb[1]; s.x_nb2 = v->nb[2];
         s.type = type;
+    }
+    return s;
+}
+
+// The key statistics' part: the cache's keys k at each token's row in cells (k's rows over its streams are evenly
+// strided: k is contiguous, as ggml_sparq_kstat_rows_check requires).
+sums_args keys_args(const ggml_tensor * tab, const ggml_tensor * k, const ggml_tensor * cells, int64_t out_off) {
+    sums_args s = {};
+    if (tab) {
+        const int64_t n_head_kv = tab->ne[0] - 2*k->ne[0];
+        s.tab = (float *) tab->data; s.x = (const char *) k->data; s.cells = (const int32_t *) cells->data;
+        s.d = k->ne[0] / n_head_kv; s.n_seq = tab->ne[1]; s.out_off = out_off; s.n_rows = k->ne[1]*k->ne[2];
+        s.t_nb1 = tab->nb[1]; s.x_nb1 = k->nb[1];
+        s.type = k->type;
     }
     return s;
 }
@@ -285,10 +314,15 @@ bool index_supported(const ggml_tensor * kt, const ggml_tensor * k, const ggml_t
            blk->ne[0]*blk->ne[2]*((kt->ne[1] + UK_THREADS - 1) / UK_THREADS) <= INT32_MAX / 2;  // a 1-D grid
 }
 
-bool sums_supported(const ggml_tensor * tab, const ggml_tensor * x, ggml_type type) {
-    return tab == nullptr || (tab->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && tab->nb[0] == sizeof(float) &&
-                              x->nb[0] == sizeof(float) &&
+bool values_supported(const ggml_tensor * tab, const ggml_tensor * v, ggml_type type) {
+    return tab == nullptr || (tab->type == GGML_TYPE_F32 && v->type == GGML_TYPE_F32 && tab->nb[0] == sizeof(float) &&
+                              v->nb[0] == sizeof(float) &&
                               (type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16));
+}
+
+bool keys_supported(const ggml_tensor * tab, const ggml_tensor * k) {
+    return tab == nullptr || (tab->type == GGML_TYPE_F32 && tab->nb[0] == sizeof(float) && k_type_ok(k->type) &&
+                              ggml_is_contiguous(k) && k->ne[1]*k->ne[2] <= INT32_MAX);
 }
 
 }  // namespace
@@ -311,30 +345,30 @@ void ggml_cuda_sparq_index_write(ggml_backend_cuda_context & ctx, ggml_tensor * 
 bool ggml_cuda_sparq_vsum_rows_supported(int device, const ggml_tensor * op) {
     GGML_UNUSED(device);
     const ggml_tensor * idx = op->src[0], * vsum = op->src[1], * v = op->src[2], * kstat = op->src[3];
-    const ggml_tensor * k_new = op->src[4], * kt = op->src[5];
-    const auto v_type = (ggml_type) ggml_get_op_params_i32(op, 0), k_type = (ggml_type) ggml_get_op_params_i32(op, 1);
-    const ggml_tensor * x = vsum ? v : k_new;
-    return idx->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) && x != nullptr &&
-           sums_supported(vsum, v, v_type) && sums_supported(kstat, k_new, k_type) &&
-           (kt == nullptr || index_supported(kt, op->src[6], op->src[8])) && x->ne[1]*x->ne[2] <= INT32_MAX;
+    const ggml_tensor * kt = op->src[5], * k = op->src[6];
+    const auto v_type = (ggml_type) ggml_get_op_params_i32(op, 0);
+    return idx->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 && op->nb[0] == sizeof(float) &&
+           values_supported(vsum, v, v_type) && keys_supported(kstat, k) &&
+           (kt == nullptr || index_supported(kt, k, op->src[8])) &&
+           (vsum ? v->ne[1] : kstat->ne[0] - 2*k->ne[0])*idx->ne[0] <= INT32_MAX;
 }
 
 void ggml_cuda_sparq_vsum_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * idx = dst->src[0], * vsum = dst->src[1], * v = dst->src[2], * kstat = dst->src[3];
-    const ggml_tensor * k_new = dst->src[4], * kt = dst->src[5];
+    const ggml_tensor * k_cells = dst->src[4], * kt = dst->src[5], * k = dst->src[6];
     GGML_ASSERT(ggml_cuda_sparq_vsum_rows_supported(ctx.device, dst));
     const int64_t n_v = vsum ? vsum->ne[0] : 0, n_k = kstat ? kstat->ne[0] : 0, n_tokens = idx->ne[0];
     GGML_ASSERT(dst->ne[0] == n_v + n_k && dst->ne[1] == n_tokens);
     GGML_ASSERT(!vsum || vsum->ne[0] == (v->ne[0] + 1)*v->ne[1]);
-    GGML_ASSERT(!kstat || kstat->ne[0] == (2*k_new->ne[0] + 1)*k_new->ne[1]);
+    GGML_ASSERT(!kstat || (k_cells->ne[0] == n_tokens && (n_k - 2*k->ne[0])*(k->ne[0] / (n_k - 2*k->ne[0])) == k->ne[0]));
     upkeep_args a = {};
     if (kt) {
-        a.ix = index_part(kt, dst->src[6], dst->src[7], dst->src[8], dst->src[9], ggml_get_op_params_i32(dst, 2));
+        a.ix = index_part(kt, k, dst->src[7], dst->src[8], dst->src[9], ggml_get_op_params_i32(dst, 1));
     }
-    a.vs = sums_part(vsum, v, (ggml_type) ggml_get_op_params_i32(dst, 0), 0);
-    a.ks = sums_part(kstat, k_new, (ggml_type) ggml_get_op_params_i32(dst, 1), n_v);
+    a.vs = values_args(vsum, v, (ggml_type) ggml_get_op_params_i32(dst, 0));
+    a.ks = keys_args(kstat, k, k_cells, n_v);
     a.idx = (const char *) idx->data; a.i_nb0 = idx->nb[0];
     a.dst = (char *) dst->data; a.o_nb1 = dst->nb[1];
-    a.n_head_kv = (vsum ? v : k_new)->ne[1];
-    launch_upkeep(kt ? dst->src[6]->type : GGML_TYPE_F32, kt ? kt->type : GGML_TYPE_F32, ctx.stream(), a, n_tokens);
+    a.n_head_kv = vsum ? v->ne[1] : n_k - 2*k->ne[0];
+    launch_upkeep(k ? k->type : GGML_TYPE_F32, kt ? kt->type : GGML_TYPE_F32, ctx.stream(), a, n_tokens);
 }

@@ -555,12 +555,14 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         return ggml_get_rows(ctx0, x2d, inp->get_tok_cells(ctx0, *entry));
     };
 
-    const ggml_type k_type = mctx_cur->type_k(), v_type = mctx_cur->type_v();
+    const ggml_type v_type = mctx_cur->type_v();
     auto plain = [](ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; };
-    // a decode step over a float cache: the new rows rounded to the cache's type as its write rounds them, added to
-    // their sequences' sums, the sums written back and the index blocks recomputed, all in one node
+    // a decode step: the new values rounded to the cache's type as its write rounds them (a float V cache) and the
+    // new keys read back from the cache (any type), added to their sequences' sums, the sums written back and the
+    // index blocks recomputed, all in one node. Reading the keys from the cache leaves the graph's new keys one use,
+    // their cache write, which ggml-cuda then fuses with their RoPE.
     const bool step_v = inp->one_seq_each && v_cur && L->vsum && v_cur->type == GGML_TYPE_F32 && plain(v_type);
-    const bool step_k = inp->one_seq_each && k_cur && L->kstat && k_cur->type == GGML_TYPE_F32 && plain(k_type);
+    const bool step_k = inp->one_seq_each && k_cur && L->kstat;
     const bool need_future = select && !decode;
     ggml_tensor * vsum_rows  = nullptr; // [(d_v + 1)*n_head_kv, n_tokens]: the sums each row sees
     ggml_tensor * kstat_rows = nullptr; // [(2*d_k + 1)*n_head_kv, n_tokens]: the key statistics each row sees
@@ -572,12 +574,13 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
         if (step_v) {
             u.vsum = L->vsum; u.v = rows_as_3d(ctx0, v_cur, d_v, n_head_kv, n_tokens); u.v_type = v_type;
         }
+        u.k = L->k;
         if (step_k) {
-            u.kstat = L->kstat; u.k_new = rows_as_3d(ctx0, k_cur, d_k, n_head_kv, n_tokens); u.k_type = k_type;
+            u.kstat = L->kstat; u.k_cells = inp->get_tok_cells(ctx0, *entry);
         }
         if (k_cur && L->kt) {
             inp->ensure_index(ctx0, *entry, sinfo, sparq_index_block(L->kt));
-            u.kt = L->kt; u.k = L->k; u.cells = entry->cells; u.mask = entry->mask; u.blk = entry->blk;
+            u.kt = L->kt; u.cells = entry->cells; u.mask = entry->mask; u.blk = entry->blk;
             u.s0 = (int32_t) entry->s0;
         }
         ggml_tensor * rows = ggml_sparq_decode_upkeep(ctx0, &u);
