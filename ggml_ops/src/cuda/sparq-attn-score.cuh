@@ -649,9 +649,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
     const int64_t w = blockIdx.y, chunk = blockIdx.x;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
-    const int k1 = a.p.k1;
+    const int k1 = a.p.k1, qstride = a_qs_stride(k1);
     if (POL == SC_KT) {
-        for (int i = threadIdx.x; i < a_qs_stride(k1); i += blockDim.x) {
+        for (int i = threadIdx.x; i < qstride; i += blockDim.x) {
             i1_buf[i] = s.i1[w*k1 + min(i, k1 - 1)];
         }
     } else if (POL == SC_GATHER) {
@@ -742,7 +742,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                         const float x = k_at(krow, i1_buf[i]);
 #pragma unroll
                         for (int g = 0; g < NG; ++g) {
-                            acc[g][u] += qs[g*a_qs_stride(k1) + i] * x;
+                            acc[g][u] += qs[g*qstride + i] * x;
                         }
                     }
                 } else {
