@@ -20,10 +20,24 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
               components ordered by their spread over the first CALIBRATION cells (an order fixed before the index is
               written, as a cache would fix it after the prompt's start), groups of 4 consecutive in that order;
     tiles-q8 x1.25, x1.5  tiles-q8 with 1.25 / 1.5 times the components (and bytes): what the groups need to match
-              the default.
+              the default;
+    q4 x2     the default's layout (each component, blocks of 32 cells) at 4 bits (one scale per block, amax / 7,
+              values -7..7), twice the components: the default's bytes (plus the scales), every component at k1 = d/2;
+    q4-q8 x2  q4 x2 scored as integer dot products: per head and block of 32 cells the query times each component's
+              scale rounded to int8 with one scale (the block's own), so that a cell's 4-bit values can meet them in
+              dp4a whatever their components' scales;
+    q4-cells x2  4 bits with one scale per cell and 32 components (the K rows themselves, as a q4 KV cache holds
+              them: a dp4a operand as stored, for any choice of components), twice the components;
+    q4-tiles x2  4 bits in tiles of 4 components x 32 cells with one scale (a dp4a operand once its nibbles are
+              unpacked), twice the components;
+    q4-tiles-q8 x2  q4-tiles x2 with int8 query coefficients, as tiles-q8;
+    q4-tiles-q8 x2 centred  the same over the keys less their mean over the first CALIBRATION cells (a fixed offset
+              per component, written with the index: the logits of a head shift alike, the ranking does not).
+At the default k1 = d/2, "x2" is every component: no choice of components (I1) at all.
 
 The first five read the default's k1 = d/2 int8 values per cell (with one f16 scale per 32 cells per component row, or
-per tile: a quarter of the scales). Per row (the last
+per tile: a quarter of the scales); the 4-bit ones the same bytes as d 4-bit values (with twice the default's scales
+for q4, the same for q4-cells). Per row (the last
 `rows` positions of a retrieval example, every earlier cell visible), layer and KV head: the agreement, |exact top-k2
 & approximate top-k2| / k2, where exact ranks by sum_g softmax(sigma q_g . K) and approximate by SparQ's p_hat
 (the float64 reference's temperature: sigma / sqrt(rho), rho from the chosen components; no window or sinks, as
@@ -57,7 +71,11 @@ class Variant:
     tiles: bool = False         # the index in tiles of GROUP components x 32 cells (else q8_0 K^T)
     int8_query: bool = False    # the query coefficients on I1 rounded to int8
     spread_order: bool = False  # groups of components of similar spread (else adjacent)
-    k1_times: float = 1.0       # components (and bytes) against the default's
+    k1_times: float = 1.0       # components against the default's
+    q4: str = ""                # 4-bit index: "rows" (scales per component and 32 cells), "cells" (per cell and 32
+                                # components), "tiles" (per tile); "" for the 8-bit ones above
+    centred: bool = False       # the index holds the keys less their mean over the first CALIBRATION cells
+    block_query: bool = False   # q4 rows: int8 query coefficients per head and block of 32 cells (dp4a's operands)
 
 
 VARIANTS = {
@@ -68,7 +86,14 @@ VARIANTS = {
     "sigma-tiles-q8": Variant(groups=True, tiles=True, int8_query=True, spread_order=True),
     "tiles-q8 x1.25": Variant(groups=True, tiles=True, int8_query=True, k1_times=1.25),
     "tiles-q8 x1.5": Variant(groups=True, tiles=True, int8_query=True, k1_times=1.5),
+    "q4 x2": Variant(k1_times=2.0, q4="rows"),
+    "q4-q8 x2": Variant(k1_times=2.0, q4="rows", block_query=True),
+    "q4-cells x2": Variant(k1_times=2.0, q4="cells"),
+    "q4-tiles x2": Variant(k1_times=2.0, q4="tiles"),
+    "q4-tiles-q8 x2": Variant(k1_times=2.0, q4="tiles", int8_query=True),
+    "q4-tiles-q8 x2 centred": Variant(k1_times=2.0, q4="tiles", int8_query=True, centred=True),
 }
+Q4_MAX = 7  # symmetric 4-bit values -7..7
 CALIBRATION = 512  # sigma-tiles: the cells whose spread orders the components (fixed before the index is written)
 
 
@@ -81,16 +106,17 @@ def group_components(weight: np.ndarray, k1: int, order: np.ndarray | None = Non
     return np.sort(order[(groups[:, None] * GROUP + np.arange(GROUP)).reshape(-1)])
 
 
-def tile_index(keys: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+def tile_index(keys: np.ndarray, order: np.ndarray | None = None, qmax: float = 127.0) -> np.ndarray:
     """Keys [n, d] as a tile index holds them: per tile of GROUP components (adjacent, or consecutive in `order`) x 32
-    cells one f16 scale (q8_0's rounding over the tile's 128 values), read back as [n, d]."""
+    cells one f16 scale (q8_0's rounding over the tile's 128 values; amax / qmax, qmax 7 for 4 bits), read back as
+    [n, d]."""
     n, d = keys.shape
     order = np.arange(d) if order is None else order
     kt = np.pad(keys[:, order].astype(np.float32), ((0, -n % Q8_BLOCK), (0, 0)))  # [cells, d], whole blocks of cells
     # [blocks of cells, groups, 32 cells x GROUP components]: one row per tile
     tiles = kt.reshape(-1, Q8_BLOCK, d // GROUP, GROUP).transpose(0, 2, 1, 3).reshape(-1, Q8_BLOCK * GROUP)
     amax = np.abs(tiles).max(axis=1)
-    t_scale = (amax / np.float32(127.0)).astype(np.float32)
+    t_scale = (amax / np.float32(qmax)).astype(np.float32)
     inv = np.divide(np.float32(1.0), t_scale, out=np.zeros_like(t_scale), where=t_scale > 0)
     scaled = tiles * inv[:, None]
     q = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))  # roundf, as q8_0
@@ -99,6 +125,41 @@ def tile_index(keys: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
     out = np.empty_like(back)
     out[:, order] = back
     return out[:n].astype(np.float64)
+
+
+def q4_blocks(keys: np.ndarray, along: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keys [n, d] at 4 bits: the blocks' f16 scales (amax / 7) and values (rounded to -7..7), one block per 32 cells
+    of a component (along "rows": K^T's rows; [d, n/32, 1] and [d, n/32, 32]) or per 32 components of a cell (along
+    "cells": K's rows, d a multiple of 32; [n, d/32, 1] and [n, d/32, 32]); n padded to whole blocks of cells."""
+    n, d = keys.shape
+    x = np.pad(keys.astype(np.float32), ((0, -n % Q8_BLOCK), (0, 0)))
+    blocks = (x.T.reshape(d, -1, Q8_BLOCK) if along == "rows" else x.reshape(x.shape[0], d // Q8_BLOCK, Q8_BLOCK))
+    scale = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(Q4_MAX)).astype(np.float16).astype(np.float32)
+    q = np.clip(np.round(np.divide(blocks, scale, out=np.zeros_like(blocks), where=scale > 0)), -Q4_MAX, Q4_MAX)
+    return scale, q
+
+
+def q4_index(keys: np.ndarray, along: str) -> np.ndarray:
+    """Keys [n, d] at 4 bits (q4_blocks) as read back, [n, d]."""
+    n, d = keys.shape
+    scale, q = q4_blocks(keys, along)
+    back = scale * q
+    out = back.reshape(d, -1).T if along == "rows" else back.reshape(-1, d)
+    return out[:n].astype(np.float64)
+
+
+def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Every head's scores [G, n] over a 4-bit index of K^T rows (q4_blocks "rows") as integer dot products: per
+    head and block of 32 cells the products q_g,i * scale_i,b rounded to int8 with one scale c_g,b (their max / 127),
+    score = c_g,b * sum_i a_g,i,b * value_i,j (what dp4a computes once a cell's values sit side by side)."""
+    n = keys.shape[0]
+    scale, q = q4_blocks(keys, "rows")                         # [d, nb, 1], [d, nb, 32]
+    w = qg[:, :, None] * scale[None, :, :, 0]                  # [G, d, nb]
+    c = np.abs(w).max(axis=1, keepdims=True) / 127.0           # [G, 1, nb]
+    c = np.where(c > 0, c, 1.0)
+    a = np.round(w / c)
+    dots = np.einsum("dbj,gdb->gbj", q.astype(np.float64), a)  # [G, nb, 32]
+    return (dots * c.transpose(0, 2, 1)).reshape(qg.shape[0], -1)[:, :n]
 
 
 def int8_query(qg: np.ndarray, i1: np.ndarray) -> np.ndarray:
@@ -119,10 +180,20 @@ def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int
     weight = np.abs(qg).sum(axis=0) * spread  # select qsigma
     order = np.argsort(-keys[:CALIBRATION].std(axis=0), kind="stable") if v.spread_order else None
     i1 = group_components(weight, k1, order) if v.groups else ref._top_components(weight, k1)
-    k_index = tile_index(keys, order) if v.tiles else ref._index_keys(keys, "q8")
+    if v.q4:
+        # centred: a fixed offset per component shifts each head's logits of every cell alike (the softmax is unchanged)
+        shifted = keys - keys[:CALIBRATION].mean(axis=0) if v.centred else keys
+        k_index = tile_index(shifted, qmax=Q4_MAX) if v.q4 == "tiles" else q4_index(shifted, v.q4)
+    else:
+        k_index = tile_index(keys, order) if v.tiles else ref._index_keys(keys, "q8")
     # the products from the int8 query where it is one; the temperature (rho) from the query as it is, as kernel Q
     q_products = int8_query(qg, i1) if v.int8_query else qg
-    logits = scale * (q_products[:, i1] @ k_index[:, i1].T) / np.sqrt(ref._rho(qg, i1, spread))[:, None]
+    if v.block_query:
+        assert len(i1) == keys.shape[1], "block_query scores every component"
+        products = q4_block_query_scores(qg, keys)
+    else:
+        products = q_products[:, i1] @ k_index[:, i1].T
+    logits = scale * products / np.sqrt(ref._rho(qg, i1, spread))[:, None]
     return ref._top_cells(ref._softmax(logits).sum(axis=0), np.arange(keys.shape[0], dtype=np.int64), k2)
 
 
