@@ -26,6 +26,9 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
     q4-q8 x2  q4 x2 scored as integer dot products: per head and block of 32 cells the query times each component's
               scale rounded to int8 with one scale (the block's own), so that a cell's 4-bit values can meet them in
               dp4a whatever their components' scales;
+    q4_0 x2   q4 x2 in ggml's q4_0 blocks (a scale per component and 32 cells: the block's signed extreme / -8, values
+              0..15 less 8), as ggml_set_rows would write such an index; q4_0 x1: the default's k1 (qsigma) at 4 bits,
+              half the default's bytes;
     q4-cells x2  4 bits with one scale per cell and 32 components (the K rows themselves, as a q4 KV cache holds
               them: a dp4a operand as stored, for any choice of components), twice the components;
     q4-tiles x2  4 bits in tiles of 4 components x 32 cells with one scale (a dp4a operand once its nibbles are
@@ -59,6 +62,7 @@ from pathlib import Path
 import numpy as np
 from captured_rows import captured_rows
 from record import RESULTS, append_run, provenance, write_record
+from sparq_llama import ops
 from sparq_llama import reference as ref
 from sparq_llama.index import Q8_BLOCK
 
@@ -88,6 +92,8 @@ VARIANTS = {
     "tiles-q8 x1.5": Variant(groups=True, tiles=True, int8_query=True, k1_times=1.5),
     "q4 x2": Variant(k1_times=2.0, q4="rows"),
     "q4-q8 x2": Variant(k1_times=2.0, q4="rows", block_query=True),
+    "q4_0 x2": Variant(k1_times=2.0, q4="q4_0"),
+    "q4_0 x1": Variant(q4="q4_0"),
     "q4-cells x2": Variant(k1_times=2.0, q4="cells"),
     "q4-tiles x2": Variant(k1_times=2.0, q4="tiles"),
     "q4-tiles-q8 x2": Variant(k1_times=2.0, q4="tiles", int8_query=True),
@@ -183,7 +189,11 @@ def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int
     if v.q4:
         # centred: a fixed offset per component shifts each head's logits of every cell alike (the softmax is unchanged)
         shifted = keys - keys[:CALIBRATION].mean(axis=0) if v.centred else keys
-        k_index = tile_index(shifted, qmax=Q4_MAX) if v.q4 == "tiles" else q4_index(shifted, v.q4)
+        if v.q4 == "q4_0":
+            padded = np.pad(shifted, ((0, -len(shifted) % Q8_BLOCK), (0, 0)))
+            k_index = ops.kv_round(padded.T, "q4_0").T[:len(shifted)]
+        else:
+            k_index = tile_index(shifted, qmax=Q4_MAX) if v.q4 == "tiles" else q4_index(shifted, v.q4)
     else:
         k_index = tile_index(keys, order) if v.tiles else ref._index_keys(keys, "q8")
     # the products from the int8 query where it is one; the temperature (rho) from the query as it is, as kernel Q
