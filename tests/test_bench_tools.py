@@ -135,3 +135,33 @@ def test_int8_tiles_variants_follow_their_definitions():
     pos = np.sort(np.argsort(order)[i1]).reshape(-1, 4)
     assert len(i1) == 32 and np.all(pos - pos[:, :1] == np.arange(4)) and np.all(pos[:, 0] % 4 == 0)
     assert np.array_equal(t.tile_index(keys[:, order], np.argsort(order))[:, np.argsort(order)], t.tile_index(keys))
+
+
+def test_int8_tiles_four_bit_indexes():
+    # bench/int8_tiles.py's 4-bit helpers: each block of 32 cells of a component keeps its own scale and 15 levels; the
+    # integer scores (per-block int8 query coefficients) are the float scores over the 4-bit keys to within the
+    # coefficients' rounding; every component scored with rho = 1 ranks as the exact scores of those keys
+    sys.path.insert(0, str(REPO / "bench"))
+    import int8_tiles as t
+    from sparq_llama import reference as ref
+
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((100, 64)) * np.linspace(0.1, 4.0, 64)
+    scale, q = t.q4_blocks(keys, "rows")
+    assert scale.shape == (64, 4, 1) and q.shape == (64, 4, 32)
+    assert np.all(np.abs(q) <= t.Q4_MAX) and np.all(q == np.round(q))
+    back = t.q4_index(keys, "rows")
+    step = scale[:, :, 0].repeat(32, axis=1)[:, :100].T                   # each value's own block's step
+    assert np.all(np.abs(back - keys) <= step * 0.5 + np.abs(keys) * 1e-3)
+    qg = rng.standard_normal((2, 64))
+    exact = qg @ back.T
+    got = t.q4_block_query_scores(qg, keys)
+    w_max = (np.abs(qg)[:, :, None] * scale[None, :, :, 0]).max(axis=1)   # [G, blocks]: the coefficients' scale * 127
+    bound = (w_max / 127 / 2)[:, np.arange(100) // 32] * np.abs(q.reshape(64, -1)[:, :100]).sum(axis=0)
+    assert np.all(np.abs(got - exact) <= bound + 1e-9) and np.abs(got - exact).max() > 0
+    top = t.variant_top("q4 x2", qg, keys, 32, 16, 0.125)
+    assert np.array_equal(top, ref.exact_top_cells(qg, back, 16, scale=0.125))
+    # ggml's q4_0 blocks along K^T's rows: 16 levels from the block's signed extreme
+    top0 = t.variant_top("q4_0 x2", qg, keys, 32, 16, 0.125)
+    rows = np.pad(keys, ((0, 28), (0, 0))).T                              # [64, 128]: whole blocks of cells
+    assert np.array_equal(top0, ref.exact_top_cells(qg, ops.kv_round(rows, "q4_0").T[:100], 16, scale=0.125))
