@@ -163,8 +163,8 @@ __device__ __forceinline__ float round_to_cache(float x, ggml_type type) {
 
 // One table's part of token t's KV head h: its table row, the token's values (the V sums: a float row; the key
 // statistics: the cache's K row and the head's first component) and its part of the result column; tab NULL without
-// the table or where a row is outside it (a caller's bug: the CPU asserts; left unwritten). W: 2 for the key
-// statistics' [r, r*r, 1] per head, 1 for the V sums' [r, 1].
+// the table or where a row is outside it (a caller's bug: the CPU asserts; left unwritten). Per head the key
+// statistics' part is [r, r*r, 1], the V sums' [r, 1].
 struct token_part {
     float * tab; const char * x; float * out;
     int64_t d, e0; ggml_type type;
