@@ -28,7 +28,8 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
               dp4a whatever their components' scales;
     q4_0 x2   q4 x2 in ggml's q4_0 blocks (a scale per component and 32 cells: the block's signed extreme / -8, values
               0..15 less 8), as ggml_set_rows would write such an index; q4_0 x1: the default's k1 (qsigma) at 4 bits,
-              half the default's bytes;
+              half the default's bytes; q4_0-q8 x2: q4_0 x2 scored as q4-q8 x2 (the dp4a kernel's arithmetic on
+              q4_0's values);
     q4-cells x2  4 bits with one scale per cell and 32 components (the K rows themselves, as a q4 KV cache holds
               them: a dp4a operand as stored, for any choice of components), twice the components;
     q4-tiles x2  4 bits in tiles of 4 components x 32 cells with one scale (a dp4a operand once its nibbles are
@@ -94,6 +95,7 @@ VARIANTS = {
     "q4-q8 x2": Variant(k1_times=2.0, q4="rows", block_query=True),
     "q4_0 x2": Variant(k1_times=2.0, q4="q4_0"),
     "q4_0 x1": Variant(q4="q4_0"),
+    "q4_0-q8 x2": Variant(k1_times=2.0, q4="q4_0", block_query=True),
     "q4-cells x2": Variant(k1_times=2.0, q4="cells"),
     "q4-tiles x2": Variant(k1_times=2.0, q4="tiles"),
     "q4-tiles-q8 x2": Variant(k1_times=2.0, q4="tiles", int8_query=True),
@@ -154,12 +156,25 @@ def q4_index(keys: np.ndarray, along: str) -> np.ndarray:
     return out[:n].astype(np.float64)
 
 
-def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """Every head's scores [G, n] over a 4-bit index of K^T rows (q4_blocks "rows") as integer dot products: per
-    head and block of 32 cells the products q_g,i * scale_i,b rounded to int8 with one scale c_g,b (their max / 127),
-    score = c_g,b * sum_i a_g,i,b * value_i,j (what dp4a computes once a cell's values sit side by side)."""
+def q4_0_blocks(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keys [n, d] in ggml's q4_0 blocks along K^T's rows, as q4_blocks "rows" gives them: the f16 scales [d, n/32, 1]
+    (the block's signed extreme / -8) and the values [d, n/32, 32] (the stored nibbles less 8: -8..7)."""
+    n, d = keys.shape
+    x = np.pad(keys.astype(np.float32), ((0, -n % Q8_BLOCK), (0, 0))).T.reshape(d, -1, Q8_BLOCK)
+    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)  # the first of largest |x|
+    dsc = extreme / np.float32(-8.0)
+    inv = np.divide(np.float32(1.0), dsc, out=np.zeros_like(dsc), where=dsc != 0)
+    nib = np.minimum(15, np.trunc(x * inv + np.float32(8.5)))  # ggml: (int8_t) (x * id + 8.5f), at most 15
+    return dsc.astype(np.float16).astype(np.float32), nib - 8
+
+
+def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray, q4_0: bool = False) -> np.ndarray:
+    """Every head's scores [G, n] over a 4-bit index of K^T rows (q4_blocks "rows", or q4_0_blocks) as integer dot
+    products: per head and block of 32 cells the products q_g,i * scale_i,b rounded to int8 with one scale c_g,b
+    (their max / 127), score = c_g,b * sum_i a_g,i,b * value_i,j (what dp4a computes once a cell's values sit side by
+    side)."""
     n = keys.shape[0]
-    scale, q = q4_blocks(keys, "rows")                         # [d, nb, 1], [d, nb, 32]
+    scale, q = q4_0_blocks(keys) if q4_0 else q4_blocks(keys, "rows")  # [d, nb, 1], [d, nb, 32]
     w = qg[:, :, None] * scale[None, :, :, 0]                  # [G, d, nb]
     c = np.abs(w).max(axis=1, keepdims=True) / 127.0           # [G, 1, nb]
     c = np.where(c > 0, c, 1.0)
@@ -200,7 +215,7 @@ def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int
     q_products = int8_query(qg, i1) if v.int8_query else qg
     if v.block_query:
         assert len(i1) == keys.shape[1], "block_query scores every component"
-        products = q4_block_query_scores(qg, keys)
+        products = q4_block_query_scores(qg, keys, q4_0=v.q4 == "q4_0")
     else:
         products = q_products[:, i1] @ k_index[:, i1].T
     logits = scale * products / np.sqrt(ref._rho(qg, i1, spread))[:, None]

@@ -165,3 +165,23 @@ def test_int8_tiles_four_bit_indexes():
     top0 = t.variant_top("q4_0 x2", qg, keys, 32, 16, 0.125)
     rows = np.pad(keys, ((0, 28), (0, 0))).T                              # [64, 128]: whole blocks of cells
     assert np.array_equal(top0, ref.exact_top_cells(qg, ops.kv_round(rows, "q4_0").T[:100], 16, scale=0.125))
+
+
+def test_int8_tiles_q4_0_blocks_are_ggml_q4_0():
+    # bench/int8_tiles.py's q4_0 blocks read back as gguf's q4_0 quantizer gives them (the values the ggml type holds),
+    # and the integer scores over them follow the float scores to within the coefficients' rounding
+    sys.path.insert(0, str(REPO / "bench"))
+    import int8_tiles as t
+
+    rng = np.random.default_rng(6)
+    keys = rng.standard_normal((70, 64)) * np.linspace(0.1, 4.0, 64) + np.where(np.arange(64) % 7 == 0, 3.0, 0.0)
+    scale, vals = t.q4_0_blocks(keys)
+    assert scale.shape == (64, 3, 1) and vals.shape == (64, 3, 32) and vals.min() >= -8 and vals.max() <= 7
+    rows = np.pad(keys, ((0, 26), (0, 0))).T                               # [64, 96]: whole blocks of cells
+    np.testing.assert_array_equal((scale * vals).reshape(64, -1), ops.kv_round(rows, "q4_0"))
+    qg = rng.standard_normal((3, 64))
+    got = t.q4_block_query_scores(qg, keys, q4_0=True)
+    exact = qg @ (scale * vals).reshape(64, -1)[:, :70]
+    w_max = (np.abs(qg)[:, :, None] * np.abs(scale)[None, :, :, 0]).max(axis=1)
+    bound = (w_max / 127 / 2)[:, np.arange(70) // 32] * np.abs(vals.reshape(64, -1)[:, :70]).sum(axis=0)
+    assert np.all(np.abs(got - exact) <= bound + 1e-9)
