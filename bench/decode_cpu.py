@@ -46,7 +46,7 @@ from typing import Any
 
 from record import RESULTS, provenance
 from sparq_llama import models
-from sparq_llama.sparq import DEFAULT_INDEX, DEFAULT_SELECT, INDEXES, SELECTS, transfer_ratio
+from sparq_llama.sparq import DEFAULT_INDEX, DEFAULT_SELECT, INDEXES, SELECTS, default_k1, transfer_ratio
 
 log = logging.getLogger("decode_cpu")
 HEAD_DIM = {"smollm2": 64, "gemma3": 256}  # attention head size of the models in sparq_llama.models
@@ -155,7 +155,7 @@ def group_rows(raw: list[Row], head_dim: int, index: str = "f16"
             continue
         depth = int(r.get("n_depth", 0))
         if _is_sparq(r):
-            k1 = int(r.get("k1") or 0) or (head_dim // 2 if index == "q8" else head_dim // 4)  # 0: the default
+            k1 = int(r.get("k1") or 0) or default_k1(head_dim, index)  # 0: the default
             sparq.setdefault((k1, depth), []).append(r)
         else:
             dense.setdefault(depth, []).append(r)

@@ -65,7 +65,7 @@ from captured_rows import captured_rows
 from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import ops
 from sparq_llama import reference as ref
-from sparq_llama.index import Q8_BLOCK
+from sparq_llama.index import Q8_BLOCK, q4_0_quantize
 
 GROUP = 4  # int8 values a dp4a multiplies and adds
 
@@ -160,12 +160,8 @@ def q4_0_blocks(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keys [n, d] in ggml's q4_0 blocks along K^T's rows, as q4_blocks "rows" gives them: the f16 scales [d, n/32, 1]
     (the block's signed extreme / -8) and the values [d, n/32, 32] (the stored nibbles less 8: -8..7)."""
     n, d = keys.shape
-    x = np.pad(keys.astype(np.float32), ((0, -n % Q8_BLOCK), (0, 0))).T.reshape(d, -1, Q8_BLOCK)
-    extreme = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)  # the first of largest |x|
-    dsc = extreme / np.float32(-8.0)
-    inv = np.divide(np.float32(1.0), dsc, out=np.zeros_like(dsc), where=dsc != 0)
-    nib = np.minimum(15, np.trunc(x * inv + np.float32(8.5)))  # ggml: (int8_t) (x * id + 8.5f), at most 15
-    return dsc.astype(np.float16).astype(np.float32), nib - 8
+    scale, nib = q4_0_quantize(np.pad(keys.astype(np.float32), ((0, -n % Q8_BLOCK), (0, 0))).T)
+    return scale.astype(np.float32)[..., None], nib.astype(np.float32) - 8
 
 
 def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray, q4_0: bool = False) -> np.ndarray:

@@ -10,6 +10,10 @@ target_sources(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu/sparq-attn-cpu.cpp" "$
                                "${SPARQ_OPS_DIR}/src/cpu/cluster-update-cpu.cpp" "${SPARQ_OPS_DIR}/src/cpu/sparq-vsum-cpu.cpp"
                                "${SPARQ_OPS_DIR}/src/cpu/sparq-index-cpu.cpp")
 target_include_directories(ggml-cpu PRIVATE "${SPARQ_OPS_DIR}/src/cpu")  # for the patched ggml-cpu.c
+# The q4 index's quantizer rounds x/s, then adds 8.5, as two f32 operations (as gguf's quantizer and the reference
+# do); a contracted FMA rounds once and moves values that sit on a nibble boundary to the other side.
+set_source_files_properties("${SPARQ_OPS_DIR}/src/cpu/sparq-index-cpu.cpp" TARGET_DIRECTORY ggml-cpu
+    PROPERTIES COMPILE_OPTIONS "$<$<NOT:$<CXX_COMPILER_ID:MSVC>>:-ffp-contract=off>")
 if (GGML_CUDA)
     # the kernels include ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our headers. sparq-attn.cu is the
     # SparQ op's one translation unit: the sparq-attn-*.cuh headers hold its kernels.

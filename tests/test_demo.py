@@ -170,14 +170,15 @@ def test_demo_rejects_a_zero_k2():
     assert res.returncode == 1 and "must be >= 1" in res.stderr and "k2=0" in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--sparq-index", "q4"), ("--sparq-select", "sigma")])
+@pytest.mark.parametrize(("flag", "value"), [("--sparq-index", "q2"), ("--sparq-select", "sigma")])
 def test_demo_rejects_an_unknown_index_or_select(flag, value):
     res = run([shutil.which("sparq-llama"), "demo", flag, value], timeout=120)
     assert res.returncode == 2 and f"argument {flag}: invalid choice: '{value}'" in res.stderr, res.stderr
 
 
 def test_demo_config_checks_index_and_select():
-    with pytest.raises(ValueError, match="index must be one of f16, q8"):
-        DemoConfig(index="q4").check()
+    with pytest.raises(ValueError, match="index must be one of f16, q8, q4"):
+        DemoConfig(index="q2").check()
+    DemoConfig(index="q4", k1=None).check()
     with pytest.raises(ValueError, match="select must be one of q, qsigma"):
         DemoConfig(select="sigma").check()

@@ -51,6 +51,17 @@ def test_k1_recipe_known_values():
                                                                    index=sparq_api.DEFAULT_INDEX)
 
 
+def test_q4_settings_read_every_component_where_the_ratio_allows():
+    # the q4 index takes k1 = head_dim only: at 2048 cells SmolLM2's 1/2 and 1/4 are reachable, 1/8 is not (the index
+    # alone is 18/32 of a byte against dense's 2*2 per component: 0.14 of dense)
+    settings, skipped = settings_for(2048, SMOL, index="q4")
+    by = {s.name: s for s in settings}
+    assert by["sparq-1/2"].config.k1 == by["sparq-1/4"].config.k1 == 64 and by["sparq-1/4"].config.index == "q4"
+    assert by["sparq-1/4"].transfer == pytest.approx(1 / transfer_ratio(2048, 64, 64, 128, mean=False, index="q4"))
+    assert by["sparq-1/4"].transfer <= 1 / 4
+    assert "sparq-1/8" not in by and any(name == "sparq-1/8" for name, _ in skipped)
+
+
 def test_settings_carry_the_index():
     settings, _ = settings_for(2048, SMOL, index="q8")
     by = {s.name: s for s in settings}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sparq_llama import ops
-from sparq_llama.index import Q8_BLOCK, Q8_BLOCK_BYTES
+from sparq_llama.index import Q4_BLOCK, Q8_BLOCK, Q8_BLOCK_BYTES, q4_index_bytes
 
 INDEX_WRITE_CASES = [
     # (kt_dtype, kv_dtype, n_embd, kv_size, n_stream, s0, ns, n_blk, masked)
@@ -37,9 +37,9 @@ FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 def index_write_case(case: tuple, seed: int):
     """The op's inputs for a case: an index of random values, keys spread over several binades, per stream written
     n_blk distinct blocks of random cells (any stream's), a 0/1 mask (one block with no occupied cell)."""
-    kt_dtype, kv_dtype, n_embd, kv_size, n_stream, s0, ns, n_blk, masked = case
+    kt_dtype, kv_dtype, n_embd, kv_size, n_stream, s0, ns, n_blk, masked = case[:9]
     rng = np.random.default_rng(seed)
-    B = Q8_BLOCK if kt_dtype == "q8_0" else 1
+    B = Q8_BLOCK if kt_dtype == "q8_0" else Q4_BLOCK if kt_dtype == "q4" else 1
     row_len = -(-kv_size // B) * B
     kt = rng.normal(0.0, 2.0, (n_stream, n_embd, row_len)).astype(np.float32)
     k = (rng.normal(0.0, 1.0, (n_stream, kv_size, n_embd)) *
@@ -108,6 +108,72 @@ def test_index_write_holds_the_keys_of_its_cells(seed):
     kt, k, cells, blk, mask = index_write_case(case, seed)
     got = ops.index_write(kt, k, cells, blk, mask=mask, s0=case[5], kt_dtype=case[0], kv_dtype=case[1], n_threads=2)
     check_index_write(got, case, kt, k, cells, blk, mask)
+
+
+# The q4 index: (kt_dtype, kv_dtype, n_embd, kv_size, n_stream, s0, ns, n_blk, masked, head_dim). Every KV head's block
+# of a written block of cells; head dims a whole number of the quantized K types' blocks.
+Q4_WRITE_CASES = [
+    ("q4", "f16", 128, 96, 1, 0, 1, 1, False, 64),    # a decode step of one stream: one block, two heads
+    ("q4", "f16", 72, 128, 2, 1, 1, 3, True, 8),     # nine heads of 8 components (one nibble word a cell)
+    ("q4", "f32", 160, 64, 3, 0, 3, 2, True, 80),    # three streams; a head dim not a multiple of 32
+    ("q4", "q8_0", 256, 128, 2, 0, 2, 4, False, 128),
+    ("q4", "q4_1", 96, 64, 1, 0, 1, 2, True, 32),
+    ("q4", "bf16", 1024, 256, 1, 0, 1, 8, True, 256),
+    ("q4", "q5_0", 64, 40, 2, 1, 1, 2, True, 64),    # kv_size 40: the row's last block partly past the cache
+    ("q4", "q4_0", 128, 20, 2, 0, 2, 1, True, 64),
+]
+
+
+def q4_index_after(kt, k, cells, blk, mask, kv_dtype: str, s0: int, head_dim: int) -> np.ndarray:
+    """The q4 index [n_stream, row_len/32, n_head_kv, 18*head_dim] the op must leave: the index before it
+    (`ops.index_bytes`), each written block replaced by the q4 blocks of its 32 cells' keys (as the cache holds them,
+    times the mask), head by head (`sparq_llama.index.q4_index_bytes`)."""
+    n_stream, n_embd, _ = kt.shape
+    ns, n_blk = blk.shape
+    want = ops.index_bytes(kt, "q4", head_dim=head_dim).copy()
+    keys = ops.kv_round(k, kv_dtype).reshape(-1, n_embd)
+    for j in range(ns):
+        for b in range(n_blk):
+            t = j * n_blk + b
+            x = keys[cells[t * Q4_BLOCK:(t + 1) * Q4_BLOCK]]                       # [32 cells, n_embd]
+            if mask is not None:
+                x = x * mask[t * Q4_BLOCK:(t + 1) * Q4_BLOCK, None]
+            per_head = np.swapaxes(x.reshape(Q4_BLOCK, n_embd // head_dim, head_dim), 0, 1)  # [heads, 32, d]
+            want[s0 + j, int(blk[j, b])] = q4_index_bytes(per_head.astype(np.float32))[:, 0]
+    return want
+
+
+@pytest.mark.parametrize("seed", range(len(Q4_WRITE_CASES)), ids=["-".join(map(str, c)) for c in Q4_WRITE_CASES])
+def test_q4_index_write_holds_the_q4_blocks_of_its_cells(seed):
+    case = Q4_WRITE_CASES[seed]
+    kt, k, cells, blk, mask = index_write_case(case, 100 + seed)
+    kv_dtype, s0, head_dim = case[1], case[5], case[9]
+    got = ops.index_write(kt, k, cells, blk, mask=mask, s0=s0, kt_dtype="q4", kv_dtype=kv_dtype, head_dim=head_dim,
+                          n_threads=2)
+    assert got.shape == (kt.shape[0], kt.shape[2] // Q4_BLOCK, kt.shape[1] // head_dim, 18 * head_dim)
+    want = q4_index_after(kt, k, cells, blk, mask, kv_dtype, s0, head_dim)
+    written = np.zeros(got.shape[:2], dtype=bool)
+    written[s0 + np.arange(blk.shape[0])[:, None], blk] = True
+    assert np.array_equal(got[~written], want[~written]), "bytes outside the written blocks changed"
+    for s, b in zip(*np.nonzero(written)):
+        np.testing.assert_array_equal(got[s, b], want[s, b], err_msg=f"stream {s} block {b}")
+    if mask is not None:  # the fully masked block: every component's scale -0 (ggml's q4_0 of zeros), nibbles 8
+        zero = got[s0, int(blk[0, 0])]
+        assert np.all(zero[:, :16 * head_dim] == 0x88)
+        assert np.all(zero[:, 16 * head_dim:].copy().view(np.uint16) == 0x8000)
+
+
+def test_q4_index_write_needs_its_head_dim():
+    case = Q4_WRITE_CASES[1]
+    kt, k, cells, blk, mask = index_write_case(case, 101)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.index_write(kt, k, cells, blk, mask=mask, s0=1, kt_dtype="q4", kv_dtype="f16")
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.index_write(kt, k, cells, blk, mask=mask, s0=1, kt_dtype="q4", kv_dtype="f16", head_dim=7)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.index_write(kt, k, cells, blk, mask=mask, s0=1, kt_dtype="q8_0", kv_dtype="f16", head_dim=8)
+    with pytest.raises(ValueError, match="multiple of 8"):  # 72 = 6 * 12: heads of 12 components cannot be packed
+        ops.index_write(kt, k, cells, blk, mask=mask, s0=1, kt_dtype="q4", kv_dtype="f16", head_dim=12)
 
 
 def test_index_write_rejects_blocks_and_cells_outside_the_tensors():

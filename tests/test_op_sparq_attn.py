@@ -120,6 +120,25 @@ def test_random_case_matches_reference(case):
     assert_close(got, want, case["kv_dtype"], case)
 
 
+def _q4_cases(n: int):
+    """The random generator's cases (another run of it, other data seeds) with the q4 index: every component scored
+    (k1 = d), the K^T layout. Its head dims (64, 80, 128, 256) are multiples of 8, as the index needs."""
+    for case in _random_cases(n, seed=1):
+        yield dict(case, seed=20000 + case["seed"], index="q4", layout="kt", k1=case["d"])
+
+
+Q4_CASES = list(_q4_cases(160))
+
+
+@pytest.mark.parametrize("case", Q4_CASES, ids=lambda c: f"{c['seed']}")
+def test_random_q4_index_case_matches_reference(case):
+    # the op's scores are the reference's float32 integer dot products bit for bit, so the selections are the same: a
+    # different set would show as an error far above the tolerance
+    q, k, v, mask, kw = case_inputs(case)
+    got, want = run_both(q, k, v, mask, case["kv_dtype"], n_threads=2, **kw)
+    assert_close(got, want, case["kv_dtype"], case)
+
+
 # ------------------------------------------------------------------------------------------------
 # Targeted properties
 
@@ -235,6 +254,50 @@ def test_q8_index_scores_from_its_own_values():
     assert_close(got[0], reference.sparq_attn(qr, kr, vr, index="q8", **kw), "f32", "q8 index")
 
 
+def test_q4_index_selects_by_its_integer_scores():
+    # one huge key in a block of 32 cells: every other cell of that block keeps a few levels of each component, so
+    # the q4 index ranks them otherwise than the keys do (at k1 = d the f16 index ranks as the keys); the op selects
+    # as the reference's q4 scores do, for one head and for a GQA group, over several streams and a cell count that
+    # leaves the last block partial
+    rng = np.random.default_rng(22)
+    q, k, v = make_case(rng, n_head_kv=2, group=3, n_q=2, n_kv=517, d=64, d_v=64, ns=2)
+    k[:, :, 64] *= 40.0
+    mask = make_mask(rng, "causal", 2, 517)
+    kw = dict(k1=64, k2=32, mean="off", return_selection=True)
+    qr, kr, vr = q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], "f32"), ops.kv_round(v[0], "f32")
+    _, sel_q4 = reference.sparq_attn(qr, kr, vr, mask, index="q4", **kw)
+    _, sel_f = reference.sparq_attn(qr, kr, vr, mask, index="f16", **kw)
+    assert any(not np.array_equal(a, b) for ra, rb in zip(sel_q4, sel_f) for a, b in zip(ra, rb))
+    kw.pop("return_selection")
+    for group in (3, 1):
+        heads = slice(0, 6, 3 // group)  # the whole group, or one query head per KV head
+        got, want = run_both(q[:, heads], k, v, mask, "f32", index="q4", n_threads=2, **kw)
+        assert_close(got, want, "f32", f"q4 index, group {group}")
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT)
+def test_q4_index_over_a_quantized_cache_matches_reference(kv_dtype):
+    # the index quantizes the keys as the cache holds them (dequantized); k2 covering the context is dense attention
+    rng = np.random.default_rng(9)
+    q, k, v = make_case(rng, n_head_kv=2, group=2, n_q=2, n_kv=300, d=64, d_v=64)
+    mask = make_mask(rng, "causal", 2, 300)
+    got, want = run_both(q, k, v, mask, kv_dtype, k1=64, k2=40, index="q4", n_threads=2)
+    assert_close(got, want, kv_dtype, f"q4 index over {kv_dtype}")
+    got = ops.sparq_attn(q, k, v, mask, k1=64, k2=300, kv_dtype=kv_dtype, index="q4")
+    dense = reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], kv_dtype),
+                                 ops.kv_round(v[0], kv_dtype), mask)
+    assert_close(got[0], dense, kv_dtype, "k2 >= visible")
+
+
+def test_q4_index_needs_every_component_and_the_kt_layout():
+    rng = np.random.default_rng(0)
+    q, k, v = make_case(rng, n_head_kv=1, group=2, n_q=1, n_kv=50, d=64, d_v=64)
+    with pytest.raises(ValueError, match="ggml_sparq_attn: .*k1 must be head_dim"):
+        ops.sparq_attn(q, k, v, k1=32, k2=16, index="q4")
+    with pytest.raises(ValueError, match="layout='default' keeps none"):
+        ops.sparq_attn(q, k, v, k1=64, k2=16, index="q4", layout="default")
+
+
 def test_empty_rows_give_zeros():
     rng = np.random.default_rng(2)
     q, k, v = make_case(rng, n_head_kv=1, group=2, n_q=2, n_kv=100, d=64, d_v=64)
@@ -282,7 +345,7 @@ def test_bad_shapes_and_types_raise():
     with pytest.raises(ValueError, match="select"):
         ops.sparq_attn(q, k, v, k1=8, k2=16, select="sigma")
     with pytest.raises(ValueError, match="index"):
-        ops.sparq_attn(q, k, v, k1=8, k2=16, index="q4")
+        ops.sparq_attn(q, k, v, k1=8, k2=16, index="q2")
     with pytest.raises(ValueError, match="multiples of 32"):
         ops.sparq_attn(q[..., :48], k[..., :48], v, k1=8, k2=16, kv_dtype="q8_0")
     with pytest.raises(ValueError, match="mask"):

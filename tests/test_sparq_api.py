@@ -44,7 +44,9 @@ def test_transfer_ratio_known_values_and_errors():
         sparq_llama.transfer_ratio(1024, 128, 32, 12.5)
     with pytest.raises(ValueError, match="mean must be True or False"):
         sparq_llama.transfer_ratio(1024, 128, 32, 128, mean="on")
-    with pytest.raises(ValueError, match="index must be one of 'f16', 'q8'"):
+    with pytest.raises(ValueError, match="index must be one of 'f16', 'q8', 'q4'"):
+        sparq_llama.transfer_ratio(1024, 128, 32, 128, index="q2")
+    with pytest.raises(ValueError, match="the q4 index scores every key component: k1 must be head_dim = 128"):
         sparq_llama.transfer_ratio(1024, 128, 32, 128, index="q4")
     with pytest.raises(ValueError, match="kv_type must be one of"):
         sparq_llama.transfer_ratio(1024, 128, 32, 128, kv_type="q3_k")
@@ -118,7 +120,7 @@ def test_config_defaults_and_immutability():
     (dict(k2=128.0), "k2 must be an integer"),
     (dict(k2=True), "k2 must be an integer, got the bool"),
     (dict(k2=2**31), "does not fit the C int32_t"),
-    (dict(k1=0), r"k1 must be >= 1, or None for head_dim/4"),
+    (dict(k1=0), r"k1 must be >= 1, or None for the index's default"),
     (dict(window=-1), r"window must be >= 0, or None for k2/4"),
     (dict(min_n_kv=-1), r"min_n_kv must be >= 0, or None"),
     (dict(mean="maybe"), "mean must be one of 'auto', 'on', 'off'"),
@@ -126,7 +128,7 @@ def test_config_defaults_and_immutability():
     (dict(policy="topk"), "policy must be one of 'sparq', 'exact', 'window'"),
     (dict(sparse_v_thresh="0.1"), "sparse_v_thresh must be a number"),
     (dict(sparse_v_thresh=float("nan")), "sparse_v_thresh must be finite"),
-    (dict(index="q4"), "index must be one of 'f16', 'q8'"),
+    (dict(index="q2"), "index must be one of 'f16', 'q8', 'q4'"),
     (dict(index=1), "index must be one of"),
     (dict(select="sigma"), "select must be one of 'q', 'qsigma'"),
     (dict(select=None), "select must be one of"),
@@ -177,6 +179,7 @@ def test_header_enums_match_the_names():
     SparqConfig(k1=1, k2=1, window=0, mean="off", policy="window", sparse_v_thresh=1e-3, min_n_kv=4096),
     SparqConfig(k1=32, index="q8", select="qsigma"),
     SparqConfig(index="f16", select="q"),
+    SparqConfig(index="q4", select="q"),
 ])
 def test_config_c_struct_round_trip(cfg):
     p = cfg.to_c()
@@ -188,7 +191,7 @@ def test_config_c_struct_round_trip(cfg):
 
 
 def test_from_c_rejects_unknown_index_and_select():
-    for name, value in (("index", 2), ("select", -1)):
+    for name, value in (("index", 3), ("select", -1)):
         p = SparqConfig().to_c()
         setattr(p, name, value)
         with pytest.raises(ValueError, match=rf"llama_sparq_params.{name} = {value} is not a known value"):
@@ -203,6 +206,14 @@ def test_default_layout_without_an_index_takes_f16():
     assert sparq_api.config_from_kwargs({"sparq_default_layout": True}, held).index == "f16"
     assert sparq_api.config_from_kwargs({"default_layout": True}, held).index == "f16"
     assert sparq_api.config_from_kwargs({"default_layout": True, "index": "q8"}, held).index == "q8"
+
+
+def test_choosing_the_q4_index_without_a_k1_takes_none():
+    # the q4 index scores every component: a held k1 does not carry over to it, one given with it does (C refuses it)
+    held = SparqConfig(k1=32, index="q8")
+    assert sparq_api.config_from_kwargs({"index": "q4"}, held) == dataclasses.replace(held, index="q4", k1=None)
+    assert sparq_api.config_from_kwargs({"index": "q4", "k1": 16}, held).k1 == 16
+    assert sparq_api.config_from_kwargs({"k2": 64}, SparqConfig(index="q4")).k1 is None
     assert sparq_api.config_from_kwargs({"default_layout": False}, held).index == "q8"
     assert sparq_api.config_from_kwargs({"k2": 64}, held).index == "q8"
 
@@ -231,13 +242,15 @@ def test_c_defaults_are_the_python_defaults_disabled():
     (SparqConfig(sparse_v_thresh=1.5), "sparse_v_thresh|Sparse-V|thresh"),
     (SparqConfig(sparse_v_thresh=-0.1), "sparse_v_thresh|Sparse-V|thresh"),
     (SparqConfig(default_layout=True, index="q8"), "q8 index .* default_layout"),
+    (SparqConfig(default_layout=True, index="q4"), "q4 index .* default_layout"),
+    (SparqConfig(index="q4", k1=32), "q4 index .*k1"),
 ])
 def test_c_check_rejects_bad_values(cfg, match):
     with pytest.raises(ValueError, match=match):
         sparq_api.check(cfg)
 
 
-@pytest.mark.parametrize("name,value,match", [("index", 2, "index must be f16 \\(0\\) or q8 \\(1\\), got 2"),
+@pytest.mark.parametrize("name,value,match", [("index", 3, "index must be f16 \\(0\\), q8 \\(1\\) or q4 \\(2\\), got 3"),
                                               ("index", -1, "index must be"),
                                               ("select", 2, "select must be q \\(0\\) or qsigma \\(1\\), got 2")])
 def test_c_check_rejects_unknown_enum_values(name, value, match):
@@ -334,7 +347,8 @@ def test_sparq_false_stores_the_values_given(smollm2_path):
     (dict(sparq=True, k2=16, sparq_window=16, sparq_sinks=1), "window|sinks"),
     (dict(sparq=True, sparse_v_thresh=1.5), "thresh|Sparse-V"),
     (dict(sparq=True, flash_attn=False), "SparQ needs flash attention"),
-    (dict(sparq=True, index="q4"), "index must be one of 'f16', 'q8'"),
+    (dict(sparq=True, index="q2"), "index must be one of 'f16', 'q8', 'q4'"),
+    (dict(sparq=True, index="q4", k1=32), "q4 index .*k1"),
     (dict(sparq=True, select="sigma"), "select must be one of 'q', 'qsigma'"),
     (dict(sparq=True, sparq_default_layout=True, index="q8"), "default_layout"),
 ])

@@ -25,7 +25,7 @@ def test_help_lists_the_flags_with_defaults():
     assert re.search(r"--k2 N.*\n?.*default: 128", text)
     # the defaults shown are the library's (llama_sparq_default_params)
     lib = sparq_api.c_defaults()
-    index = _help_entry(text, "--sparq-index {f16,q8}")
+    index = _help_entry(text, "--sparq-index {f16,q8,q4}")
     assert f"(default: {lib.index}; f16 with --sparq-default-layout)" in index, index
     assert f"(default: {lib.select})" in _help_entry(text, "--sparq-select {q,qsigma}")
     assert "0 = by the index: head_dim/4 with f16, head_dim/2 with q8" in _help_entry(text, "--k1 N")
@@ -49,8 +49,10 @@ def _help_entry(text: str, head: str) -> str:
     (["--sparq", "--k2", "64", "--sparq-window", "60", "--sparq-sinks", "8"], "must not exceed k2"),
     (["--sparq-index", "q8"], "--sparq-index has no effect without --sparq"),
     (["--sparq-select", "qsigma"], "--sparq-select has no effect without --sparq"),
-    (["--sparq", "--sparq-index", "q4"], "\"--sparq-index\": unknown value 'q4', expected f16 or q8"),
-    (["--sparq", "--sparq-index", "F16"], "\"--sparq-index\": unknown value 'F16', expected f16 or q8"),
+    (["--sparq", "--sparq-index", "q2"], "\"--sparq-index\": unknown value 'q2', expected f16, q8 or q4"),
+    (["--sparq", "--sparq-index", "F16"], "\"--sparq-index\": unknown value 'F16', expected f16, q8 or q4"),
+    (["--sparq", "--sparq-index", "q4", "--k1", "8"], "the q4 index scores every key component: k1 must be 0"),
+    (["--sparq", "--sparq-default-layout", "--sparq-index", "q4"], "which default_layout does not keep"),
     (["--sparq", "--sparq-select", "sigma"], "\"--sparq-select\": unknown value 'sigma', expected q or qsigma"),
     (["--sparq", "--sparq-default-layout", "--sparq-index", "q8"], "which default_layout does not keep"),
 ])
@@ -170,7 +172,7 @@ def test_llama_bench_default_layout_takes_the_f16_index(smollm2_path):
     assert res.returncode != 0 and "which default_layout does not keep" in res.stderr
 
 
-@pytest.mark.parametrize(("flag", "value"), [("-sparq-index", "q4"), ("-sparq-select", "sigma")])
+@pytest.mark.parametrize(("flag", "value"), [("-sparq-index", "q2"), ("-sparq-select", "sigma")])
 def test_llama_bench_rejects_bad_index_and_select(smollm2_path, flag, value):
     res = run(["llama-bench", "-m", str(smollm2_path), "-sparq", "1", flag, value], timeout=60)
     assert res.returncode != 0

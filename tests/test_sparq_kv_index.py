@@ -1,9 +1,10 @@
-"""SparQ's index (K^T in f16 or q8_0) and key statistics (select qsigma) in llama.cpp's KV cache, over f16 and
+"""SparQ's index (K^T in f16 or q8_0, or the q4 index) and key statistics (select qsigma) in llama.cpp's KV cache, over f16 and
 quantized (q8_0, q4_0) K/V caches, on the real default model (SmolLM2-135M: 30 layers, 3 KV heads, d = 64).
 
 Oracles:
 * the cache's own keys, read back: the index must be the transposed keys (q8_0: each block of 32 cells quantized
-  from the dequantized keys, empty cells counting as 0) and the key statistics the per-sequence sums of the keys
+  from the dequantized keys, empty cells counting as 0; q4: each block's components quantized as
+  sparq_llama.index.q4_index_quantize does, bit for bit) and the key statistics the per-sequence sums of the keys
   and their squares, after decodes, a removal in the middle and a state load;
 * dense attention with the same cache types, which SparQ with k2 covering the context must equal;
 * the same tokens computed another way (a fresh context, SparQ enabled after the cache was filled, a state
@@ -19,12 +20,13 @@ import numpy as np
 import pytest
 from sparq_llama import SparqConfig
 from sparq_llama import _bindings as C
+from sparq_llama.index import q4_index_dequantize, q4_index_quantize
 from sparq_llama.sparq import SparqRun, last_run
 from test_sparq_decode import N_CTX, N_THREADS, TOL, TOL_DENSE, Ctx, assert_logits_agree
 
 from llama_cpp import llama_cpp as lc  # isort: skip  (after sparq_llama, which points it at our libllama)
 
-INDEX = {"f16": 0, "q8": 1}          # enum llama_sparq_index
+INDEX = {"f16": 0, "q8": 1, "q4": 2}  # enum llama_sparq_index
 SELECT = {"q": 0, "qsigma": 1}       # enum llama_sparq_select
 KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0}
 CACHE_TYPES = {**KV_TYPES, "f32": lc.GGML_TYPE_F32}  # f32 once (test_f32_cache_keeps_the_state), not in every combo
@@ -32,7 +34,8 @@ SPARSE = SparqConfig(k1=8, k2=32, min_n_kv=0, mean="on")
 N_LAYER, N_HEAD_KV, D = 30, 3, 64
 LAYERS = (0, 13, 29)                 # the layers whose tensors the state tests read
 
-COMBOS = [(i, s, t) for t in KV_TYPES for i in INDEX for s in SELECT]
+# the q4 index chooses no components: one select (the default) covers it
+COMBOS = [(i, s, t) for t in KV_TYPES for i in INDEX for s in SELECT if i != "q4" or s == "qsigma"]
 COMBO_IDS = [f"{i}-{s}-{t}" for i, s, t in COMBOS]
 
 
@@ -59,6 +62,8 @@ def make_ctx(model, kv: str, cfg: SparqConfig | None = None, *, index: str = "f1
 def set_sparq(ctx: Ctx, cfg: SparqConfig, index: str, select: str) -> None:
     p = cfg.to_c()
     p.index, p.select = INDEX[index], SELECT[select]
+    if index == "q4":
+        p.k1 = 0                             # it scores every component
     msg = C.llama_sparq_check(ctx.ctx, ctypes.byref(p))
     assert msg is None, msg
     assert C.llama_set_sparq(ctx.ctx, ctypes.byref(p)) == 0, C.llama_sparq_last_error()
@@ -101,6 +106,9 @@ def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYER
             k, kt = k_all[s], kt_all[s]
             where = f"{what}: layer {il} stream {s}"
             kv_size, n_embd = k.shape
+            if index == "q4":
+                check_q4_blocks(k, kt, used, where)
+                continue
             if index == "f16":
                 assert kt.shape == (n_embd, kv_size)
                 want = k.T.astype(np.float16).astype(np.float32)   # f16 K: exact; quantized K: rounded once
@@ -129,6 +137,32 @@ def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYER
                 f"{where}: q8 block scales differ from the keys'")
             empty = ~used_p.reshape(-1, 32)[blocks]
             assert (got[:, empty] == 0).all(), f"{where}: the q8 index holds values in empty cells"
+
+
+def check_q4_blocks(k: np.ndarray, kt: np.ndarray, used: np.ndarray, where: str) -> None:
+    """One stream's q4 index as read back (K^T values [n_embd, row_len]) against the blocks quantized from its keys
+    k [kv_size, n_embd] with the empty cells as 0: equal in every block that holds a token."""
+    kv_size, n_embd = k.shape
+    row_len = -(-kv_size // 32) * 32
+    assert kt.shape == (n_embd, row_len)
+    x = np.where(used[:, None], k, 0.0).astype(np.float32)
+    heads = x.reshape(kv_size, N_HEAD_KV, D).transpose(1, 0, 2)          # [n_head_kv, kv_size, d]
+    want = q4_index_dequantize(*q4_index_quantize(heads))                 # [n_head_kv, row_len, d]
+    want = want.transpose(0, 2, 1).reshape(n_embd, row_len)
+    used_p = np.zeros(row_len, dtype=bool)
+    used_p[:kv_size] = used
+    blocks = np.repeat(used_p.reshape(-1, 32).any(axis=1), 32)
+    got = kt[:, blocks]
+    assert np.array_equal(got, want[:, blocks]), (
+        f"{where}: the q4 index differs from the keys' blocks by up to {np.abs(got - want[:, blocks]).max():.3g}")
+
+
+def check_stats(ctx: Ctx, index: str, what: str) -> None:
+    """The key statistics where the index needs them (check_kstat); the q4 index keeps none."""
+    if index == "q4":
+        assert read(ctx, LAYERS[0], 3) is None, "the q4 index keeps no key statistics"
+    else:
+        check_kstat(ctx, what)
 
 
 def check_kstat(ctx: Ctx, what: str, layers: tuple[int, ...] = LAYERS, n_head_kv: int = N_HEAD_KV,
@@ -183,7 +217,7 @@ def test_state_follows_the_cache(model, toks, index, select, kv):
     def check(ctx: Ctx, what: str) -> None:
         check_index(ctx, index, what)
         if select == "qsigma":
-            check_kstat(ctx, what)
+            check_stats(ctx, index, what)
         else:
             assert read(ctx, LAYERS[0], 3) is None, "select q keeps no key statistics"
 
@@ -211,7 +245,7 @@ def test_state_follows_the_cache(model, toks, index, select, kv):
 
 
 @pytest.mark.parametrize("kv_unified", [False, True], ids=["streams", "unified"])
-@pytest.mark.parametrize("index", ["f16", "q8"])
+@pytest.mark.parametrize("index", ["f16", "q8", "q4"])
 def test_two_sequences_in_one_batch(model, toks, index, kv_unified):
     """Both sequences decode in each batch: one stream each (a write per stream), or one shared stream, where the
     two new cells fall in one q8 block or in two as the steps go on (graphs built for one block are not reused
@@ -221,15 +255,15 @@ def test_two_sequences_in_one_batch(model, toks, index, kv_unified):
         ctx.prefill(toks[:150], seq=0)
         ctx.prefill(toks[300:397], seq=1)
         check_index(ctx, index, "after two prefills")
-        check_kstat(ctx, "after two prefills")
+        check_stats(ctx, index, "after two prefills")
         for i in range(40):
             ctx.decode([(toks[150 + i], 150 + i, 0, True), (toks[397 + i], 97 + i, 1, True)])
         check_index(ctx, index, "after decodes of both sequences in one batch")
-        check_kstat(ctx, "after decodes of both sequences in one batch")
+        check_stats(ctx, index, "after decodes of both sequences in one batch")
         assert lc.llama_memory_seq_rm(ctx.mem, 1, -1, -1)
         ctx.decode([(toks[190], 190, 0, True)])
         check_index(ctx, index, "after removing sequence 1 and a decode")
-        check_kstat(ctx, "after removing sequence 1 and a decode")
+        check_stats(ctx, index, "after removing sequence 1 and a decode")
 
 
 def test_rebuild_over_eight_streams(model, toks):
@@ -279,16 +313,21 @@ def test_f32_cache_keeps_the_state(model, toks, index):
         ctx.prefill(toks[:150])
         ctx.steps(toks[150:170], 150)
         check_index(ctx, index, "an f32 cache after a prefill and decodes")
-        check_kstat(ctx, "an f32 cache after a prefill and decodes")
+        check_stats(ctx, index, "an f32 cache after a prefill and decodes")
 
 
-def test_q8_index_is_refused_with_the_default_layout(model):
+def test_quantized_indexes_are_refused_with_the_default_layout(model):
     with make_ctx(model, "f16") as ctx:
-        p = dataclasses.replace(SPARSE, default_layout=True).to_c()
-        p.index = INDEX["q8"]
+        for index in ("q8", "q4"):
+            p = dataclasses.replace(SPARSE, k1=None, default_layout=True).to_c()
+            p.index = INDEX[index]
+            msg = C.llama_sparq_check(ctx.ctx, ctypes.byref(p))
+            assert msg is not None and b"use the f16 index" in msg and index.encode() in msg, msg
+        p = SPARSE.to_c()
+        p.index = INDEX["q4"]                        # k1 = 8: the q4 index scores every component
         msg = C.llama_sparq_check(ctx.ctx, ctypes.byref(p))
-        assert msg is not None and b"use the f16 index" in msg, msg
-        for field, value in (("index", 2), ("select", 2), ("index", -1), ("select", -1)):
+        assert msg is not None and b"k1 must be 0" in msg, msg
+        for field, value in (("index", 3), ("select", 2), ("index", -1), ("select", -1)):
             p = SPARSE.to_c()
             setattr(p, field, value)
             msg = C.llama_sparq_check(ctx.ctx, ctypes.byref(p))

@@ -7,6 +7,7 @@
 //      (K^T as the index stores it: a float type, or int8 with one scale per component and 32 cells),
 //      p_g = softmax(scale * s_g / sqrt(rho_g)), rho_g = |q_g[I1]|_1 / |q_g|_1 (q) or
 //      sum_{I1} (q_g,i sigma_i)^2 / sum_i (q_g,i sigma_i)^2 (qsigma: the share of the score's variance).
+//      With the q4 index every component is scored (k1 = head_dim, rho_g = 1) as integer dot products (below).
 //   3. I2 = window (last visible) + sinks (first visible) + top of sum_g p_g (ties: lower cell index).
 //   4. exact attention of each q_g over I2 (softcap, optional Sparse-V threshold).
 //   5. mean on: y_g = alpha_g * y_g + (1 - alpha_g) * mean(V over V_t), alpha_g = sum_{I2} p_g.
@@ -37,6 +38,17 @@ enum ggml_sparq_select {
                                   // weighs each component (a component all keys share shifts every score alike)
 };
 
+// The q4 index: per KV head and block of 32 cells, every key component in 4 bits with one f16 scale per component
+// (ggml's q4_0 of the component's 32 cells: s = the signed value of largest magnitude / -8, n = min(15, (int)
+// (x/s + 8.5)), reading back (n - 8)*s), stored cell-major so that a cell's components lie side by side for integer
+// dot products. A block is 18*d bytes: d/8 nibble words per cell, word w of cell c the u32 at byte 4*(32*w + c) (byte
+// j: low nibble component 8w + j, high nibble component 8w + 4 + j), then the d f16 scales from byte 16*d.
+// Scores: for query head g and a block, w_i = q_g,i * s_i and m = max_i |w_i| (f32); if m = 0 the block's cells score
+// 0, else a_i = rint(w_i * (127/m)) (int8) and cell c scores (m/127) * (sum_i a_i*n_i,c - 8*sum_i a_i), the sum an
+// exact integer (the query's int8 coefficients against the 4-bit keys: dp4a's operands).
+#define GGML_SPARQ_Q4_CELLS 32  // cells per block
+#define GGML_SPARQ_Q4_DIM_BYTES 18  // a block's bytes per key component: 16 of nibbles, 2 of scale
+
 struct ggml_sparq_params {
     int32_t k1;               // r: query components for the approximate scores, 1..head_dim
     int32_t k2;               // k: cells kept per (KV head, query row), >= 1
@@ -60,6 +72,8 @@ GGML_API struct ggml_sparq_params ggml_sparq_default_params(void);
 //        n_kt = n_kv, or q8_0 with n_kt = n_kv rounded up to 32: per component row, blocks of 32 cells with one
 //        f16 scale each (ggml's q8_0 of the row). The op scores from it as it is; it is K^T of the keys as k
 //        holds them (dequantized), quantized per block (the cells of a block past n_kv are ignored).
+//        Or the q4 index: i8 [18*d, n_kt/32, n_head_kv, ns] (n_kt = n_kv rounded up to 32, d % 8 == 0, k1 = d),
+//        per KV head and stream its blocks of 32 cells, each 18*d bytes (layout and scores: "The q4 index" above).
 //   v    [d_v,    n_kv, n_head_kv, ns] as k's types (quantized: d_v % 32 == 0)
 //   mask [n_kv,   n_q,  1,         ns or 1] f16 (0 visible, -inf hidden), or NULL (all visible)
 //   vsum [d_v+1,  n_head_kv, n_q,  ns] f32 or NULL: per query row, the sum of V over its visible cells
@@ -175,7 +189,9 @@ GGML_API struct ggml_tensor * ggml_sparq_decode_upkeep(struct ggml_context * ctx
 // ggml_sparq_index_write: blocks of the index (K^T) recomputed from K, in one node (the derived KV state's upkeep after
 // a ubatch's K writes, and its rebuild).
 //   kt     [row_len, n_embd, n_stream] f32, f16, bf16 or q8_0, contiguous: per stream and key component a row of
-//          cells, in blocks of B cells (B = 32 for q8_0, else 1); row_len a multiple of B
+//          cells, in blocks of B cells (B = 32 for q8_0, else 1); row_len a multiple of B; or the q4 index,
+//          contiguous i8 [18*d, n_head_kv, row_len/32, n_stream] with d*n_head_kv = n_embd: per stream and block of
+//          32 cells, each KV head's q4 block (B = 32; a block's q4 quantization is over its 32 cells)
 //   k      [n_embd, kv_size, n_stream] in a KV cache type (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1),
 //          contiguous: the cache's keys
 //   cells  [B*n_blk*ns] i32: per written block its B cells, as indices of k's rows over all streams
@@ -185,8 +201,8 @@ GGML_API struct ggml_tensor * ggml_sparq_decode_upkeep(struct ggml_context * ctx
 //   blk    [n_blk, 1, ns] i64: the block numbers (within a component row) written in streams s0 .. s0 + ns - 1
 // For stream j < ns, block b < n_blk and component e < n_embd, the B cells from blk[b, j]*B of row e of kt's stream
 // s0 + j get x_u = k[e, cells[(j*n_blk + b)*B + u]] * mask[...], dequantized, converted to kt's type as
-// ggml_set_rows converts (q8_0: one block's scale amax/127 and rounded values). The result is kt itself (a view,
-// written in place), as for ggml_set_rows. It replaces get_rows, the mask product, a permuted copy and set_rows.
+// ggml_set_rows converts (q8_0: one block's scale amax/127 and rounded values; q4: the q4 index's blocks). The result
+// is kt itself (a view, written in place), as for ggml_set_rows. It replaces get_rows, the mask product, a permuted copy and set_rows.
 GGML_API const char * ggml_sparq_index_write_check(
         const struct ggml_tensor * kt, const struct ggml_tensor * k, const struct ggml_tensor * cells,
         const struct ggml_tensor * mask, const struct ggml_tensor * blk, int32_t s0);

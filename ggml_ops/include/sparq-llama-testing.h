@@ -15,7 +15,7 @@ struct ggml_sparq_params;
 // One evaluation of ggml_sparq_attn over host arrays, for tests and research (sparq_llama.ops).
 // Arrays are C-contiguous in ggml order (ne0 fastest): q [ns][n_head][n_q][d] f32,
 // k [ns][n_head_kv][n_kv][d] of k_type, kt [ns][n_head_kv][d][n_kt] of kt_type (or NULL; n_kt = n_kv, or n_kv
-// rounded up to 32 for q8_0), v [ns][n_head_kv][n_kv][d_v] of v_type (ggml_types: f32, f16, bf16, or q8_0, q4_0,
+// rounded up to 32 for q8_0; i8, the q4 index: [ns][n_head_kv][n_kv/32 rounded up][18*d]), v [ns][n_head_kv][n_kv][d_v] of v_type (ggml_types: f32, f16, bf16, or q8_0, q4_0,
 // q4_1, q5_0, q5_1 as ggml's blocks of each row), mask [mask_ns][n_q][n_kv] f16 0/-inf (or NULL),
 // vsum [ns][n_q][n_head_kv][d_v + 1] f32 (or NULL), kstat [ns][n_q][n_head_kv][2d + 1] f32 (or NULL);
 // out [ns][n_q][n_head][d_v] f32.
@@ -41,7 +41,8 @@ SPARQ_API int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * args, c
 
 // One of a context's per-layer KV tensors copied to host as f32 (quantized types dequantized), for the tests of
 // SparQ's derived KV state against the cache it derives from. layer il; what: 0 the cache's K
-// [n_stream][kv_size][n_embd_k_gqa], 1 the index K^T [n_stream][n_embd_k_gqa][row_len], 2 the V sums
+// [n_stream][kv_size][n_embd_k_gqa], 1 the index K^T [n_stream][n_embd_k_gqa][row_len] (the q4 index's
+// values as it reads them back), 2 the V sums
 // [n_seq_max][(d_v + 1)*n_head_kv], 3 the key statistics [n_seq_max][(2*d_k + 1)*n_head_kv], 4 the occupancy of
 // the cells of layer il's cache [n_stream][kv_size] (1: the cell holds a token), 5 the cells each sequence holds
 // in its stream [n_seq_max][kv_size] (1: it does). ne_out[0..2] gets the
@@ -90,8 +91,9 @@ struct kstat_rows_eval_args {
 SPARQ_API int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * args, char * err, size_t err_size);
 
 // One evaluation of ggml_sparq_index_write (sparq_llama.ops.index_write): kt [n_stream][n_embd][row_len] of kt_type
-// (f32, f16, bf16 or q8_0 as ggml's blocks: the index before the op), k [n_stream][kv_size][n_embd] of k_type (a KV
-// cache type, as ggml's blocks), cells [B*n_blk*ns] i32 (B = 32 for q8_0, else 1), mask [B*n_blk*ns] f32 (or NULL),
+// (f32, f16, bf16 or q8_0 as ggml's blocks: the index before the op; i8: the q4 index
+// [n_stream][row_len/32][n_embd/head_dim][18*head_dim]), k [n_stream][kv_size][n_embd] of k_type (a KV
+// cache type, as ggml's blocks), cells [B*n_blk*ns] i32 (B = 32 for q8_0 and q4, else 1), mask [B*n_blk*ns] f32 (or NULL),
 // blk [ns][n_blk] i64, s0 as the op takes them; kt_out gets the index after the op (kt's size in bytes).
 struct index_write_eval_args {
     const char * device;   // NULL or "": the CPU
@@ -105,6 +107,7 @@ struct index_write_eval_args {
     const float   * mask;
     const int64_t * blk;
     void          * kt_out;
+    int64_t         head_dim;  // the q4 index's head dim (kt_type i8); unused otherwise
 };
 SPARQ_API int sparq_llama_eval_index_write(const struct index_write_eval_args * args, char * err, size_t err_size);
 
@@ -207,7 +210,7 @@ struct sparq_bench_args {
     double     * sparq_us; // [n_runs]
     double     * flash_us; // [n_runs]
     int64_t      n_seq;    // sequences (streams), each with its own n_kv cells; 0: 1
-    int          kt_type;  // the index's ggml_type (f16, q8_0, ...); -1: kv_type
+    int          kt_type;  // the index's ggml_type (f16, q8_0, ..., i8: the q4 index); -1: kv_type
 };
 SPARQ_API int sparq_llama_bench_attn(const struct sparq_bench_args * args, char * err, size_t err_size);
 

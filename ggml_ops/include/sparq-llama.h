@@ -48,6 +48,9 @@ enum llama_sparq_index {
     LLAMA_SPARQ_INDEX_F16 = 0, // K^T in f16: 2 bytes a component
     LLAMA_SPARQ_INDEX_Q8  = 1, // K^T in int8, one f16 scale per component and 32 cells: 1.0625 bytes a component,
                                // so twice the components for the bytes of the f16 index
+    LLAMA_SPARQ_INDEX_Q4  = 2, // every key component in 4 bits, one f16 scale per component and 32 cells (0.5625
+                               // bytes a component), scored as integer dot products: k1 = head_dim, no component
+                               // choice (select is unused), 6% more bytes than the q8 index at head_dim/2
 };
 
 // How the k1 components are chosen (ggml_sparq_select).
@@ -60,7 +63,8 @@ enum llama_sparq_select {
 struct llama_sparq_params {
     bool    enabled;         // false: dense attention everywhere, no derived state kept
     int32_t k1;              // query components for the approximate scores; 0: about 1/8 of dense attention's
-                             // bytes: head_dim/4 with the f16 index, head_dim/2 with the q8 index
+                             // bytes: head_dim/4 with the f16 index, head_dim/2 with the q8 index; the q4 index
+                             // reads every component (k1 must be 0 with it)
     int32_t k2;              // cells kept per KV head and query row (default 128)
     int32_t window;          // most recent cells always kept; -1: k2/4
     int32_t sinks;           // first cells always kept (default 0)

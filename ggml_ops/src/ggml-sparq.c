@@ -91,9 +91,22 @@ const char * ggml_sparq_attn_check(
     if (k->nb[0] != ggml_type_size(k->type) || v->nb[0] != ggml_type_size(v->type) || q->nb[0] != sizeof(float)) {
         return sparq_fail("rows of q, k and v must be contiguous");
     }
-    if (kt) {
+    if (kt && kt->type == GGML_TYPE_I8) {
+        const int64_t n_blk = (n_kv + GGML_SPARQ_Q4_CELLS - 1) / GGML_SPARQ_Q4_CELLS;
+        if (d % 8 != 0 || kt->ne[0] != GGML_SPARQ_Q4_DIM_BYTES*d || kt->ne[1] != n_blk || kt->ne[2] != n_head_kv ||
+            kt->ne[3] != ns || kt->nb[0] != 1) {
+            return sparq_fail("the q4 index (kt i8) must be [18*d=%lld, n_kv/32 rounded up=%lld, n_head_kv=%lld, "
+                              "ns=%lld] with contiguous blocks, d a multiple of 8", (long long) (18*d), (long long) n_blk,
+                              (long long) n_head_kv, (long long) ns);
+        }
+        if (p->k1 != d) {
+            return sparq_fail("the q4 index scores every key component: k1 must be head_dim (%lld), got %d",
+                              (long long) d, p->k1);
+        }
+    } else if (kt) {
         if (!sparq_float_type(kt->type) && kt->type != GGML_TYPE_Q8_0) {
-            return sparq_fail("kt (the index) must be f32, f16, bf16 or q8_0, got %s", ggml_type_name(kt->type));
+            return sparq_fail("kt (the index) must be f32, f16, bf16, q8_0 or i8 (the q4 index), got %s",
+                              ggml_type_name(kt->type));
         }
         const int64_t n_kt = kt->type == GGML_TYPE_Q8_0 ? (n_kv + 31) / 32 * 32 : n_kv;
         if (kt->ne[0] != n_kt || kt->ne[1] != d || kt->ne[2] != n_head_kv || kt->ne[3] != ns ||
@@ -355,24 +368,43 @@ const char * ggml_sparq_index_write_check(
     if (!kt || !k || !cells || !blk) {
         return index_fail("kt, k, cells and blk are required");
     }
-    if (!sparq_float_type(kt->type) && kt->type != GGML_TYPE_Q8_0) {
-        return index_fail("kt must be f32, f16, bf16 or q8_0, got %s", ggml_type_name(kt->type));
+    const bool q4 = kt->type == GGML_TYPE_I8;
+    if (!sparq_float_type(kt->type) && kt->type != GGML_TYPE_Q8_0 && !q4) {
+        return index_fail("kt must be f32, f16, bf16, q8_0 or i8 (the q4 index), got %s", ggml_type_name(kt->type));
     }
-    if (!ggml_is_contiguous(kt) || kt->ne[3] != 1) {
-        return index_fail("kt must be a contiguous [row_len, n_embd, n_stream] tensor");
+    if (!ggml_is_contiguous(kt) || (!q4 && kt->ne[3] != 1)) {
+        return index_fail(q4 ? "the q4 index must be a contiguous [18*d, n_head_kv, row_len/32, n_stream] tensor"
+                             : "kt must be a contiguous [row_len, n_embd, n_stream] tensor");
     }
     if (!sparq_kv_type_ok(k->type) || !ggml_is_contiguous(k) || k->ne[3] != 1) {
         return index_fail("k must be a contiguous [n_embd, kv_size, n_stream] tensor in a KV cache type");
     }
-    const int64_t B = ggml_blck_size(kt->type), row_len = kt->ne[0], n_embd = kt->ne[1], n_stream = kt->ne[2];
+    int64_t B, row_len, n_embd, n_stream, head_dim;
+    if (q4) {
+        head_dim = kt->ne[0] / GGML_SPARQ_Q4_DIM_BYTES;
+        B        = GGML_SPARQ_Q4_CELLS;
+        row_len  = kt->ne[2] * B;
+        n_embd   = head_dim * kt->ne[1];
+        n_stream = kt->ne[3];
+        if (kt->ne[0] % GGML_SPARQ_Q4_DIM_BYTES != 0 || head_dim % 8 != 0) {
+            return index_fail("the q4 index's blocks must be 18*d bytes with d a multiple of 8, got %lld",
+                              (long long) kt->ne[0]);
+        }
+    } else {
+        B        = ggml_blck_size(kt->type);
+        row_len  = kt->ne[0];
+        n_embd   = kt->ne[1];
+        n_stream = kt->ne[2];
+        head_dim = n_embd;  // any split into heads: each component's row is written on its own
+    }
     const int64_t kv_size = k->ne[1], n_blk = blk->ne[0], ns = blk->ne[2];
     if (k->ne[0] != n_embd || k->ne[2] != n_stream || row_len % B != 0 || row_len < kv_size) {
-        return index_fail("kt [%lld, %lld, %lld] is not an index of k [%lld, %lld, %lld] (blocks of %lld cells)",
-                          (long long) row_len, (long long) n_embd, (long long) n_stream, (long long) k->ne[0],
-                          (long long) kv_size, (long long) k->ne[2], (long long) B);
+        return index_fail("kt [%lld, %lld, %lld, %lld] is not an index of k [%lld, %lld, %lld] (blocks of %lld cells)",
+                          (long long) kt->ne[0], (long long) kt->ne[1], (long long) kt->ne[2], (long long) kt->ne[3],
+                          (long long) k->ne[0], (long long) kv_size, (long long) k->ne[2], (long long) B);
     }
-    if (k->ne[0] % ggml_blck_size(k->type) != 0) {
-        return index_fail("k's rows must be whole blocks of its type");
+    if (k->ne[0] % ggml_blck_size(k->type) != 0 || (q4 && head_dim % ggml_blck_size(k->type) != 0)) {
+        return index_fail("k's rows (and the q4 index's heads) must be whole blocks of k's type");
     }
     if (blk->type != GGML_TYPE_I64 || blk->ne[1] != 1 || blk->ne[3] != 1 || !ggml_is_contiguous(blk) ||
         s0 < 0 || s0 + ns > n_stream) {

@@ -83,6 +83,17 @@ int compute_op(ggml_backend * backend, ggml_backend_dev_t dev, ggml_context * c,
     return 0;
 }
 
+// The op's index tensor for kt_type: K^T [n_kt, d, n_head_kv, ns] (n_kt = n_kv, or whole q8_0 blocks), or the q4
+// index (i8): per KV head and stream its blocks of 32 cells, 18*d bytes each.
+ggml_tensor * new_index(ggml_context * c, ggml_type kt_type, int64_t d, int64_t n_kv, int64_t n_head_kv, int64_t ns) {
+    if (kt_type == GGML_TYPE_I8) {
+        const int64_t n_blk = (n_kv + GGML_SPARQ_Q4_CELLS - 1) / GGML_SPARQ_Q4_CELLS;
+        return ggml_new_tensor_4d(c, kt_type, GGML_SPARQ_Q4_DIM_BYTES*d, n_blk, n_head_kv, ns);
+    }
+    const int64_t n_kt = kt_type == GGML_TYPE_Q8_0 ? GGML_PAD(n_kv, 32) : n_kv;
+    return ggml_new_tensor_4d(c, kt_type, n_kt, d, n_head_kv, ns);
+}
+
 }  // namespace
 
 int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, size_t err_size) {
@@ -104,10 +115,9 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
-    const int64_t n_kt = kt_type == GGML_TYPE_Q8_0 ? GGML_PAD(a->n_kv, 32) : a->n_kv;
     ggml_tensor * q  = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
     ggml_tensor * k  = ggml_new_tensor_4d(c, k_type, a->d, a->n_kv, a->n_head_kv, a->ns);
-    ggml_tensor * kt = a->kt ? ggml_new_tensor_4d(c, kt_type, n_kt, a->d, a->n_head_kv, a->ns) : nullptr;
+    ggml_tensor * kt = a->kt ? new_index(c, kt_type, a->d, a->n_kv, a->n_head_kv, a->ns) : nullptr;
     ggml_tensor * v  = ggml_new_tensor_4d(c, v_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
     ggml_tensor * mask = a->mask ? ggml_new_tensor_4d(c, GGML_TYPE_F16, a->n_kv, a->n_q, 1, a->mask_ns) : nullptr;
     ggml_tensor * vsum = a->vsum ? ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d_v + 1, a->n_head_kv, a->n_q, a->ns) : nullptr;
@@ -232,7 +242,12 @@ int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * 
         }
     }
     const auto kt_type = (ggml_type) a->kt_type, k_type = (ggml_type) a->k_type;
-    const int64_t B = ggml_blck_size(kt_type);
+    const bool q4 = kt_type == GGML_TYPE_I8;
+    const int64_t B = q4 ? GGML_SPARQ_Q4_CELLS : ggml_blck_size(kt_type);
+    if (q4 && (a->head_dim < 8 || a->head_dim % 8 != 0 || a->n_embd % a->head_dim != 0)) {
+        return fail(err, err_size, "the q4 index needs head_dim a multiple of 8 that divides n_embd, got %lld",
+                    (long long) a->head_dim);
+    }
     if (a->n_embd < 1 || a->row_len < 1 || a->kv_size < 1 || a->n_stream < 1 || a->n_blk < 1 || a->ns < 1) {
         return fail(err, err_size, "need n_embd, row_len, kv_size, n_stream, n_blk, ns >= 1");
     }
@@ -259,7 +274,9 @@ int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * 
     ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
     std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
     ggml_context * c = ctx.get();
-    ggml_tensor * kt    = ggml_new_tensor_3d(c, kt_type, a->row_len, a->n_embd, a->n_stream);
+    ggml_tensor * kt    = q4 ? ggml_new_tensor_4d(c, kt_type, GGML_SPARQ_Q4_DIM_BYTES*a->head_dim,
+                                                  a->n_embd/a->head_dim, a->row_len/B, a->n_stream)
+                             : ggml_new_tensor_3d(c, kt_type, a->row_len, a->n_embd, a->n_stream);
     ggml_tensor * k     = ggml_new_tensor_3d(c, k_type, a->n_embd, a->kv_size, a->n_stream);
     ggml_tensor * cells = ggml_new_tensor_1d(c, GGML_TYPE_I32, B*a->n_blk*a->ns);
     ggml_tensor * mask  = a->mask ? ggml_new_tensor_1d(c, GGML_TYPE_F32, B*a->n_blk*a->ns) : nullptr;
@@ -401,6 +418,24 @@ void fill_random(ggml_tensor * t, const random_pool & pool, std::mt19937 & rng) 
     }
 }
 
+// A q4 index of random blocks: random nibbles, the pool's normal values as the scales, tiled from random offsets
+void fill_q4_index(ggml_tensor * kt, const random_pool & pool, std::mt19937 & rng) {
+    const int64_t block_bytes = kt->ne[0], d = block_bytes / GGML_SPARQ_Q4_DIM_BYTES, n_pool = 4096;
+    std::vector<uint8_t> blocks(n_pool * block_bytes);
+    for (int64_t b = 0; b < n_pool; ++b) {
+        uint8_t * blk = blocks.data() + b * block_bytes;
+        for (int64_t i = 0; i < 16 * d; ++i) {
+            blk[i] = (uint8_t) rng();
+        }
+        memcpy(blk + 16 * d, pool.f16.data() + (rng() % (pool.f16.size() - d)), d * sizeof(ggml_fp16_t));
+    }
+    const size_t total = ggml_nbytes(kt), tile = (size_t) (n_pool / 2) * block_bytes;
+    for (size_t off = 0; off < total; off += tile) {
+        const size_t start = (rng() % (n_pool / 2)) * block_bytes;
+        ggml_backend_tensor_set(kt, blocks.data() + start, off, std::min(tile, total - off));
+    }
+}
+
 // Heavy-tailed queries (a few large components, as real models have): z * (1 + 0.3 z^2).
 void fill_queries(ggml_tensor * q, std::mt19937 & rng) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -431,8 +466,7 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     const int64_t d = a->d, n_kv = a->n_kv, ns = std::max<int64_t>(1, a->n_seq);
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, ns);
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
-    const int64_t n_kt = kt_type == GGML_TYPE_Q8_0 ? GGML_PAD(n_kv, 32) : n_kv;
-    ggml_tensor * kt   = a->use_kt ? ggml_new_tensor_4d(c, kt_type, n_kt, d, a->n_head_kv, ns) : nullptr;
+    ggml_tensor * kt   = a->use_kt ? new_index(c, kt_type, d, n_kv, a->n_head_kv, ns) : nullptr;
     ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
     ggml_tensor * mask = ggml_new_tensor_4d(c, GGML_TYPE_F16, n_kv, 1, 1, 1);
     ggml_tensor * vsum = ggml_new_tensor_4d(c, GGML_TYPE_F32, d + 1, a->n_head_kv, 1, ns);
@@ -466,7 +500,9 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     const random_pool pool(rng);
     fill_queries(q, rng);
     for (ggml_tensor * t : { k, kt, v }) {
-        if (t) {
+        if (t && t->type == GGML_TYPE_I8) {
+            fill_q4_index(t, pool, rng);
+        } else if (t) {
             fill_random(t, pool, rng);
         }
     }

@@ -374,7 +374,8 @@ class IndexWriteEvalArgs(ctypes.Structure):
     _fields_ = [("device", ctypes.c_char_p), ("n_threads", ctypes.c_int), ("kt_type", ctypes.c_int),
                 ("k_type", ctypes.c_int)] + \
         [(n, ctypes.c_int64) for n in ("n_embd", "row_len", "kv_size", "n_stream", "n_blk", "ns")] + \
-        [("s0", ctypes.c_int32)] + [(n, ctypes.c_void_p) for n in ("kt", "k", "cells", "mask", "blk", "kt_out")]
+        [("s0", ctypes.c_int32)] + [(n, ctypes.c_void_p) for n in ("kt", "k", "cells", "mask", "blk", "kt_out")] + \
+        [("head_dim", ctypes.c_int64)]  # the q4 index's (kt_type I8: n_head_kv = n_embd / head_dim); else 0
 
 
 class CentroidEvalArgs(ctypes.Structure):

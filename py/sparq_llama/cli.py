@@ -32,7 +32,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    cfg = demo.DemoConfig(**{f.name: getattr(args, f.name) for f in fields(demo.DemoConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(demo.DemoConfig)}
+    if values["k1"] is None and values["index"] != "q4":  # --k1 not given: the demo's k1 (q4: head_dim)
+        values["k1"] = demo.DemoConfig.k1
+    cfg = demo.DemoConfig(**values)
     res = demo.run(cfg)
     print(demo.report(cfg, res))
     return 0
@@ -91,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="interleaved rounds of a dense and a SparQ run; the report gives the median and range "
                            "(default: %(default)s)")
     demo.add_argument("--seed", type=int, default=d.seed)
-    demo.add_argument("--k1", type=int, default=d.k1,
-                      help="SparQ: query components for the approximate scores (default: %(default)s)")
+    demo.add_argument("--k1", type=int, default=None,
+                      help=f"SparQ: query components for the approximate scores (default: {d.k1}; head_dim with "
+                           f"--sparq-index q4, the only k1 it takes)")
     demo.add_argument("--k2", type=int, default=d.k2, help="SparQ: KV cells kept per step (default: %(default)s)")
     demo.add_argument("--sparq-index", dest="index", choices=INDEXES, default=d.index,
                       help=f"SparQ: the key index the approximate scores read (default: {DEFAULT_INDEX})")

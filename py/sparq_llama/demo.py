@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from . import models, texts
 from .shape import AttentionShape, attention_shape
-from .sparq import DEFAULT_INDEX, DEFAULT_SELECT, INDEXES, SELECTS, transfer_ratio
+from .sparq import DEFAULT_INDEX, DEFAULT_SELECT, INDEXES, SELECTS, check_q4_k1, default_k1, transfer_ratio
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,10 @@ class DemoConfig:
     n_threads: int | None = None    # None: the cores not busy (choose_threads)
     repeats: int = 3                # interleaved rounds of a dense and a SparQ run
     seed: int = 1234
-    k1: int | None = 16             # query components for SparQ's approximate scores; None: by the index
+    k1: int | None = 16             # query components for SparQ's approximate scores; None: by the index (q4: None
+                                    # or head_dim, every component)
     k2: int = 128                   # KV cells kept per head and decode step
-    index: str | None = None        # SparQ's key index, "f16" or "q8"; None: the library's default
+    index: str | None = None        # SparQ's key index, "f16", "q8" or "q4"; None: the library's default
     select: str = DEFAULT_SELECT    # how the k1 components are chosen, "q" or "qsigma"
 
     def check(self) -> None:
@@ -283,21 +284,25 @@ def run(cfg: DemoConfig) -> DemoResult:
     # Dense first; the SparQ settings are stored now and switched on later with set_sparq. Flash attention
     # in both runs: SparQ needs it, and the dense baseline is then llama.cpp's fastest path.
     llm = Llama(str(path), n_ctx=cfg.n_ctx, n_batch=512, flash_attn=True, seed=cfg.seed,
-                n_threads=n_threads, verbose=False, sparq=False, k1=cfg.k1, k2=cfg.k2, index=cfg.index,
+                n_threads=n_threads, verbose=False, sparq=False, k1=None if cfg.index == "q4" else cfg.k1, k2=cfg.k2,
+                index=cfg.index,
                 select=cfg.select)
     try:
         shape = attention_shape(llm)
         index = llm.sparq.index
-        k1 = cfg.k1 if cfg.k1 is not None else shape.head_dim // (2 if index == "q8" else 4)
+        k1 = cfg.k1 if cfg.k1 is not None else default_k1(shape.head_dim, index)
+        if index == "q4":  # every component: the settings hold k1 = 0 (head_dim), the report the head dim
+            check_q4_k1(k1, shape.head_dim)
+        sparq_k1 = None if index == "q4" else k1
         prompt = build_prompt(llm, cfg)
         tail = llm.detokenize(prompt[-48:], prev_tokens=prompt[:-48]).decode("utf-8", errors="replace")
 
         runs: dict[str, list[RunResult]] = {"dense": [], "sparq": []}
-        held = llm.set_sparq(enabled=True, k1=k1, k2=cfg.k2)
+        held = llm.set_sparq(enabled=True, k1=sparq_k1, k2=cfg.k2)
         label = f"SparQ k1={k1} k2={cfg.k2} index={held.index} select={held.select}"
         for i in range(cfg.repeats):
             for side in ("dense", "sparq") if i % 2 == 0 else ("sparq", "dense"):
-                llm.set_sparq(enabled=side == "sparq", k1=k1, k2=cfg.k2)
+                llm.set_sparq(enabled=side == "sparq", k1=sparq_k1, k2=cfg.k2)
                 name = f"round {i + 1}/{cfg.repeats}: " + ("dense" if side == "dense" else label)
                 runs[side].append(generate(llm, prompt, cfg.max_tokens, name))
             machine.load_max = max(machine.load_max, _load())

@@ -43,9 +43,9 @@ class Llama(_UpstreamLlama):
               sparq_default_layout=False, sparq_prefill=False, sparq_policy="sparq", sparse_v_thresh=0.0,
               sparq_swa=False, sparq_min_n_kv=None, index=None, select=DEFAULT_SELECT, ...)
 
-    `index` is the key index the approximate scores read, "f16" or "q8" (None: `sparq.DEFAULT_INDEX`, or f16
-    with sparq_default_layout); `select` how the k1 components are chosen, "q" or "qsigma" (default:
-    `sparq.DEFAULT_SELECT`).
+    `index` is the key index the approximate scores read, "f16", "q8" or "q4" (None: `sparq.DEFAULT_INDEX`, or
+    f16 with sparq_default_layout; q4 scores every component: k1 None or the model's head dim); `select` how the k1
+    components are chosen, "q" or "qsigma" (default: `sparq.DEFAULT_SELECT`; no part with q4).
 
     `sparq=True` turns flash attention on unless `flash_attn` is given (`flash_attn=False` with it is a
     ValueError: SparQ needs flash attention's row-major V cache). The SparQ values are checked before the

@@ -32,7 +32,7 @@ from ._bindings import (
     VsumRowsEvalArgs,
 )
 from ._system import devices
-from .index import INDEXES, Q8_BLOCK, SELECTS, q8_0_bytes, q8_0_quantize
+from .index import INDEXES, Q4_BLOCK, Q8_BLOCK, SELECTS, q4_index_bytes, q8_0_bytes, q8_0_quantize
 from .sparq import MEAN_MODES, POLICIES
 from .squeeze import GROUPS, INITS, Clusters
 
@@ -40,6 +40,8 @@ from .squeeze import GROUPS, INITS, Clusters
 _GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
 _QUANT_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
 _Q8_0 = 8
+_I8 = 24  # GGML_TYPE_I8: the q4 index's blocks (their own layout: sparq_llama.index)
+_KT_TYPE = {"f16": _GGML_TYPES["f16"], "q8": _Q8_0, "q4": _I8}  # the op's kt type of each index
 _MEAN = {name: i for i, name in enumerate(MEAN_MODES)}      # enum ggml_sparq_mean
 _POLICY = {name: i for i, name in enumerate(POLICIES)}      # enum ggml_sparq_policy
 _GROUP = {name: i for i, name in enumerate(GROUPS)}         # enum ggml_centroid_group
@@ -141,8 +143,9 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     """ggml_sparq_attn on our library; arguments as `reference.sparq_attn` (pos, select and index included), plus:
 
     kv_dtype: type K is stored in (f32, f16, bf16, or a quantized cache type: q8_0, q4_0, q4_1, q5_0, q5_1);
-    v_dtype: V's (None: kv_dtype); layout: "kt" passes the index (K^T in f16, or in q8_0 blocks with index="q8"),
-    "default" lets the op gather from row-major K; n_threads: CPU threads (None:
+    v_dtype: V's (None: kv_dtype); layout: "kt" passes the index (K^T in f16, in q8_0 blocks with index="q8", or
+    with index="q4" the q4 index's blocks as i8 bytes [ns, n_head_kv, ceil(n_kv/32), 18*d], k1 then d),
+    "default" lets the op gather from row-major K (the f16 index only); n_threads: CPU threads (None:
     all cores); backend: "cpu", "cuda" (the first CUDA device) or "cuda:N" (`sparq_llama.devices()` lists them);
     vsum: per-row running sums [ns, n_q, n_head_kv, d_v + 1] (None: computed); kstat: per-row key sums
     [ns, n_q, n_head_kv, 2d + 1] (sum of k, of k^2, count; None: the op computes them for select="qsigma").
@@ -157,8 +160,8 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
     if index not in INDEXES:
         raise ValueError(f"index must be one of {INDEXES}, got {index!r}")
-    if index == "q8" and layout == "default":
-        raise ValueError("index='q8' is a transposed key copy; layout='default' keeps none")
+    if index != "f16" and layout == "default":
+        raise ValueError(f"index={index!r} is a transposed key copy; layout='default' keeps none")
     if layout not in ("kt", "default"):
         raise ValueError(f"layout must be 'kt' or 'default', got {layout!r}")
     if mean not in MEAN_MODES:
@@ -182,16 +185,18 @@ def sparq_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     k_dev = _to_kv(k, kv_dtype)
     v_dev = _to_kv(v, v_dtype)
-    # the index holds the keys as K does (dequantized), transposed
-    kt_src = np.swapaxes(kv_round(k, kv_dtype), -1, -2)
-    kt_type = _GGML_TYPES["f16"]
+    # the index holds the keys as K does (dequantized): transposed (f16, q8), or in the q4 index's blocks
+    kt_type = _KT_TYPE[index]
     kt_dev = None
-    if layout == "kt" and index == "q8":
-        kt_type = _Q8_0
-        kt_pad = np.pad(kt_src, [(0, 0)] * (kt_src.ndim - 1) + [(0, -n_kv % Q8_BLOCK)])
-        kt_dev = np.ascontiguousarray(q8_0_bytes(*q8_0_quantize(kt_pad)))
+    if layout == "kt" and index == "q4":
+        kt_dev = q4_index_bytes(kv_round(k, kv_dtype))
     elif layout == "kt":
-        kt_dev = _to_kv(kt_src, "f16")
+        kt_src = np.swapaxes(kv_round(k, kv_dtype), -1, -2)
+        if index == "q8":
+            kt_pad = np.pad(kt_src, [(0, 0)] * (kt_src.ndim - 1) + [(0, -n_kv % Q8_BLOCK)])
+            kt_dev = np.ascontiguousarray(q8_0_bytes(*q8_0_quantize(kt_pad)))
+        else:
+            kt_dev = _to_kv(kt_src, "f16")
     mask_dev, mask_ns = _mask_f16(mask, n_q, n_kv)
     vsum_dev = None if vsum is None else np.ascontiguousarray(vsum, dtype=np.float32)
     if vsum_dev is not None and vsum_dev.shape != (ns, n_q, n_head_kv, d_v + 1):
@@ -288,45 +293,61 @@ def _table_rows(table: np.ndarray, idx: np.ndarray, width: int) -> tuple[np.ndar
     return tab, ix
 
 
-def index_bytes(kt: np.ndarray, kt_dtype: str) -> np.ndarray:
-    """An index [..., row_len] as the bytes of kt_dtype (f32, f16, bf16, or q8_0: blocks of 32 cells along the row),
-    uint8 [..., row bytes] in ggml's layout."""
+def index_bytes(kt: np.ndarray, kt_dtype: str, *, head_dim: int | None = None) -> np.ndarray:
+    """An index [..., n_embd, row_len] (per key component a row of cells) as the bytes of kt_dtype: f32, f16, bf16
+    or q8_0 (blocks of 32 cells along the row), uint8 [..., n_embd, row bytes] in ggml's layout; or "q4", the q4
+    index of KV heads of head_dim components (n_embd = n_head_kv * head_dim, row_len a multiple of 32), uint8
+    [..., row_len/32, n_head_kv, 18*head_dim]: per block of 32 cells every head's block (`sparq_llama.index`)."""
     kt = np.asarray(kt, dtype=np.float32)
+    if kt_dtype == "q4":
+        if kt.ndim < 2 or head_dim is None or head_dim < 1 or kt.shape[-2] % head_dim != 0:
+            raise ValueError(f"a q4 index [..., n_embd, row_len] needs a head_dim dividing n_embd, got kt {kt.shape} "
+                             f"and head_dim={head_dim!r}")
+        if kt.shape[-1] % Q4_BLOCK != 0:
+            raise ValueError(f"a q4 index holds rows of whole {Q4_BLOCK}-cell blocks, got {kt.shape[-1]} cells")
+        *lead, n_embd, row_len = kt.shape
+        keys = np.swapaxes(kt.reshape(*lead, n_embd // head_dim, head_dim, row_len), -1, -2)  # [..., h, cells, d]
+        return np.ascontiguousarray(np.swapaxes(q4_index_bytes(keys), -3, -2))              # [..., blocks, h, 18d]
     if kt_dtype == "q8_0":
         if kt.shape[-1] % Q8_BLOCK != 0:
             raise ValueError(f"a q8_0 index holds rows of whole {Q8_BLOCK}-cell blocks, got {kt.shape[-1]} cells")
         return np.ascontiguousarray(q8_0_bytes(*q8_0_quantize(kt)))
     if kt_dtype not in _GGML_TYPES:
-        raise ValueError(f"kt_dtype must be one of {sorted(_GGML_TYPES) + ['q8_0']}, got {kt_dtype!r}")
+        raise ValueError(f"kt_dtype must be one of {sorted(_GGML_TYPES) + ['q4', 'q8_0']}, got {kt_dtype!r}")
     return _to_kv(kt, kt_dtype).view(np.uint8).reshape(*kt.shape[:-1], -1)
 
 
 def index_write(kt: np.ndarray, k: np.ndarray, cells: np.ndarray, blk: np.ndarray, *, mask: np.ndarray | None = None,
-                s0: int = 0, kt_dtype: str = "q8_0", kv_dtype: str = "f16", n_threads: int | None = None,
-                backend: str = "cpu") -> np.ndarray:
+                s0: int = 0, kt_dtype: str = "q8_0", kv_dtype: str = "f16", head_dim: int | None = None,
+                n_threads: int | None = None, backend: str = "cpu") -> np.ndarray:
     """ggml_sparq_index_write on a backend: blocks of the index recomputed from the cache's keys.
-    kt [n_stream, n_embd, row_len]: the index before the op, stored as kt_dtype (f32, f16, bf16, or q8_0: blocks of
-    B = 32 cells along the row); k [n_stream, kv_size, n_embd]: the cache's keys, stored as kv_dtype; cells
+    kt [n_stream, n_embd, row_len]: the index before the op as float values, stored as kt_dtype (f32, f16, bf16,
+    q8_0: blocks of B = 32 cells along the row, or q4: the q4 index of KV heads of head_dim components, B = 32, as
+    `index_bytes` stores it); k [n_stream, kv_size, n_embd]: the cache's keys, stored as kv_dtype; cells
     [ns * n_blk * B] (rows of k over all streams: stream * kv_size + cell), mask [ns * n_blk * B] or None, blk
     [ns, n_blk] (block numbers in streams s0 .. s0 + ns - 1), as the op takes them (ggml-sparq.h). Returns the index
-    after the op as its bytes, uint8 [n_stream, n_embd, row bytes] in ggml's layout of kt_dtype."""
-    kt_types = {**_GGML_TYPES, "q8_0": _Q8_0}
+    after the op as its bytes in ggml's layout of kt_dtype: uint8 [n_stream, n_embd, row bytes], or with q4
+    [n_stream, row_len/32, n_head_kv, 18*head_dim]."""
+    kt_types = {**_GGML_TYPES, "q8_0": _Q8_0, "q4": _I8}
     if kt_dtype not in kt_types:
         raise ValueError(f"kt_dtype must be one of {sorted(kt_types)}, got {kt_dtype!r}")
     if kv_dtype not in _GGML_TYPES and kv_dtype not in _QUANT_TYPES:
         raise ValueError(f"kv_dtype must be one of {sorted(_GGML_TYPES) + sorted(_QUANT_TYPES)}, got {kv_dtype!r}")
+    if (kt_dtype == "q4") != (head_dim is not None):
+        raise ValueError(f"head_dim goes with kt_dtype='q4' (the q4 index's KV heads) and only with it, got "
+                         f"kt_dtype={kt_dtype!r}, head_dim={head_dim!r}")
     kt, k = np.asarray(kt), np.asarray(k)
     if kt.ndim != 3 or k.ndim != 3 or kt.shape[0] != k.shape[0] or kt.shape[1] != k.shape[2]:
         raise ValueError(f"kt must be [n_stream, n_embd, row_len] and k [n_stream, kv_size, n_embd], got {kt.shape} "
                          f"and {k.shape}")
     n_stream, n_embd, row_len = kt.shape
-    kt_dev = index_bytes(kt, kt_dtype)
+    kt_dev = index_bytes(kt, kt_dtype, head_dim=head_dim)
     k_dev = _to_kv(k, kv_dtype)
     cells_dev = np.ascontiguousarray(cells, dtype=np.int32)
     blk_dev = np.ascontiguousarray(blk, dtype=np.int64)
     if blk_dev.ndim != 2:
         raise ValueError(f"blk must be [ns, n_blk], got {blk_dev.shape}")
-    n_block = Q8_BLOCK if kt_dtype == "q8_0" else 1
+    n_block = Q8_BLOCK if kt_dtype == "q8_0" else Q4_BLOCK if kt_dtype == "q4" else 1
     if cells_dev.shape != (blk_dev.size * n_block,):
         raise ValueError(f"cells must hold {n_block} cells per block: [{blk_dev.size * n_block}], got {cells_dev.shape}")
     mask_dev = None if mask is None else np.ascontiguousarray(mask, dtype=np.float32)
@@ -338,9 +359,9 @@ def index_write(kt: np.ndarray, k: np.ndarray, cells: np.ndarray, blk: np.ndarra
                               kv_size=k.shape[1], n_stream=n_stream, n_blk=blk_dev.shape[1], ns=blk_dev.shape[0],
                               s0=int(s0), kt=kt_dev.ctypes.data, k=k_dev.ctypes.data, cells=cells_dev.ctypes.data,
                               mask=None if mask_dev is None else mask_dev.ctypes.data, blk=blk_dev.ctypes.data,
-                              kt_out=out.ctypes.data)
+                              kt_out=out.ctypes.data, head_dim=0 if head_dim is None else int(head_dim))
     _call(C.sparq_llama_eval_index_write, args)
-    return out.reshape(n_stream, n_embd, -1)
+    return out.reshape(kt_dev.shape)
 
 
 def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: int, n_runs: int = 20,
@@ -349,8 +370,8 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
                ) -> tuple[np.ndarray, np.ndarray]:
     """Decode-step times (µs) of ggml_sparq_attn and ggml_flash_attn_ext on the same random cache of
     `n_seq` sequences of `n_kv` cells, `n_runs` interleaved runs each after a warm-up. Returns (sparq_us, flash_us).
-    kv_dtype: K and V's type (float or quantized); index: f16 or q8 (with layout "kt"); select q or qsigma (the
-    op then reads key sums, as in a model)."""
+    kv_dtype: K and V's type (float or quantized); index: f16, q8 or q4 (the last two with layout "kt"; q4 with
+    k1 = d); select q or qsigma (the op then reads key sums, as in a model)."""
     if index not in INDEXES or select not in SELECTS:
         raise ValueError(f"index must be one of {INDEXES} and select one of {SELECTS}, got {index!r}, {select!r}")
     params = _params(k1=k1, k2=k2, mean=mean, select=select)
@@ -360,7 +381,7 @@ def bench_attn(*, d: int, n_head: int, n_head_kv: int, n_kv: int, k1: int, k2: i
                           kv_type=_kv_type(kv_dtype), d=d, n_head=n_head, n_head_kv=n_head_kv, n_kv=n_kv,
                           use_kt=int(layout == "kt"), n_runs=n_runs, params=ctypes.pointer(params),
                           sparq_us=sparq_us, flash_us=flash_us, n_seq=int(n_seq),
-                          kt_type=_Q8_0 if index == "q8" else _GGML_TYPES["f16"])
+                          kt_type=_KT_TYPE[index])
     _call(C.sparq_llama_bench_attn, args)
     return np.array(sparq_us[:]), np.array(flash_us[:])
 

@@ -10,6 +10,8 @@ sigma the kq scale (default 1/sqrt(d)) and V_t the visible cells of row t:
    index); s_hat_g = q_g[I1] . Kx[V_t, I1] with Kx the index's keys (K in f16, or K^T in q8_0 blocks);
    p_hat_g = softmax_{V_t}(sigma * s_hat_g / sqrt(rho_g)) with rho_g = ||q_g[I1]||_1 / ||q_g||_1 (q) or
    sum_I1 (q_g,i spread_i)^2 / sum_i (q_g,i spread_i)^2 (qsigma).
+   With the q4 index (``index="q4"``, k1 = d) every component is scored, rho_g = 1, and s_hat_g is the index's
+   integer dot product computed in float32 exactly as the op computes it (`sparq_llama.index.q4_block_scores`).
 3. I2 = last ``window`` visible cells  U  first ``sinks`` visible cells  U  top of sum_g p_hat_g over the
    rest, up to k2 cells in all; ties go to the lower cell index.
    ``policy="exact"`` ranks by the true probabilities instead (reads all of K: the FlexGen baseline);
@@ -40,8 +42,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 # The transfer model and the enum names live in the numpy-free settings module (one implementation).
-from .index import INDEXES, SELECTS, q8_index_values
-from .sparq import MEAN_MODES, POLICIES, _as_int, transfer_ratio
+from .index import INDEXES, SELECTS, q4_block_scores, q4_index_quantize, q4_index_values, q4_scores, q8_index_values
+from .sparq import MEAN_MODES, POLICIES, _as_int, check_q4_k1, transfer_ratio
 from .sparq import _finite_float as _as_float
 
 __all__ = ["MEAN_MODES", "POLICIES", "approx_top_cells", "dense_attn", "exact_top_cells", "sparq_attn",
@@ -170,11 +172,27 @@ def _approx_probs(qg: F64, kt: F64, i1: I64, sigma: float, spread: F64 | None = 
 
 
 def _index_keys(keys: F64, index: str | None) -> F64:
-    """The keys [n, d] as the index holds them: rounded to f16, K^T in q8_0 blocks of 32 cells, or (None: no
-    index, the scores gather from K) the keys themselves."""
+    """The keys [n, d] as the index holds them: rounded to f16, K^T in q8_0 blocks of 32 cells, in the q4 index's
+    blocks (read back: its scores are not products with these, see `_q4_logits`), or (None: no index, the scores
+    gather from K) the keys themselves."""
     if index is None:
         return keys
+    if index == "q4":
+        return q4_index_values(keys)
     return q8_index_values(keys) if index == "q8" else keys.astype(np.float16).astype(np.float64)
+
+
+def _q4_logits(scores: NDArray[np.float32], sigma: float) -> F64:
+    """The logits [G, n] SparQ's p_hat softmaxes over with the q4 index: sigma * s_hat from its float32 scores
+    [G, n] (every component scored: rho = 1)."""
+    return sigma * scores.astype(np.float64)
+
+
+def _check_q4(k1: int, d: int) -> None:
+    """ValueError unless the q4 index can score head dim d at this k1 (k1 = d, d a multiple of 8)."""
+    check_q4_k1(k1, d)
+    if d % 8 != 0:
+        raise ValueError(f"the q4 index packs 8 key components a word: the head dim must be a multiple of 8, got {d}")
 
 
 def _components(qg: F64, keys: F64, k1: int, select: str) -> tuple[I64, F64 | None]:
@@ -260,9 +278,12 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
       return_selection: also return I2 as sorted int64 arrays, indexed [kv_head][query_row].
       select: "q" (I1 = top-k1 of sum_g |q_g|, the paper) or "qsigma" (of sigma_i * sum_g |q_g,i|, sigma the std
         of the row's visible keys per component; rho becomes the share of the score's variance).
-      index: what the approximate scores read: "f16" (the keys rounded to f16) or "q8" (each component row of K^T,
-        over all n_kv cells, in q8_0 blocks of 32 cells: `sparq_llama.index.q8_index_values`), or None (no index:
-        the scores read K itself, as the op's default layout does).
+      index: what the approximate scores read: "f16" (the keys rounded to f16), "q8" (each component row of K^T,
+        over all n_kv cells, in q8_0 blocks of 32 cells: `sparq_llama.index.q8_index_values`), "q4" (every
+        component of the keys, blocks of 32 of the n_kv cells, scored by int8 query coefficients against 4-bit
+        keys in float32 as the op does: `sparq_llama.index.q4_block_scores` of q rounded to f32; k1 must be d,
+        select and rho play no part), or None (no index: the scores read K itself, as the op's default layout
+        does).
 
     Rows are independent; a row with at most k2 visible cells gets exact attention over them (no mean
     reallocation), and a row with none gets zeros. Returns [n_head, n_q, d_v] (and the selection).
@@ -294,6 +315,8 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
     if index is not None and index not in INDEXES:
         raise ValueError(f"index must be one of {INDEXES} or None, got {index!r}")
+    if index == "q4":
+        _check_q4(k1, d)
     theta = _as_float("sparse_v_thresh", sparse_v_thresh)
     if not 0 <= theta < 1:
         raise ValueError(f"sparse_v_thresh must be in [0, 1) (0 disables Sparse-V), got {sparse_v_thresh!r}")
@@ -306,7 +329,9 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
         cell_pos = cell_pos.astype(np.int64)
 
     group = n_head // n_head_kv
-    k_index = np.stack([_index_keys(k[h], index) for h in range(n_head_kv)])
+    # the index over all n_kv cells of each KV head, as the op's holds it: the q4 blocks, or the keys it reads back
+    q4_blocks = q4_index_quantize(k) if index == "q4" else None
+    k_index = None if index == "q4" else np.stack([_index_keys(k[h], index) for h in range(n_head_kv)])
     out = np.zeros((n_head, n_q, d_v))
     selection: list[list[I64]] = [[np.zeros(0, dtype=np.int64) for _ in range(n_q)] for _ in range(n_head_kv)]
 
@@ -325,7 +350,10 @@ def sparq_attn(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None 
                 selection[h][t] = vis
                 continue
 
-            if policy == "sparq":
+            if policy == "sparq" and q4_blocks is not None:
+                scores = q4_block_scores(qg, q4_blocks[0][h], q4_blocks[1][h])[:, vis]
+                p_alpha = _softmax(_q4_logits(scores, sigma))                  # p_hat over V_t
+            elif policy == "sparq":
                 i1, spread = _components(qg, k_vis, k1, select)
                 p_alpha = _approx_probs(qg, k_index[h, vis], i1, sigma, spread)  # p_hat over V_t
             else:
@@ -357,12 +385,17 @@ def approx_top_cells(q_group: ArrayLike, keys: ArrayLike, k1: int, k2: int, *, s
                      index: str | None = None) -> I64:
     """The k2 cells of keys [n, d] with the largest approximate probability p_hat (from the k1 components chosen by
     `select`, scored from `index`'s keys) summed over the group's queries q_group [G, d] (ties: the lower cell), in
-    rank order: SparQ's ranking (step 2 and the scored part of step 3 of the module doc), no window or sinks."""
+    rank order: SparQ's ranking (step 2 and the scored part of step 3 of the module doc), no window or sinks.
+    With index "q4" k1 must be d: the keys (their blocks of 32 from cell 0) scored as `sparq_attn` does."""
     qg = np.asarray(q_group, dtype=np.float64)
     kt = np.asarray(keys, dtype=np.float64)
     if select not in SELECTS or (index is not None and index not in INDEXES):
         raise ValueError(f"select must be one of {SELECTS} and index one of {INDEXES} or None, got {select!r}, "
                          f"{index!r}")
+    if index == "q4":
+        _check_q4(_as_int("k1", k1), kt.shape[1])
+        probs = _softmax(_q4_logits(q4_scores(qg, kt), scale))
+        return _top_cells(probs.sum(axis=0), np.arange(kt.shape[0], dtype=np.int64), k2)
     i1, spread = _components(qg, kt, k1, select)
     k_index = _index_keys(kt, index)
     probs = _approx_probs(qg, k_index, i1, scale, spread)

@@ -5,6 +5,7 @@
     llm.set_sparq(k2=128)                                  # at run time; effective at the next decode
     llm.set_sparq(SparqConfig(k2=32, policy="exact"))
     llm.set_sparq(index="q8", select="qsigma")             # the int8 key index, components by |q|·σ
+    llm.set_sparq(index="q4")                              # the 4-bit index: every component (k1 None), integer scores
     print(llm.sparq)                                       # what the C side holds (llama_get_sparq)
 
 `SparqConfig` mirrors `struct llama_sparq_params` (ggml_ops/include/sparq-llama.h) with Python values:
@@ -57,12 +58,12 @@ __all__ = [
 
 MEAN_MODES = ("auto", "on", "off")           # index = enum llama_sparq_mean / ggml_sparq_mean
 POLICIES = ("sparq", "exact", "window")      # index = enum llama_sparq_policy / ggml_sparq_policy
-INDEXES = ("f16", "q8")                      # index = enum llama_sparq_index
+INDEXES = ("f16", "q8", "q4")                # index = enum llama_sparq_index
 SELECTS = ("q", "qsigma")                    # index = enum llama_sparq_select
 
 MeanMode = Literal["auto", "on", "off"]
 Policy = Literal["sparq", "exact", "window"]
-Index = Literal["f16", "q8"]
+Index = Literal["f16", "q8", "q4"]
 Select = Literal["q", "qsigma"]
 
 # llama_sparq_default_params()'s index and selection, which SparqConfig, Llama and the transfer model default to
@@ -84,7 +85,8 @@ class SparqConfig:
     enabled: SparQ on (True here, since a config is usually made to turn it on; llama.cpp's default is off).
         False: dense attention everywhere and no derived state kept (the other values are still stored).
     k1: query components used for the approximate scores (r in the paper); None: by the index, about 1/8 of
-        dense attention's bytes: head_dim / 4 with the f16 index, head_dim / 2 with the q8 index.
+        dense attention's bytes: head_dim / 4 with the f16 index, head_dim / 2 with the q8 index; head_dim with
+        the q4 index, which scores every component and takes no other k1 (None only: `check` refuses any k1).
     k2: cells kept per KV head and query row (k in the paper).
     window: most recent visible cells always kept; None: k2 / 4.
     sinks: first visible cells always kept.
@@ -99,7 +101,9 @@ class SparqConfig:
     swa: also sparsify sliding-window layers (dense by default: their read is already bounded).
     min_n_kv: dense attention while the cache view holds fewer cells; None: llama.cpp's measured default.
     index: the transposed key copy the approximate scores read: "f16" (2 bytes a component, whatever the cache
-        type) or "q8" (int8 with one f16 scale per 32 cells: 1.0625 bytes a component).
+        type), "q8" (int8 with one f16 scale per 32 cells: 1.0625 bytes a component) or "q4" (every component in
+        4 bits, ggml's q4_0 of each component's 32-cell blocks stored cell by cell: 0.5625 bytes a component,
+        scored as integer dot products with int8 query coefficients; k1 is then None, for head_dim).
         None: `DEFAULT_INDEX`, or "f16" with default_layout, which keeps no copy to quantize. Read back as the
         name held.
     select: how the k1 components are chosen: "q" (largest |q|, the paper) or "qsigma" (largest |q| times the
@@ -127,7 +131,7 @@ class SparqConfig:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
         set_ = object.__setattr__  # frozen: normalise in place once (numpy ints -> int, ints -> float)
-        set_(self, "k1", _opt_int("k1", self.k1, minimum=1, none_means="head_dim/4"))
+        set_(self, "k1", _opt_int("k1", self.k1, minimum=1, none_means="the index's default"))
         set_(self, "k2", _int32("k2", self.k2))
         set_(self, "window", _opt_int("window", self.window, minimum=0, none_means="k2/4"))
         set_(self, "sinks", _int32("sinks", self.sinks))
@@ -246,7 +250,8 @@ def config_from_kwargs(kwargs: Mapping[str, Any], base: SparqConfig, *, owner: s
     """`base` with the settings named in kwargs (constructor names, and field names if field_names).
 
     TypeError for an unknown name or one field named twice; ValueError for a bad value. Turning default_layout
-    on without naming the index takes the f16 index (that layout keeps no key copy to quantize).
+    on without naming the index takes the f16 index (that layout keeps no key copy to quantize); choosing the q4
+    index without naming k1 takes k1 None (it scores every component: no other k1 goes with it).
     """
     known = set(KWARG_FIELDS) | (set(_FIELDS) if field_names else set())
     unknown = [k for k in kwargs if k not in known]
@@ -261,6 +266,8 @@ def config_from_kwargs(kwargs: Mapping[str, Any], base: SparqConfig, *, owner: s
         changes[field], given_as[field] = value, key
     if changes.get("default_layout") is True and "index" not in changes:
         changes["index"] = "f16"
+    if changes.get("index") == "q4" and "k1" not in changes:
+        changes["k1"] = None
     return replace(base, **changes)
 
 
@@ -407,24 +414,37 @@ KV_TYPE_BYTES: dict[str, Fraction] = {
 Q8_BLOCK = 32                      # cells of a component row that share one scale in the q8 index
 Q8_BLOCK_BYTES = 34                # their f16 scale and 32 int8 values
 Q8_INDEX_BYTES = Fraction(Q8_BLOCK_BYTES, Q8_BLOCK)
+Q4_BLOCK = 32                      # cells of a q4 index block (per KV head): each component's 32 values share a scale
+Q4_DIM_BYTES = 18                  # a q4 block's bytes per key component: 32 nibbles (16 bytes) and an f16 scale
+Q4_INDEX_BYTES = Fraction(Q4_DIM_BYTES, Q4_BLOCK)
 
 
 def default_k1(head_dim: int, index: str = DEFAULT_INDEX) -> int:
-    """k1 when it is left at 0 / None (llama_sparq_params.k1 = 0): about 1/8 of dense attention's bytes, head_dim / 2
-    components of the q8 index or head_dim / 4 of the f16 one (at least 1), as llama.cpp resolves it."""
+    """k1 when it is left at 0 / None (llama_sparq_params.k1 = 0), as llama.cpp resolves it: about 1/8 of dense
+    attention's bytes, head_dim / 2 components of the q8 index or head_dim / 4 of the f16 one (at least 1); every
+    component (head_dim) with the q4 index, the only k1 it takes."""
     if index not in INDEXES:
         raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))}, got {index!r}")
-    return max(1, _as_int("head_dim", head_dim) // (2 if index == "q8" else 4))
+    d = _as_int("head_dim", head_dim)
+    if index == "q4":
+        return d
+    return max(1, d // (2 if index == "q8" else 4))
+
+
+def check_q4_k1(k1: int, head_dim: int) -> None:
+    """ValueError unless k1 is head_dim: the q4 index scores every component (no choice of components)."""
+    if k1 != head_dim:
+        raise ValueError(f"the q4 index scores every key component: k1 must be head_dim = {head_dim}, got {k1}")
 
 
 def index_bytes(index: str, kv_type: str = "f16") -> Fraction:
-    """Bytes an index element (one key component of one cell in K^T) takes: 2 for the f16 index (whatever the
-    cache type), 34/32 for the q8 index. kv_type is checked only."""
+    """Bytes an index element (one key component of one cell) takes: 2 for the f16 index (whatever the cache
+    type), 34/32 for the q8 index, 18/32 for the q4 index. kv_type is checked only."""
     if index not in INDEXES:
         raise ValueError(f"index must be one of {', '.join(map(repr, INDEXES))}, got {index!r}")
     if kv_type not in KV_TYPE_BYTES:
         raise ValueError(f"kv_type must be one of {', '.join(map(repr, KV_TYPE_BYTES))}, got {kv_type!r}")
-    return Q8_INDEX_BYTES if index == "q8" else Fraction(2)
+    return {"q8": Q8_INDEX_BYTES, "q4": Q4_INDEX_BYTES}.get(index, Fraction(2))
 
 
 def _transfer_bytes(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool, kv_type: str,
@@ -433,6 +453,8 @@ def _transfer_bytes(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool, kv_t
     b_idx = index_bytes(index, kv_type)  # checks both names
     b_kv = KV_TYPE_BYTES[kv_type]
     s, r = _as_int("n_kv", n_kv), _as_int("k1", k1)
+    if index == "q4":
+        check_q4_k1(r, _as_int("head_dim", head_dim))
     return dense * b_kv, s * r * b_idx + (sparq - s * r) * b_kv
 
 
@@ -440,7 +462,7 @@ def transfer_bytes(n_kv: int, head_dim: int, k1: int, k2: int, mean: bool = True
                    index: str = DEFAULT_INDEX) -> tuple[float, float]:
     """(dense, SparQ) bytes moved per KV head and decode step: `transfer_elements` with the k1 rows of K^T at the
     index's width (`index_bytes`) and every other element (K and V rows, the new k and v, the running V sum) at
-    the cache type's (`KV_TYPE_BYTES`).
+    the cache type's (`KV_TYPE_BYTES`). The q4 index reads all of its S*d*18/32 bytes: k1 must be head_dim.
 
     dense = (2*S*d + 2*d) * b_kv; sparq = S*r*b_index + (2*k*d + 4*d) * b_kv (2*d without mean reallocation).
     """

@@ -5,6 +5,7 @@
 #include "ggml-cpu/ggml-cpu-impl.h"
 #include "ggml-cpu/simd-mappings.h"
 #include "ggml-impl.h"
+#include "ggml-sparq.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +14,9 @@
 namespace attn_cpu {
 
 inline size_t pad16(size_t n) { return (n + 15) & ~size_t(15); }  // in 4-byte units: 64-byte alignment
+
+// The q4 index's blocks (ggml-sparq.h, "The q4 index")
+constexpr int64_t k_q4_cells = GGML_SPARQ_Q4_CELLS;
 
 // ggml's q8_0 block: an f16 scale d and 32 int8 values, each worth d * q
 constexpr int64_t k_q8_0_block = 32;

@@ -4,7 +4,8 @@
 // group are handled together because they share the selection. Rows are processed in waves of W rows
 // so scratch stays bounded for long multi-row (prefill) batches. Each wave runs four phases separated
 // by barriers; within a phase, threads take tasks dynamically:
-//   0. per row:            I1 (top-k1 components of sum_g |q_g|) and the scaled query components
+//   0. per row:            I1 (top-k1 components of sum_g |q_g|) and the scaled query components (not with the
+//                          q4 index, which scores every component)
 //   A. per (row, chunk):   approximate (or exact) scores of a chunk of cells, exponentiated against the
 //                          chunk's max, with the chunk's sum: the softmax normaliser comes out of this pass
 //   B. per row:            merge chunk normalisers, combined group score, O(n) top-k selection, alpha, mean V
@@ -89,7 +90,9 @@ sparq_shape make_shape(const ggml_tensor * dst, int n_tasks) {
     return s;
 }
 
-sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, int n_tasks) {
+bool is_q4_index(const ggml_tensor * kt) { return kt && kt->type == GGML_TYPE_I8; }
+
+sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, bool q4_index, int n_tasks) {
     sparq_layout l;
     size_t o = 0;
     l.qs    = o; o += pad16(s.group * p.k1);
@@ -103,7 +106,9 @@ sparq_layout make_layout(const sparq_shape & s, const ggml_sparq_op_params & p, 
     l.row_size = o;
 
     o = 0;
-    const size_t conv = pad16(std::max<int64_t>({k_kt_block * k_kt_sub, s.d, s.d_v}));
+    // q4 index: a block's nibbles as int16 [32 cells][d] and one head's int16 coefficients [d]
+    const int64_t q4_tmp = q4_index ? (attn_cpu::k_q4_cells + 1) * s.d / 2 : 0;
+    const size_t conv = pad16(std::max<int64_t>({k_kt_block * k_kt_sub, s.d, s.d_v, q4_tmp}));
     l.tmp    = o; o += conv;
     l.pairs  = o; o += pad16(2 * s.n_kv);        // uint64 (score, cell) pairs for the selection
     l.factor = o; o += pad16(s.group * s.n_chunks) + pad16(s.n_kv);  // chunk factors, then candidate scores
@@ -283,6 +288,59 @@ void phase_query(const sparq_ctx & c, int64_t w, int64_t r, int ith) {
     }
 }
 
+// Phase A with the q4 index: the approximate logits scale * s_hat of cells [j0, j1) (j0 a whole block) for every head
+// of the group into e (ggml-sparq.h, "The q4 index"). Per block its nibbles are unpacked cell-major (a cell's
+// components side by side), then per head the block's int8 coefficients and one integer dot product per cell.
+void q4_logits(const sparq_ctx & c, int64_t h, int64_t t, int64_t st, int64_t j0, int64_t j1, float * e,
+               int16_t * nib, int16_t * coef) {
+    constexpr int64_t n_cells = attn_cpu::k_q4_cells;
+    const int64_t d = c.s.d, n_kv = c.s.n_kv, G = c.s.group, n_words = d / 8;
+    GGML_ASSERT(j0 % n_cells == 0 && d % 8 == 0);
+    for (int64_t b = j0 / n_cells; b * n_cells < j1; ++b) {
+        const uint8_t * blk = (const uint8_t *) c.kt_row(b, h, st);
+        for (int64_t w = 0; w < n_words; ++w) {
+            for (int64_t u = 0; u < n_cells; ++u) {
+                uint32_t x;
+                memcpy(&x, blk + 4 * (n_cells * w + u), sizeof(x));
+                int16_t * nu = nib + u * d + 8 * w;
+                for (int j = 0; j < 4; ++j) {
+                    nu[j]     = (int16_t) ((x >> (8 * j)) & 15);
+                    nu[j + 4] = (int16_t) ((x >> (8 * j + 4)) & 15);
+                }
+            }
+        }
+        const ggml_fp16_t * scales = (const ggml_fp16_t *) (blk + 16 * d);
+        const int64_t c0 = b * n_cells, n_c = std::min(n_cells, j1 - c0);
+        for (int64_t g = 0; g < G; ++g) {
+            const float * qg = c.q_row(h * G + g, t, st);
+            float * eg = e + g * n_kv + c0;
+            float m = 0.0f;
+            for (int64_t i = 0; i < d; ++i) {
+                m = std::max(m, fabsf(qg[i] * GGML_CPU_FP16_TO_FP32(scales[i])));
+            }
+            if (!(m > 0.0f)) {
+                std::fill(eg, eg + n_c, 0.0f);
+                continue;
+            }
+            const float inv = 127.0f / m, unit = m / 127.0f;
+            int32_t a_sum = 0;
+            for (int64_t i = 0; i < d; ++i) {
+                coef[i] = (int16_t) lrintf(qg[i] * GGML_CPU_FP16_TO_FP32(scales[i]) * inv);
+                a_sum += coef[i];
+            }
+            for (int64_t u = 0; u < n_c; ++u) {
+                const int16_t * nu = nib + u * d;
+                int32_t dot = 0;
+                for (int64_t i = 0; i < d; ++i) {
+                    dot += (int32_t) coef[i] * nu[i];
+                }
+                const float s_hat = unit * (float) (dot - 8 * a_sum);
+                eg[u] = c.p.scale * s_hat;
+            }
+        }
+    }
+}
+
 // Phase A: scores of cells [j0, j1) for every head of the group, exponentiated against the chunk max.
 void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int ith) {
     int64_t h, t, st;
@@ -295,7 +353,10 @@ void phase_scores(const sparq_ctx & c, int64_t w, int64_t r, int64_t chunk, int 
     const int32_t * i1 = (const int32_t *) (rs + c.l.i1);
     const float * qs = rs + c.l.qs;
 
-    if (c.p.policy == GGML_SPARQ_POLICY_SPARQ && c.kt) {
+    if (c.p.policy == GGML_SPARQ_POLICY_SPARQ && is_q4_index(c.kt)) {
+        int16_t * nib = (int16_t *) tmp;
+        q4_logits(c, h, t, st, j0, j1, e, nib, nib + attn_cpu::k_q4_cells * c.s.d);
+    } else if (c.p.policy == GGML_SPARQ_POLICY_SPARQ && c.kt) {
         // r rows of K^T: score[j] += q_i * KT[i, j]. Components outer, cells inner: each K^T row is read
         // as one long sequential run (the hardware prefetcher streams it), k_kt_block rows side by side,
         // converted to f32 in small sub-blocks that stay in L1; the chunk's scores stay in L2.
@@ -687,7 +748,7 @@ void phase_attend(const sparq_ctx & c, int64_t w, int64_t r, int64_t g, int ith)
 
 size_t ggml_sparq_attn_cpu_work_size(const ggml_tensor * dst, int n_tasks) {
     const sparq_shape s = make_shape(dst, n_tasks);
-    return make_layout(s, ggml_sparq_get_op_params(dst), n_tasks).total_bytes;
+    return make_layout(s, ggml_sparq_get_op_params(dst), is_q4_index(dst->src[2]), n_tasks).total_bytes;
 }
 
 void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_tensor * dst) {
@@ -698,7 +759,7 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     c.dst = dst;
     c.p = ggml_sparq_get_op_params(dst);
     c.s = make_shape(dst, nth);
-    c.l = make_layout(c.s, c.p, nth);
+    c.l = make_layout(c.s, c.p, is_q4_index(c.kt), nth);
     GGML_ASSERT(params->wsize >= c.l.total_bytes);
     GGML_ASSERT(c.s.d <= k_max_head_dim);
     float * base = (float *) GGML_PAD((uintptr_t) params->wdata, 64);
@@ -714,10 +775,10 @@ void ggml_compute_forward_sparq_attn(const ggml_compute_params * params, ggml_te
     }
     ggml_barrier(params->threadpool);
 
-    const bool sparq_scores = c.p.policy == GGML_SPARQ_POLICY_SPARQ;
+    const bool needs_i1 = c.p.policy == GGML_SPARQ_POLICY_SPARQ && !is_q4_index(c.kt);
     for (int64_t r0 = 0; r0 < c.s.n_rows; r0 += c.s.wave) {
         const int64_t n_w = std::min(c.s.wave, c.s.n_rows - r0);
-        if (sparq_scores) {
+        if (needs_i1) {
             tasks.run(n_w, [&](int64_t w) { phase_query(c, w, r0 + w, ith); });
             ggml_barrier(params->threadpool);
         }

@@ -81,14 +81,15 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
         } else {
             snprintf(dense_below, sizeof(dense_below), "%d", params.min_n_kv);
         }
-        const bool q8 = params.index == LLAMA_SPARQ_INDEX_Q8;
+        const bool q4 = params.index == LLAMA_SPARQ_INDEX_Q4;
+        const std::string k1_share = params.k1 == 0 ? std::string(" (") + sparq_k1_auto_name(params.index) + ")" : "";
         LLAMA_LOG_INFO("%s: SparQ on: k1 = %d%s, k2 = %d, window = %d, sinks = %d, policy = %s, layout = %s, "
                        "index = %s, select = %s, dense below n_kv = %s (the derived state kept from there on)\n", __func__,
-                params.k1, params.k1 == 0 ? (q8 ? " (head_dim/2)" : " (head_dim/4)") : "", params.k2,
+                params.k1, k1_share.c_str(), params.k2,
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
-                params.default_layout ? "default (no K^T)" : "K^T", q8 ? "q8" : "f16",
-                params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q", dense_below);
+                params.default_layout ? "default (no K^T)" : "K^T", sparq_index_name(params.index),
+                q4 ? "none (every component)" : params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q", dense_below);
     }
 
     cparams.sparq = params;
@@ -160,7 +161,8 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
         return "params is NULL";
     }
     if (p->k1 < 0) {
-        return fail("k1 must be >= 0 (0: head_dim/4, head_dim/2 with the q8 index), got %d", p->k1);
+        return fail("k1 must be >= 0 (0: head_dim/4, head_dim/2 with the q8 index, head_dim with the q4 index), got %d",
+                    p->k1);
     }
     if (p->k2 < 1) {
         return fail("k2 must be >= 1, got %d", p->k2);
@@ -187,15 +189,18 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
     if (p->min_n_kv < -1) {
         return fail("min_n_kv must be >= 0 (or -1: the measured default), got %d", p->min_n_kv);
     }
-    if (p->index < LLAMA_SPARQ_INDEX_F16 || p->index > LLAMA_SPARQ_INDEX_Q8) {
-        return fail("index must be f16 (0) or q8 (1), got %d", p->index);
+    if (p->index < LLAMA_SPARQ_INDEX_F16 || p->index > LLAMA_SPARQ_INDEX_Q4) {
+        return fail("index must be f16 (0), q8 (1) or q4 (2), got %d", p->index);
+    }
+    if (p->index == LLAMA_SPARQ_INDEX_Q4 && p->k1 != 0) {
+        return fail("the q4 index scores every key component: k1 must be 0 (head_dim) with it, got %d", p->k1);
     }
     if (p->select < LLAMA_SPARQ_SELECT_Q || p->select > LLAMA_SPARQ_SELECT_QSIGMA) {
         return fail("select must be q (0) or qsigma (1), got %d", p->select);
     }
     if (p->default_layout && p->index != LLAMA_SPARQ_INDEX_F16) {
-        return "the q8 index quantizes the transposed K copy, which default_layout does not keep: use the f16 index "
-               "with default_layout";
+        return fail("the %s index is a quantized key copy, which default_layout does not keep: use the f16 index with "
+                    "default_layout", sparq_index_name(p->index));
     }
     if (ctx != nullptr && p->enabled && !ctx->get_cparams().flash_attn) {
         return "SparQ needs flash attention's row-major V cache; create the context with flash attention on "
@@ -331,14 +336,14 @@ static std::string sparq_summary(const llama_context & ctx) {
         count(dense, why).second++;
     }
 
-    const bool q8 = p.index == LLAMA_SPARQ_INDEX_Q8;
     std::string k1 = std::to_string(p.k1);
     if (p.k1 == 0) {
-        const char * share = q8 ? "head_dim/2" : "head_dim/4";
-        k1 = head_dim ? std::to_string(q8 ? head_dim/2 : head_dim/4) + " (" + share + ")" : std::string("0 (") + share + ")";
+        const std::string share = sparq_k1_auto_name(p.index);
+        k1 = head_dim ? std::to_string(sparq_k1_auto(p.index, head_dim)) + " (" + share + ")" : "0 (" + share + ")";
     }
-    std::string out = "SparQ: on, k1 = " + k1 + ", k2 = " + std::to_string(p.k2) + ", index = " + (q8 ? "q8" : "f16") +
-                      ", select = " + (p.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q");
+    std::string out = "SparQ: on, k1 = " + k1 + ", k2 = " + std::to_string(p.k2) + ", index = " +
+                      sparq_index_name(p.index) + ", select = " +
+                      (p.index == LLAMA_SPARQ_INDEX_Q4 ? "none" : p.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q");
     if (p.policy != LLAMA_SPARQ_POLICY_SPARQ) {
         out += std::string(", policy = ") + (p.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : "window");
     }
@@ -400,6 +405,44 @@ int sparq_llama_memory_breakdown(const struct llama_context * ctx, size_t * out)
     return 0;
 }
 
+// The q4 index [18*d, n_head_kv, n_blk, n_stream] read back as K^T [n_stream][n_embd][32*n_blk] f32: component i of
+// cell c of a block is (n - 8) * scale_i (ggml-sparq.h, "The q4 index").
+template <typename Fail>
+static int read_q4_index(const ggml_tensor * t, float * out, size_t n_out, int64_t * ne_out, Fail && fail) {
+    constexpr int64_t B = GGML_SPARQ_Q4_CELLS;
+    const int64_t d = t->ne[0] / GGML_SPARQ_Q4_DIM_BYTES, n_head_kv = t->ne[1], n_blk = t->ne[2], n_stream = t->ne[3];
+    const int64_t n_embd = d*n_head_kv, row_len = B*n_blk;
+    ne_out[0] = row_len; ne_out[1] = n_embd; ne_out[2] = n_stream;
+    if (out == nullptr) {
+        return 0;
+    }
+    if (n_out < (size_t) (row_len*n_embd*n_stream)) {
+        return fail("out is too small for the q4 index");
+    }
+    std::vector<uint8_t> raw(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    for (int64_t s = 0; s < n_stream; ++s) {
+        for (int64_t b = 0; b < n_blk; ++b) {
+            for (int64_t h = 0; h < n_head_kv; ++h) {
+                const uint8_t * blk = raw.data() + s*t->nb[3] + b*t->nb[2] + h*t->nb[1];
+                for (int64_t i = 0; i < d; ++i) {
+                    ggml_fp16_t scale16;
+                    memcpy(&scale16, blk + 16*d + 2*i, sizeof(scale16));
+                    const float scale = ggml_fp16_to_fp32(scale16);
+                    for (int64_t c = 0; c < B; ++c) {
+                        uint32_t word;
+                        memcpy(&word, blk + 4*(B*(i/8) + c), sizeof(word));
+                        const int shift = 8*(i % 4) + 4*((i % 8) / 4);
+                        const int n = (int) ((word >> shift) & 15);
+                        out[(s*n_embd + h*d + i)*row_len + b*B + c] = (float) (n - 8) * scale;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t what, float * out, size_t n_out,
                                int64_t * ne_out, char * err, size_t err_size) {
     auto fail = [&](const std::string & msg) {
@@ -453,6 +496,9 @@ int sparq_llama_read_kv_tensor(struct llama_context * ctx, int32_t il, int32_t w
     const ggml_tensor * t = what == 0 ? L->k : what == 1 ? L->kt : what == 2 ? L->vsum : what == 3 ? L->kstat : nullptr;
     if (t == nullptr) {
         return fail("layer " + std::to_string(il) + " keeps no tensor " + std::to_string(what));
+    }
+    if (t->type == GGML_TYPE_I8) {
+        return read_q4_index(t, out, n_out, ne_out, fail);
     }
     GGML_ASSERT(ggml_is_contiguous(t) && t->ne[3] == 1);
     for (int i = 0; i < 3; ++i) {

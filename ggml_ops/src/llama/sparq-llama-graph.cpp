@@ -673,9 +673,9 @@ ggml_tensor * llm_graph_context::build_attn_sparq(
     ggml_tensor * kstat = kstat_rows ? per_row(kstat_rows, 2*d_k + 1) : nullptr;
 
     // k1 by default: about 1/8 of dense attention's bytes read by the score pass (k1 rows of the index per cell
-    // against 2*d_k elements of K and V), so twice the components for the q8 index's half-size rows
-    const bool    q8_index = L->kt && L->kt->type == GGML_TYPE_Q8_0;
-    const int64_t k1_auto  = q8_index ? d_k/2 : d_k/4;
+    // against 2*d_k elements of K and V), so twice the components for the q8 index's half-size rows; the q4 index
+    // scores every component
+    const int64_t k1_auto  = sparq_k1_auto(L->kt ? sp.index : LLAMA_SPARQ_INDEX_F16, d_k);
     ggml_sparq_params op = ggml_sparq_default_params();
     op.k1              = sp.k1 > 0 ? sp.k1 : (int32_t) std::max<int64_t>(1, k1_auto);
     op.k2              = sp.k2;

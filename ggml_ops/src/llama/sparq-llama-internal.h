@@ -10,6 +10,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "ggml-sparq.h"
 #include "ggml-cpp.h"
 
 #include <cstdint>
@@ -27,7 +28,8 @@ struct sparq_kv_layer {
                                    // the key statistics are computed from it
     ggml_tensor * v    = nullptr;  // the cache's V [n_embd_v_gqa, kv_size, n_stream] (not owned)
     ggml_tensor * kt   = nullptr;  // the index: K^T [row_len, n_embd_k_gqa, n_stream], row_len = kv_size (float
-                                   // index) or kv_size rounded up to 32 (q8_0: one block = 32 cells of a component)
+                                   // index) or kv_size rounded up to 32 (q8_0: one block = 32 cells of a component),
+                                   // or the q4 index [18*head_dim, n_head_kv, kv_size/32 rounded up, n_stream] i8
     ggml_tensor * vsum = nullptr;  // [(n_embd_head_v + 1) * n_head_kv, n_seq_max] f32: per sequence,
                                    // per KV head, the sum of V over the sequence's cells and their count
     ggml_tensor * kstat = nullptr; // [(2*n_embd_head_k + 1) * n_head_kv, n_seq_max] f32: per sequence and KV head,
@@ -38,7 +40,19 @@ struct sparq_kv_layer {
 // Cells per index block: the index is recomputed from K a block at a time, so that a q8_0 block's scale is a
 // function of the cache's keys (and of which cells are occupied) only, not of the order they were written in.
 inline int64_t sparq_index_block(const ggml_tensor * kt) {
-    return kt->type == GGML_TYPE_Q8_0 ? ggml_blck_size(GGML_TYPE_Q8_0) : 1;
+    return kt->type == GGML_TYPE_Q8_0 ? ggml_blck_size(GGML_TYPE_Q8_0) : kt->type == GGML_TYPE_I8 ? GGML_SPARQ_Q4_CELLS : 1;
+}
+
+// The index's name, and k1 = 0 resolved for it: about 1/8 of dense attention's bytes with the f16 and q8 indexes; the
+// q4 index scores every component
+inline const char * sparq_index_name(int32_t index) {
+    return index == LLAMA_SPARQ_INDEX_Q4 ? "q4" : index == LLAMA_SPARQ_INDEX_Q8 ? "q8" : "f16";
+}
+inline int64_t sparq_k1_auto(int32_t index, int64_t head_dim) {
+    return index == LLAMA_SPARQ_INDEX_Q4 ? head_dim : index == LLAMA_SPARQ_INDEX_Q8 ? head_dim/2 : head_dim/4;
+}
+inline const char * sparq_k1_auto_name(int32_t index) {
+    return index == LLAMA_SPARQ_INDEX_Q4 ? "head_dim" : index == LLAMA_SPARQ_INDEX_Q8 ? "head_dim/2" : "head_dim/4";
 }
 
 struct sparq_kv_state {

@@ -89,7 +89,8 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         return ctx.get();
     };
 
-    const uint32_t kv_size = get_size();
+    const uint32_t kv_size  = get_size();
+    const bool     q4_index = !params.default_layout && params.index == LLAMA_SPARQ_INDEX_Q4;
 
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const auto & layer = layers[ikv];
@@ -110,6 +111,11 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
             // the reason is set
         } else if (params.k1 > 0 && (uint32_t) params.k1 > hparams.n_embd_head_k(il)) {
             L.reason = "k1 exceeds this layer's head dim";
+        } else if (q4_index && hparams.n_embd_head_k(il) % 8 != 0) {
+            L.reason = "the q4 index needs a key head dim that is a multiple of 8";
+        } else if (q4_index && !sparq_on_host(layer.k)) {
+            L.reason = "the q4 index has CPU kernels only: its layers' KV must be in host memory (use --sparq-index q8 "
+                       "on a GPU)";
         }
         if (!L.reason.empty()) {
             auto & list = dense_layers[L.reason];
@@ -129,11 +135,18 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         ggml_context * ctx = ctx_for(ggml_backend_buffer_get_type(layer.k->buffer));
         if (!params.default_layout) {
             // q8: int8 blocks of 32 cells per component row (the row padded to whole blocks); f16: 2 bytes a
-            // component whatever the cache type (the dequantized keys rounded once)
+            // component whatever the cache type (the dequantized keys rounded once); q4: per stream and block of 32
+            // cells each KV head's block (ggml-sparq.h, "The q4 index")
             const bool      q8      = params.index == LLAMA_SPARQ_INDEX_Q8;
             const ggml_type kt_type = q8 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
             const int64_t   row_len = q8 ? GGML_PAD((int64_t) kv_size, ggml_blck_size(GGML_TYPE_Q8_0)) : kv_size;
-            L.kt = ggml_new_tensor_3d(ctx, kt_type, row_len, hparams.n_embd_k_gqa(il), n_stream);
+            if (q4_index) {
+                const int64_t n_blk = ((int64_t) kv_size + GGML_SPARQ_Q4_CELLS - 1) / GGML_SPARQ_Q4_CELLS;
+                L.kt = ggml_new_tensor_4d(ctx, GGML_TYPE_I8, GGML_SPARQ_Q4_DIM_BYTES*hparams.n_embd_head_k(il),
+                                          hparams.n_head_kv(il), n_blk, n_stream);
+            } else {
+                L.kt = ggml_new_tensor_3d(ctx, kt_type, row_len, hparams.n_embd_k_gqa(il), n_stream);
+            }
             ggml_format_name(L.kt, "sparq_kt_l%u", il);
         }
         // sliding-window layers hide part of the sequence, so a per-sequence sum is not their mean: the op
@@ -143,8 +156,9 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
                     (int64_t) (hparams.n_embd_head_v(il) + 1)*hparams.n_head_kv(il), n_seq_max);
             ggml_format_name(L.vsum, "sparq_vsum_l%u", il);
         }
-        // the same for the keys' per-component spread (select qsigma): sliding-window layers leave it to the op
-        if (params.select == LLAMA_SPARQ_SELECT_QSIGMA && !swa) {
+        // the same for the keys' per-component spread (select qsigma; the q4 index chooses no components): sliding-
+        // window layers leave it to the op
+        if (params.select == LLAMA_SPARQ_SELECT_QSIGMA && !q4_index && !swa) {
             L.kstat = ggml_new_tensor_2d(ctx, GGML_TYPE_F32,
                     (int64_t) (2*hparams.n_embd_head_k(il) + 1)*hparams.n_head_kv(il), n_seq_max);
             ggml_format_name(L.kstat, "sparq_kstat_l%u", il);
@@ -183,8 +197,9 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
         std::string index_types; // the index types on this buffer (every layer's, usually one)
         for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t != nullptr; t = ggml_get_next_tensor(ctx.get(), t)) {
             const bool is_kt = std::string(ggml_get_name(t)).rfind("sparq_kt_", 0) == 0;
-            if (is_kt && index_types.find(ggml_type_name(t->type)) == std::string::npos) {
-                index_types += (index_types.empty() ? "" : ",") + std::string(ggml_type_name(t->type));
+            const std::string name = t->type == GGML_TYPE_I8 ? "q4" : ggml_type_name(t->type);
+            if (is_kt && index_types.find(name) == std::string::npos) {
+                index_types += (index_types.empty() ? "" : ",") + name;
             }
         }
         LLAMA_LOG_INFO("%s: %10s SparQ K^T (%s) + V-sum + key-stat buffer size = %8.2f MiB\n", __func__,
@@ -337,11 +352,19 @@ ggml_tensor * llama_kv_cache::sparq_get_kt(ggml_context * ctx, int32_t il, uint3
         return nullptr;
     }
     ggml_tensor * kt = L->kt;
+    const uint32_t ns        = sinfo.s1 - sinfo.s0 + 1;
+    if (kt->type == GGML_TYPE_I8) {
+        // the q4 index [18*head_dim, n_head_kv, n_blk, n_stream] as the op takes it: [18*head_dim, n_kv/32 rounded
+        // up, n_head_kv, ns]
+        const int64_t n_blk = ((int64_t) n_kv + GGML_SPARQ_Q4_CELLS - 1) / GGML_SPARQ_Q4_CELLS;
+        GGML_ASSERT(n_blk <= kt->ne[2]);
+        return ggml_view_4d(ctx, kt, kt->ne[0], n_blk, kt->ne[1], ns, kt->nb[2], kt->nb[1], kt->nb[3],
+                            kt->nb[3]*sinfo.s0);
+    }
     const int64_t  row_len   = kt->ne[0];
     const int64_t  n_kt      = GGML_PAD((int64_t) n_kv, sparq_index_block(kt)); // whole q8_0 blocks
     const uint64_t head_dim  = hparams.n_embd_head_k(il);
     const uint64_t n_embd    = kt->ne[1];
-    const uint32_t ns        = sinfo.s1 - sinfo.s0 + 1;
     GGML_ASSERT(n_kt <= row_len);
 
     // [n_kt, head_dim, n_head_kv, ns]: the layout ggml_sparq_attn takes as kt

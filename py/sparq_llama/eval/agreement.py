@@ -8,7 +8,8 @@ row (causal: every earlier cell is visible), with the GQA group's heads summed a
 
     exact  = top-k2 cells of sum_g softmax(sigma q_g . K)
     approx = top-k2 cells of sum_g p_hat_g, p_hat as the op computes it with the default index and selection
-             (float64 reference; the q8 index quantizes the row's visible keys, empty cells 0, as a cache holds them)
+             (float64 reference; the q8 and q4 indexes quantize the row's visible keys in blocks of 32 cells, empty
+             cells 0, as a cache holds them)
     agreement = |exact & approx| / k2
 
 at the k1 of each target transfer ratio for that length (labels "1/2", "1/4", "1/8"), and with the "f16-q"

@@ -7,7 +7,9 @@ be read without this file:
     sparq-1/2 ...-1/8     SparQ, k2 = 128, window k2/4, k1 picked so that the attention bytes moved per
                           step are at most that fraction of dense at the task's context length (the paper's
                           recipe: fix k = 128, tune r), the index's bytes counted: the q8 index reads about
-                          half the f16 one's bytes per component, so it gets about twice the k1
+                          half the f16 one's bytes per component, so it gets about twice the k1; the q4 index
+                          reads every component (k1 = head_dim, 18/32 bytes each), so a ratio it cannot reach
+                          at that context is left out
     sparq-1/8-mean-on     the same with mean-value reallocation forced to the other state than auto picks
     sparq-1/8-no-window   ... with no recent window (window 0: all k2 cells by score)
     sparq-1/8-sinks16     ... with 16 sink cells as well as the window
@@ -73,11 +75,13 @@ def k1_for_ratio(target: Fraction, n_kv: int, head_dim: int, k2: int = K2, mean:
                  index: str = DEFAULT_INDEX, kv_type: str = "f16") -> int | None:
     """The paper's recipe: the largest r (<= head_dim) whose SparQ transfer in bytes (`transfer_ratio` with
     this index and cache type) is at most `target` of dense at `n_kv` cells; None when k2 rows alone already
-    exceed it."""
+    exceed it. The q4 index takes only r = head_dim: head_dim if that is within the target, else None."""
     b_idx, b_kv = index_bytes(index, kv_type), KV_TYPE_BYTES[kv_type]
     dense = (2 * n_kv * head_dim + 2 * head_dim) * b_kv
     fixed = (2 * k2 * head_dim + (4 if mean else 2) * head_dim) * b_kv
     r = int((target * dense - fixed) // (n_kv * b_idx))
+    if index == "q4":
+        return head_dim if r >= head_dim else None
     return min(r, head_dim) if r >= 1 else None
 
 
