@@ -30,6 +30,7 @@ import sparq_llama
 from sparq_llama import ops, reference
 from test_op_sparq_attn import (
     CASES,
+    Q4_CASES,
     QUANT,
     TOL,
     assert_close,
@@ -38,7 +39,7 @@ from test_op_sparq_attn import (
     make_mask,
     run_both,
 )
-from test_op_index_write import INDEX_WRITE_CASES, check_index_write, index_write_case
+from test_op_index_write import INDEX_WRITE_CASES, Q4_WRITE_CASES, check_index_write, index_write_case, q4_index_after
 from test_op_vsum_rows import (KSTAT_CASES, VSUM_CASES, assert_kstat_equal, expected, kstat_case, kstat_rows_reference,
                                vsum_case, written_back)
 
@@ -60,6 +61,42 @@ def test_random_case_matches_reference_and_cpu(case):
     got, cpu, want = both_backends(q, k, v, mask, case["kv_dtype"], **kw)
     assert_close(got, want, case["kv_dtype"], case)
     assert_close(got, cpu, case["kv_dtype"], case)
+
+
+# The q4 index on CUDA: a thread takes a quarter of a head's components in whole nibble words, its scales in registers
+# (head dims multiples of 32, at most 256); other head dims are refused, so a graph would keep that layer elsewhere.
+def q4_on_cuda(case: dict) -> bool:
+    return case["d"] % 32 == 0 and case["d"] <= 256
+
+
+@pytest.mark.parametrize("case", [c for c in Q4_CASES if q4_on_cuda(c)], ids=lambda c: f"{c['seed']}")
+def test_random_q4_index_case_matches_reference_and_cpu(case):
+    # the same int8 coefficients, integer sums and float roundings as the CPU and the reference: the same selections
+    q, k, v, mask, kw = case_inputs(case)
+    got, cpu, want = both_backends(q, k, v, mask, case["kv_dtype"], **kw)
+    assert_close(got, want, case["kv_dtype"], case)
+    assert_close(got, cpu, case["kv_dtype"], case)
+
+
+def test_q4_index_head_dims_the_kernel_cannot_take_are_refused():
+    case = next(c for c in Q4_CASES if not q4_on_cuda(c))
+    q, k, v, mask, kw = case_inputs(case)
+    kw.pop("layout")
+    with pytest.raises(ValueError, match="does not support"):
+        ops.sparq_attn(q, k, v, mask, kv_dtype=case["kv_dtype"], backend="cuda", layout="kt", **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", *QUANT])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_q4_index_long_rows_match_reference_and_cpu(kv_dtype, group):
+    """Rows over several of kernel A's chunks, a cell count that ends inside a block, GQA groups of 4 and 8 heads a
+    pass: the q4 scores select as the CPU's and the reference's."""
+    rng = np.random.default_rng(41 + group)
+    q, k, v = make_case(rng, n_head_kv=2, group=group, n_q=1, n_kv=5000, d=128, d_v=128, ns=1)
+    mask = make_mask(rng, "holes", 1, 5000)
+    got, cpu, want = both_backends(q, k, v, mask, kv_dtype, k1=128, k2=96, index="q4", layout="kt")
+    assert_close(got, want, kv_dtype, f"q4 index over {kv_dtype}, group {group}")
+    assert_close(got, cpu, kv_dtype, f"q4 index over {kv_dtype}, group {group}")
 
 
 def key_sums(k: np.ndarray, mask: np.ndarray | None, kv_dtype: str, n_q: int) -> np.ndarray:
@@ -422,6 +459,17 @@ def test_index_write_holds_the_keys_of_its_cells_as_on_the_cpu(seed):
 # too); only the 260000-cell rows fall back to P, B, S.
 FORCED_SELECTION_CASES = ("window_and_sinks or long_sequences or underflow or mha_rows or waves or covering "
                           "or empty_rows or long_rows_with_q8_index")
+
+
+@pytest.mark.parametrize("seed", range(len(Q4_WRITE_CASES)), ids=["-".join(map(str, c)) for c in Q4_WRITE_CASES])
+def test_q4_index_write_equals_the_cpu_and_the_q4_blocks(seed):
+    case = Q4_WRITE_CASES[seed]
+    kt, k, cells, blk, mask = index_write_case(case, 100 + seed)
+    kv_dtype, s0, head_dim = case[1], case[5], case[9]
+    kw = dict(mask=mask, s0=s0, kt_dtype="q4", kv_dtype=kv_dtype, head_dim=head_dim)
+    got = ops.index_write(kt, k, cells, blk, backend="cuda", **kw)
+    np.testing.assert_array_equal(got, ops.index_write(kt, k, cells, blk, n_threads=2, **kw))
+    np.testing.assert_array_equal(got, q4_index_after(kt, k, cells, blk, mask, kv_dtype, s0, head_dim))
 
 
 @pytest.mark.skipif(os.environ.get("SPARQ_CUDA_SELECT", "auto") != "auto",

@@ -94,7 +94,8 @@ def held(ctx: Ctx, il: int = LAYERS[0]) -> np.ndarray:
     return read(ctx, il, 5)[0] > 0
 
 
-def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYERS) -> None:
+def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYERS, n_head_kv: int = N_HEAD_KV,
+                d: int = D) -> None:
     """K^T of every checked layer and stream against the cache's keys: the occupied cells (f16), or every block
     holding an occupied cell (q8_0: the block quantized from the keys, empty cells as 0)."""
     occ = occupied(ctx, layers[0])
@@ -107,7 +108,7 @@ def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYER
             where = f"{what}: layer {il} stream {s}"
             kv_size, n_embd = k.shape
             if index == "q4":
-                check_q4_blocks(k, kt, used, where)
+                check_q4_blocks(k, kt, used, where, n_head_kv, d)
                 continue
             if index == "f16":
                 assert kt.shape == (n_embd, kv_size)
@@ -139,14 +140,14 @@ def check_index(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYER
             assert (got[:, empty] == 0).all(), f"{where}: the q8 index holds values in empty cells"
 
 
-def check_q4_blocks(k: np.ndarray, kt: np.ndarray, used: np.ndarray, where: str) -> None:
+def check_q4_blocks(k: np.ndarray, kt: np.ndarray, used: np.ndarray, where: str, n_head_kv: int, d: int) -> None:
     """One stream's q4 index as read back (K^T values [n_embd, row_len]) against the blocks quantized from its keys
     k [kv_size, n_embd] with the empty cells as 0: equal in every block that holds a token."""
     kv_size, n_embd = k.shape
     row_len = -(-kv_size // 32) * 32
     assert kt.shape == (n_embd, row_len)
     x = np.where(used[:, None], k, 0.0).astype(np.float32)
-    heads = x.reshape(kv_size, N_HEAD_KV, D).transpose(1, 0, 2)          # [n_head_kv, kv_size, d]
+    heads = x.reshape(kv_size, n_head_kv, d).transpose(1, 0, 2)          # [n_head_kv, kv_size, d]
     want = q4_index_dequantize(*q4_index_quantize(heads))                 # [n_head_kv, row_len, d]
     want = want.transpose(0, 2, 1).reshape(n_embd, row_len)
     used_p = np.zeros(row_len, dtype=bool)
@@ -157,12 +158,13 @@ def check_q4_blocks(k: np.ndarray, kt: np.ndarray, used: np.ndarray, where: str)
         f"{where}: the q4 index differs from the keys' blocks by up to {np.abs(got - want[:, blocks]).max():.3g}")
 
 
-def check_stats(ctx: Ctx, index: str, what: str) -> None:
+def check_stats(ctx: Ctx, index: str, what: str, layers: tuple[int, ...] = LAYERS, n_head_kv: int = N_HEAD_KV,
+                d: int = D) -> None:
     """The key statistics where the index needs them (check_kstat); the q4 index keeps none."""
     if index == "q4":
-        assert read(ctx, LAYERS[0], 3) is None, "the q4 index keeps no key statistics"
+        assert read(ctx, layers[0], 3) is None, "the q4 index keeps no key statistics"
     else:
-        check_kstat(ctx, what)
+        check_kstat(ctx, what, layers, n_head_kv, d)
 
 
 def check_kstat(ctx: Ctx, what: str, layers: tuple[int, ...] = LAYERS, n_head_kv: int = N_HEAD_KV,

@@ -1,5 +1,5 @@
 """SparQ's index and key statistics with the KV cache on a GPU (skipped without a CUDA device): the index writes and
-the rebuild (ggml_sparq_index_write into f16 or q8_0 rows), the decode steps' key statistics (ggml_sparq_kstat_rows)
+the rebuild (ggml_sparq_index_write into f16 or q8_0 rows, or the q4 index's blocks), the decode steps' key statistics (ggml_sparq_kstat_rows)
 and the rebuild's one-hot sums run on the CUDA backend; the checks are test_sparq_kv_index.py's (the index and the key statistics against the cache's
 own keys, read back), after decodes, a removal in the middle, a state load and two sequences decoding in one
 batch. SparQ decodes from the first step (min_n_kv = 0: the state is kept only where a step may read it), so the
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import sparq_llama
 from conftest import REPO
-from test_sparq_kv_index import KV_TYPES, SPARSE, check_index, check_kstat, make_ctx, occupied
+from test_sparq_kv_index import KV_TYPES, SPARSE, check_index, check_stats, make_ctx, occupied
 
 from sparq_llama.eval import random_gguf
 
@@ -42,12 +42,12 @@ def gpu_model(tmp_path_factory):
 
 
 def check(ctx, index: str, what: str) -> None:
-    check_index(ctx, index, what, LAYERS)
-    check_kstat(ctx, what, LAYERS, N_HEAD_KV, D)
+    check_index(ctx, index, what, LAYERS, N_HEAD_KV, D)
+    check_stats(ctx, index, what, LAYERS, N_HEAD_KV, D)
 
 
 @pytest.mark.parametrize("kv", list(KV_TYPES))
-@pytest.mark.parametrize("index", ["f16", "q8"])
+@pytest.mark.parametrize("index", ["f16", "q8", "q4"])
 def test_state_follows_the_cache_on_the_gpu(gpu_model, index, kv):
     rng = np.random.default_rng(3)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(gpu_model))

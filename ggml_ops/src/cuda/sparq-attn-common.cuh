@@ -132,7 +132,7 @@ __global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
 #endif  // SPARQ_CUDA_INSTRUMENT
 
 enum row_kind : int64_t { ROW_EMPTY = 0, ROW_DENSE = 1, ROW_SPARSE = 2 };
-enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3 };
+enum score_kind { SC_NONE = 0, SC_KT = 1, SC_GATHER = 2, SC_EXACT = 3, SC_Q4 = 4 };  // SC_Q4: the q4 index
 enum counter { CTR_N_W = 0, CTR_N_S = 1, CTR_N_CAND = 2, CTR_N_F = 3 };
 enum row_info { RI_KIND = 0, RI_N_VIS = 1, RI_W_LO = 2, RI_S_HI = 3, RI_THR = 4, RI_N_SEL = 5, RI_ZERO_FIRST = 6, N_RI = 8 };
 

@@ -2,8 +2,8 @@
 //   Q. one block per row: I1 (the k1 largest components of sum_g |q_g|, or of sigma_i * sum_g |q_g,i| for select
 //      qsigma) and every head's query components at I1, scaled by scale / sqrt(rho_g), into scratch;
 //   A. grid of chunks of A_CHUNK cells x rows: the approximate logits of each chunk (from K^T rows at I1, gathered K
-//      components, or exact dot products for the exact and window policies), the chunk's softmax max and sum per head,
-//      and its visible-cell count and position range.
+//      components, the q4 index's integer dot products, or exact dot products for the exact and window policies), the
+//      chunk's softmax max and sum per head, and its visible-cell count and position range.
 // docs/design.md, "CUDA kernels".
 #pragma once
 
@@ -282,6 +282,131 @@ __device__ void kt_scores_thread(const sparq_args & a, const char * ktb, const u
             }
         }
     }
+}
+
+// ---- kernel A: the q4 index ----------------------------------------------------------------------------
+// ggml-sparq.h, "The q4 index". A warp's 256 cells are 8 of its blocks of 32 cells, 4 threads a block (a thread's 8
+// cells, as everywhere in kernel A). Per head of the pass, the block's 4 threads make its int8 query coefficients, a
+// quarter of the components each (the products with the scales, their max over the 4 lanes, the rounding), into the
+// warp's area of shared memory; then each thread reads its cells' nibble words, 8 cells of one word row in two 16-byte
+// loads, and takes two dp4a per cell, word and head. The same float operations as the CPU's, unfused, so the same
+// coefficients, integer sums and logits.
+constexpr int Q4_CELLS    = GGML_SPARQ_Q4_CELLS;
+constexpr int Q4_THREADS  = Q4_CELLS / A_CELLS;              // threads of a block
+constexpr int Q4_WARP_BLK = WARP_SIZE / Q4_THREADS;          // blocks of a warp
+constexpr int Q4_MAX_HEAD_DIM = 256;                         // a thread's quarter of the scales stays in registers
+static_assert(Q4_CELLS % A_CELLS == 0 && WARP_SIZE % Q4_THREADS == 0, "a thread's cells lie in one block");
+// The warp's coefficients: per block, head and word a pair of int8x4 (components 8w..8w+3 and 8w+4..8w+7), a block's
+// stride padded by one pair so that the 8 blocks' reads of one word fall in different banks
+__host__ __device__ constexpr int q4_blk_stride(int ng, int64_t d) { return ng*(int) (d/8) + 1; }
+__host__ __device__ constexpr size_t q4_coef_bytes(int ng, int64_t d) {
+    return size_t(A_WARPS)*Q4_WARP_BLK*q4_blk_stride(ng, d)*sizeof(int2);
+}
+
+// x rounded to the nearest integer, ties to even (as the CPU's lrintf), exact for |x| < 2^22: the float sum with
+// 1.5 * 2^23 holds the integer in its low mantissa bits; its low byte is the int8 two's complement of it.
+__device__ __forceinline__ uint32_t q4_rint_bits(float x) { return __float_as_uint(__fadd_rn(x, 12582912.0f)); }
+
+// The int8 coefficients of the thread's quarter of the components for NG heads (query rows in qs [NG][d]) of the block
+// at blk (nullptr: past the row's blocks, coefficients 0), into coef; each head's unit m/127 and sum of coefficients.
+template <int NG>
+__device__ void q4_coefficients(const sparq_args & a, const float * qs, const uint8_t * blk, int2 * coef,
+                                float (&unit)[NG], int (&a_sum)[NG]) {
+    const int d = (int) a.d, quarter = d / Q4_THREADS, p = threadIdx.x % Q4_THREADS;
+    uint4 sraw[Q4_MAX_HEAD_DIM / Q4_THREADS / 8];  // the quarter's f16 scales, 8 a load
+#pragma unroll
+    for (int l = 0; l < Q4_MAX_HEAD_DIM / Q4_THREADS / 8; ++l) {
+        sraw[l] = blk && 8*l < quarter ? ((const uint4 *) (blk + 16*d + 2*p*quarter))[l] : make_uint4(0, 0, 0, 0);
+    }
+    const half * sc = (const half *) sraw;
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+        const float * qg = qs + g*d + p*quarter;
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < Q4_MAX_HEAD_DIM / Q4_THREADS; ++i) {
+            if (i < quarter) {
+                m = fmaxf(m, fabsf(__fmul_rn(qg[i], __half2float(sc[i]))));
+            }
+        }
+        m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFF, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFF, m, 2));
+        static_assert(Q4_THREADS == 4, "two butterfly steps");
+        const float inv = m > 0.0f ? __fdiv_rn(127.0f, m) : 0.0f;  // m = 0: every coefficient 0, every logit +0
+        unit[g] = m > 0.0f ? __fdiv_rn(m, 127.0f) : 0.0f;
+        int sum = 0;
+#pragma unroll
+        for (int w = 0; w < Q4_MAX_HEAD_DIM / Q4_THREADS / 8; ++w) {
+            if (8*w >= quarter) {
+                continue;
+            }
+            uint32_t half_word[2];
+#pragma unroll
+            for (int hw = 0; hw < 2; ++hw) {
+                uint32_t b[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int i = 8*w + 4*hw + j;
+                    b[j] = q4_rint_bits(__fmul_rn(__fmul_rn(qg[i], __half2float(sc[i])), inv));
+                }
+                half_word[hw] = __byte_perm(__byte_perm(b[0], b[1], 0x0040), __byte_perm(b[2], b[3], 0x0040), 0x5410);
+                sum = __dp4a((int) half_word[hw], 0x01010101, sum);
+            }
+            coef[g*(d/8) + p*quarter/8 + w] = make_int2((int) half_word[0], (int) half_word[1]);
+        }
+        sum += __shfl_xor_sync(0xFFFFFFFF, sum, 1);
+        sum += __shfl_xor_sync(0xFFFFFFFF, sum, 2);
+        a_sum[g] = sum;
+    }
+}
+
+// The logits scale * s_hat of a thread's cells [j0, j0 + A_CELLS) for NG heads into acc (q4 index rows at ktb, the
+// row's KV head and stream). coef: the warp's coefficient area.
+template <int NG>
+__device__ void q4_scores_thread(const sparq_args & a, const char * ktb, const float * qs, int64_t j0, int2 * coef_warp,
+                                 float (&acc)[NG][A_CELLS]) {
+    const int d = (int) a.d, lane = threadIdx.x % WARP_SIZE, bb = lane / Q4_THREADS;
+    const int64_t b = j0 / Q4_CELLS, n_blk = (a.n_kv + Q4_CELLS - 1) / Q4_CELLS;
+    const uint8_t * blk = b < n_blk ? (const uint8_t *) kt_row(ktb, (uint32_t) b, a) : nullptr;
+    int2 * coef = coef_warp + bb*q4_blk_stride(NG, d);
+    float unit[NG];
+    int a_sum[NG];
+    q4_coefficients<NG>(a, qs, blk, coef, unit, a_sum);
+    __syncwarp();
+    int dot[NG][A_CELLS];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+#pragma unroll
+        for (int u = 0; u < A_CELLS; ++u) {
+            dot[g][u] = 0;
+        }
+    }
+    if (blk) {
+        const uint4 * words = (const uint4 *) blk + (j0 % Q4_CELLS) / 4;  // word row w of cell c at u32 32*w + c
+        const uint64_t pol = l2_evict_first();
+#pragma unroll 4
+        for (int w = 0; w < d/8; ++w) {
+            const uint4 x0 = load16_stream(words + 8*w, pol), x1 = load16_stream(words + 8*w + 1, pol);
+            const uint32_t x[A_CELLS] = { x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w };
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                const int2 cf = coef[g*(d/8) + w];
+#pragma unroll
+                for (int u = 0; u < A_CELLS; ++u) {
+                    dot[g][u] = __dp4a(cf.x, (int) (x[u] & 0x0F0F0F0Fu), dot[g][u]);
+                    dot[g][u] = __dp4a(cf.y, (int) ((x[u] >> 4) & 0x0F0F0F0Fu), dot[g][u]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+#pragma unroll
+        for (int u = 0; u < A_CELLS; ++u) {
+            acc[g][u] = __fmul_rn(a.p.scale, __fmul_rn(unit[g], (float) (dot[g][u] - 8*a_sum[g])));
+        }
+    }
+    __syncwarp();  // the coefficients are rewritten by the next pass
 }
 
 // Kernel A: the mask and positions of a thread's cells [j0, j0 + A_CELLS), loaded as they are (16-byte loads
@@ -618,7 +743,7 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
             const int gg = idx / qstride, i = idx % qstride;
             qs[idx] = g0 + gg >= G || i >= k1 ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
         }
-    } else if (POL == SC_EXACT) {
+    } else if (POL == SC_EXACT || POL == SC_Q4) {
         for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
             const int64_t gg = idx / d, i = idx % d;
             qs[idx] = g0 + gg < G ? q_row(a, c.h*G + g0 + gg, c)[i] : 0.0f;
@@ -708,7 +833,10 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                 acc[g][u] = 0.0f;
             }
         }
-        if constexpr (POL == SC_KT) {
+        if constexpr (POL == SC_Q4) {
+            int2 * coef = (int2 *) ((uint8_t *) qs + a_qs_bytes(NG, k1, d)) + warp*Q4_WARP_BLK*q4_blk_stride(NG, d);
+            q4_scores_thread<NG>(a, a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3, qs, j0, coef, acc);
+        } else if constexpr (POL == SC_KT) {
             // k1 rows of K^T: a q8_0 index copied by warps where it is aligned for that, else each thread reads 8
             // consecutive cells of a row with one 16-byte load (two for f32; a q8_0 index: its block's scale and 8
             // values), a_unroll rows in flight. A q8_0 row is padded to whole blocks, so a thread's 8 cells are there

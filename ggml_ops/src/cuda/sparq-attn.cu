@@ -320,6 +320,7 @@ static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int
     switch (pol) {
         case SC_NONE:   launch_scores<float, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;  // reads no K
         case SC_KT:     launch_scores_of<SC_KT>    (a.kt_type, ng, grid_a, smem_a, stream, a, s, r0); break;
+        case SC_Q4:     launch_scores_ng<uint8_t, SC_Q4>(ng, grid_a, smem_a, stream, a, s, r0); break;
         case SC_GATHER: launch_scores_of<SC_GATHER>(a.k_type,  ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_of<SC_EXACT> (a.k_type,  ng, grid_a, smem_a, stream, a, s, r0); break;
     }
@@ -340,6 +341,8 @@ static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int
 }
 
 static bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
+// Kernel A's heads per pass (its instances: 1, 2, 4, 8) for a group of G query heads
+static int heads_per_pass(int64_t G) { return G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1; }
 static bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0; }
 
 // Scratch of one wave: each array 256-byte aligned.
@@ -379,7 +382,7 @@ static bool kv_type_ok(ggml_type t) {
            t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
 }
 static bool kt_type_ok(ggml_type t) {
-    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 || t == GGML_TYPE_Q8_0;
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_I8;
 }
 
 bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
@@ -402,8 +405,15 @@ bool ggml_cuda_sparq_attn_supported(int device, const ggml_tensor * op) {
     }
     // quantized rows are whole blocks (the kernels read 8 values of one block at a time); a q8_0 index row holds
     // n_kv cells rounded up to its blocks
+    const bool q4 = kt && kt->type == GGML_TYPE_I8;
     if (d % ggml_blck_size(k->type) != 0 || v->ne[0] % ggml_blck_size(v->type) != 0 ||
-        (kt && kt->ne[0] != GGML_PAD(k->ne[1], ggml_blck_size(kt->type)))) {
+        (kt && !q4 && kt->ne[0] != GGML_PAD(k->ne[1], ggml_blck_size(kt->type)))) {
+        return false;
+    }
+    // the q4 index: a quarter of the components per thread in whole words, the scales in registers; 16-byte loads
+    if (q4 && (d % (8*Q4_THREADS) != 0 || d > Q4_MAX_HEAD_DIM || !aligned16(kt->data) || !strides16(kt) ||
+               a_qs_bytes(heads_per_pass(G), d, d) + q4_coef_bytes(heads_per_pass(G), d) >
+                   ggml_cuda_info().devices[device].smpbo)) {
         return false;
     }
     // kernel A takes a K^T row's address as a 32 x 32-bit product (kt_row)
@@ -464,7 +474,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     a.n_chunks_b = (int32_t) ((a.n_kv + B_CHUNK - 1) / B_CHUNK);
     a.n_words    = (a.n_kv + 31) / 32;
     a.cap        = candidate_cap(a.p.k2);
-    a.vec_kt     = kt && kt->type != GGML_TYPE_Q8_0 && aligned16(kt->data) && strides16(kt);  // q8_0: 2-byte loads
+    a.vec_kt     = kt && kt->type != GGML_TYPE_Q8_0 && kt->type != GGML_TYPE_I8 && aligned16(kt->data) &&
+                   strides16(kt);  // q8_0: 2-byte loads; the q4 index: its own loads
     a.vec_kt_q8  = kt && kt->type == GGML_TYPE_Q8_0 && aligned16(kt->data) && strides16(kt) &&
                    GGML_CUDA_CC_IS_NVIDIA(ggml_cuda_info().devices[ctx.device].cc) &&  // device code with cp.async
                    ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[ctx.device].cc) >= GGML_CUDA_CC_AMPERE;
@@ -480,9 +491,10 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     const bool scores = a.p.policy != GGML_SPARQ_POLICY_WINDOW || a.p.mean_on;
     a.has_logits = scores;
-    const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT : kt ? SC_KT : SC_GATHER;
+    const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT :
+                    kt && kt->type == GGML_TYPE_I8 ? SC_Q4 : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
-    const int ng = G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1;
+    const int ng = heads_per_pass(G);
     const int64_t n_vec = (a.d + 7) / 8;  // kernel LV: K vectors of 8 components per thread
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
 
@@ -509,7 +521,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.alpha    = (float *)    (base + plan.alpha);
 
     const size_t smem_q = query_smem(a);
-    const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes() : 0);
+    const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes() : 0) +
+                          (pol == SC_Q4 ? q4_coef_bytes(ng, a.d) : 0);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {

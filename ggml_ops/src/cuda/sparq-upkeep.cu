@@ -6,9 +6,10 @@
 //   - index blocks: per written index block (block b of stream j) a chunk of UK_THREADS key components; thread e takes
 //     component e: it gathers the B cells' values of component e from K, dequantized as ggml-cuda's get_rows
 //     dequantizes them (the same device functions), times the mask, and writes them to row e of K^T converted as
-//     ggml-cuda's set_rows converts (q8_0: its block quantizer). K rows are read by consecutive threads (coalesced
-//     along the components); a q8_0 block is stored by its warp, a row at a time. A decode step writes one index
-//     block a layer, so the components are what spreads it over the GPU;
+//     ggml-cuda's set_rows converts (q8_0: its block quantizer; the q4 index: the CPU's quantizer, its nibbles gathered
+//     into each cell's words through shared memory). K rows are read by consecutive threads (coalesced along the
+//     components); a q8_0 block is stored by its warp, a row at a time. A decode step writes one index block a layer,
+//     so the components are what spreads it over the GPU;
 //   - sums: per (token, KV head) one block; thread i adds component i of the token's rounded value to its sequence's
 //     V-sum row and of its key as the cache holds it (and its square) to its key-statistics row, writes both to the
 //     result and back to the tables; one thread adds the counts. The rounding is CUDA's round-to-nearest-even
@@ -39,7 +40,8 @@ constexpr int IW_MAX_B   = QK8_0;  // the largest index block
 struct index_args {  // the index part; n_blocks 0 without one
     char * kt; const char * k; const int32_t * cells; const int64_t * blk; const float * mask;
     int64_t n_embd, n_blk, n_chunks, n_blocks;
-    size_t kt_nb1, kt_nb2, k_nb1;
+    size_t kt_nb1, kt_nb2, kt_nb3, k_nb1;  // the q4 index: head, block and stream strides; else row and stream
+    int64_t head_dim;                      // the q4 index's
     int32_t s0;
 };
 
@@ -118,9 +120,45 @@ __device__ __forceinline__ void store_q8_0_by_warp(const float * x, bool in_row,
     }
 }
 
+// The q4 index (ggml-sparq.h, "The q4 index"): thread e quantizes its component's 32 cells x as the CPU does (the
+// first value of largest magnitude over -8 as the scale, nibbles min(15, trunc(x/scale + 8.5)) in two roundings) and
+// stores the scale; the nibbles go through shared memory, from where each cell's words (8 components each) are stored,
+// consecutive threads taking consecutive cells of a word row.
+__device__ __forceinline__ void store_q4_block(const float (&x)[GGML_SPARQ_Q4_CELLS], bool in_row, const index_args & a,
+                                               char * kt_b, int64_t e) {
+    constexpr int B = GGML_SPARQ_Q4_CELLS;
+    __shared__ uint8_t nib[B][UK_THREADS + 8];  // [cell][component of the chunk]; + 8: a word row's 8 bytes stay apart
+    const int64_t d = a.head_dim, e_chunk = e - threadIdx.x;
+    if (in_row) {
+        float amax = 0.0f, extreme = 0.0f;
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            if (amax < fabsf(x[u])) {
+                amax = fabsf(x[u]);
+                extreme = x[u];
+            }
+        }
+        const float scale = __fdiv_rn(extreme, -8.0f), inv = scale != 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            nib[u][threadIdx.x] = (uint8_t) min(15, (int) __fadd_rn(__fmul_rn(x[u], inv), 8.5f));
+        }
+        ((half *) (kt_b + (e / d)*a.kt_nb1 + 16*d))[e % d] = __float2half_rn(scale);
+    }
+    __syncthreads();
+    const int n_comp = (int) min((int64_t) UK_THREADS, a.n_embd - e_chunk);  // a multiple of 8 (d is)
+    for (int idx = threadIdx.x; idx < B*n_comp/8; idx += UK_THREADS) {
+        const int c = idx % B, w = idx / B;       // cell c's word of the chunk's components 8w .. 8w + 7
+        const uint2 b = *(const uint2 *) &nib[c][8*w];
+        const int64_t e0 = e_chunk + 8*w;         // within one head: d is a multiple of 8
+        char * blk = kt_b + (e0 / d)*a.kt_nb1;
+        ((uint32_t *) blk)[((e0 % d)/8)*B + c] = b.x | (b.y << 4);
+    }
+}
+
 template <ggml_type K_TYPE, ggml_type KT_TYPE>
 __device__ __forceinline__ void write_index_block(const index_args & a, int64_t bid) {
-    constexpr int B = KT_TYPE == GGML_TYPE_Q8_0 ? QK8_0 : 1;
+    constexpr int B = KT_TYPE == GGML_TYPE_Q8_0 ? QK8_0 : KT_TYPE == GGML_TYPE_I8 ? GGML_SPARQ_Q4_CELLS : 1;
     static_assert(B <= IW_MAX_B, "an index block fits the thread's values");
     const int64_t t = bid / a.n_chunks;  // block b of stream j: t = j*n_blk + b
     const int64_t j = t / a.n_blk;
@@ -137,7 +175,9 @@ __device__ __forceinline__ void write_index_block(const index_args & a, int64_t 
             x[u] = a.mask ? val * a.mask[first + u] : val;
         }
     }
-    if constexpr (KT_TYPE == GGML_TYPE_Q8_0) {
+    if constexpr (KT_TYPE == GGML_TYPE_I8) {
+        store_q4_block(x, in_row, a, a.kt + (a.s0 + j)*a.kt_nb3 + blk*a.kt_nb2, e);
+    } else if constexpr (KT_TYPE == GGML_TYPE_Q8_0) {
         if (e - threadIdx.x % WARP_SIZE < a.n_embd) {  // the warp has rows (all its lanes take this branch)
             store_q8_0_by_warp(x, in_row, kt_s, a.kt_nb1, e, a.n_embd, blk);
         }
@@ -239,6 +279,7 @@ void launch_for_index(ggml_type kt_type, unsigned n_blocks, cudaStream_t stream,
     const ggml_cuda_kernel_launch_params lp(dim3(n_blocks), UK_THREADS, 0, stream);
     switch (kt_type) {
         case GGML_TYPE_Q8_0: ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_Q8_0>, lp, a); break;
+        case GGML_TYPE_I8:   ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_I8>,   lp, a); break;
         case GGML_TYPE_F16:  ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_F16>,  lp, a); break;
         case GGML_TYPE_BF16: ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_BF16>, lp, a); break;
         default:             ggml_cuda_kernel_launch(upkeep_kernel<K_TYPE, GGML_TYPE_F32>,  lp, a); break;
@@ -270,9 +311,12 @@ index_args index_part(const ggml_tensor * kt, const ggml_tensor * k, const ggml_
     index_args a = {};
     a.kt = (char *) kt->data; a.k = (const char *) k->data; a.cells = (const int32_t *) cells->data;
     a.blk = (const int64_t *) blk->data; a.mask = mask ? (const float *) mask->data : nullptr;
-    a.n_embd = kt->ne[1]; a.n_blk = blk->ne[0]; a.n_chunks = (a.n_embd + UK_THREADS - 1) / UK_THREADS;
+    const bool q4 = kt->type == GGML_TYPE_I8;
+    a.head_dim = q4 ? kt->ne[0] / GGML_SPARQ_Q4_DIM_BYTES : 0;
+    a.n_embd = q4 ? a.head_dim*kt->ne[1] : kt->ne[1];
+    a.n_blk = blk->ne[0]; a.n_chunks = (a.n_embd + UK_THREADS - 1) / UK_THREADS;
     a.n_blocks = a.n_blk*blk->ne[2]*a.n_chunks;
-    a.kt_nb1 = kt->nb[1]; a.kt_nb2 = kt->nb[2]; a.k_nb1 = k->nb[1];
+    a.kt_nb1 = kt->nb[1]; a.kt_nb2 = kt->nb[2]; a.kt_nb3 = q4 ? kt->nb[3] : kt->nb[2]; a.k_nb1 = k->nb[1];
     a.s0 = s0;
     return a;
 }
@@ -310,8 +354,9 @@ bool k_type_ok(ggml_type t) {
 }
 
 bool index_supported(const ggml_tensor * kt, const ggml_tensor * k, const ggml_tensor * blk) {
-    return kt_type_ok(kt->type) && k_type_ok(k->type) &&
-           blk->ne[0]*blk->ne[2]*((kt->ne[1] + UK_THREADS - 1) / UK_THREADS) <= INT32_MAX / 2;  // a 1-D grid
+    const int64_t n_embd = kt->type == GGML_TYPE_I8 ? kt->ne[0] / GGML_SPARQ_Q4_DIM_BYTES * kt->ne[1] : kt->ne[1];
+    return (kt_type_ok(kt->type) || kt->type == GGML_TYPE_I8) && k_type_ok(k->type) &&
+           blk->ne[0]*blk->ne[2]*((n_embd + UK_THREADS - 1) / UK_THREADS) <= INT32_MAX / 2;  // a 1-D grid
 }
 
 bool values_supported(const ggml_tensor * tab, const ggml_tensor * v, ggml_type type) {

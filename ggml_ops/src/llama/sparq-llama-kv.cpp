@@ -113,9 +113,10 @@ bool llama_kv_cache::sparq_enable(const llama_sparq_params & params, std::string
             L.reason = "k1 exceeds this layer's head dim";
         } else if (q4_index && hparams.n_embd_head_k(il) % 8 != 0) {
             L.reason = "the q4 index needs a key head dim that is a multiple of 8";
-        } else if (q4_index && !sparq_on_host(layer.k)) {
-            L.reason = "the q4 index has CPU kernels only: its layers' KV must be in host memory (use --sparq-index q8 "
-                       "on a GPU)";
+        } else if (q4_index && !sparq_on_host(layer.k) &&
+                   (hparams.n_embd_head_k(il) % 32 != 0 || hparams.n_embd_head_k(il) > 256)) {
+            L.reason = "the q4 index's CUDA kernel needs a key head dim that is a multiple of 32, at most 256 (use "
+                       "--sparq-index q8 for this model on a GPU)";
         }
         if (!L.reason.empty()) {
             auto & list = dense_layers[L.reason];
