@@ -99,6 +99,18 @@ def test_q4_index_long_rows_match_reference_and_cpu(kv_dtype, group):
     assert_close(got, cpu, kv_dtype, f"q4 index over {kv_dtype}, group {group}")
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_q4_index_rows_beyond_one_wave_match_reference_and_cpu(group):
+    """40 rows of 5 chunks: 200 blocks of kernel A, more than one wave on any current GPU (the other q4 cases fit in
+    one)."""
+    rng = np.random.default_rng(77 + group)
+    q, k, v = make_case(rng, n_head_kv=40, group=group, n_q=1, n_kv=8300, d=128, d_v=64, ns=1)
+    mask = make_mask(rng, "holes", 1, 8300)
+    got, cpu, want = both_backends(q, k, v, mask, "f16", k1=128, k2=64, index="q4", layout="kt")
+    assert_close(got, want, "f16", f"q4 index, 40 rows, group {group}")
+    assert_close(got, cpu, "f16", f"q4 index, 40 rows, group {group}")
+
+
 def key_sums(k: np.ndarray, mask: np.ndarray | None, kv_dtype: str, n_q: int) -> np.ndarray:
     """kstat [ns, n_q, n_head_kv, 2d + 1] (sum of the visible keys as the cache holds them, of their squares, their
     count) of keys [ns, n_head_kv, n_kv, d] under a mask [n_q, n_kv] or [ns, n_q, n_kv] (None: all visible)."""
