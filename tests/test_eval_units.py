@@ -62,6 +62,18 @@ def test_q4_settings_read_every_component_where_the_ratio_allows():
     assert "sparq-1/8" not in by and any(name == "sparq-1/8" for name, _ in skipped)
 
 
+def test_q4_ablation_adds_the_q4_index_at_its_own_ratio():
+    # the index mode's "q4" ablation: one setting reading every component (k1 None: head_dim), at the q4 index's ratio
+    settings, _ = settings_for(4096, SMOL, ablations=("q4",))
+    q4 = next(s for s in settings if s.name == "sparq-q4")
+    assert (q4.config.index, q4.config.k1, q4.family) == ("q4", None, "ablation")
+    assert q4.transfer == pytest.approx(1 / transfer_ratio(4096, 64, 64, 128, mean=False, index="q4"))
+    assert "sparq-q4" not in [s.name for s in settings_for(4096, SMOL)[0]]
+    from sparq_llama.eval.agreement import variants
+    assert variants(4096, 64, False, ("q4",))["q4"] == [64, sparq_api.DEFAULT_SELECT, "q4"]
+    assert "q4" not in variants(4096, 64, False, ())
+
+
 def test_settings_carry_the_index():
     settings, _ = settings_for(2048, SMOL, index="q8")
     by = {s.name: s for s in settings}

@@ -152,6 +152,8 @@ def variants(n_kv: int, head_dim: int, mean: bool, ablations: tuple[str, ...]) -
         index, select = PAPER_INDEX
         out.update({f"{ratio_label(r)}-f16-q": [k1, select, index] for r in PAPER_INDEX_RATIOS
                     if (k1 := k1_for_ratio(r, n_kv, head_dim, K2, mean, index=index))})
+    if "q4" in ablations and head_dim % 8 == 0:
+        out["q4"] = [head_dim, DEFAULT_SELECT, "q4"]  # every component; select plays no part
     return out
 
 

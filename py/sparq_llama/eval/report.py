@@ -145,7 +145,8 @@ def _per_length(data: dict[str, Any]) -> list[str]:
 
 
 def _setting_order(name: str) -> tuple[int, str]:
-    order = ["dense", "sparq-1/2", "sparq-1/4", "sparq-1/8", "sparq-1/4-f16-q", "sparq-1/8-f16-q", "exact", "window"]
+    order = ["dense", "sparq-1/2", "sparq-1/4", "sparq-1/8", "sparq-1/4-f16-q", "sparq-1/8-f16-q", "sparq-q4", "exact",
+             "window"]
     return (order.index(name), name) if name in order else (len(order), name)
 
 
@@ -185,6 +186,9 @@ def plot(data: dict[str, Any], path: Path) -> bool:
             for s in ts:
                 if s["family"] == fam:
                     ax.errorbar([s["transfer"]], [s[key]], yerr=[s[err]], fmt=marker, label=fam, capsize=3)
+        for s in ts:
+            if s["setting"] == "sparq-q4":
+                ax.errorbar([s["transfer"]], [s[key]], yerr=[s[err]], fmt="D", label="SparQ, q4 index", capsize=3)
         dense = [s for s in ts if s["setting"] == "dense"]
         if dense:
             ax.axhline(dense[0][key], color="k", ls="--", lw=1, label="dense")

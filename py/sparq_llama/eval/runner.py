@@ -117,8 +117,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # the index and selection against the paper's (f16 K^T, components of largest |q|) at 1/4 and 1/8 of dense
     # bytes: the full mode's examples, the main settings only
     "index": {
-        "*": {"ablations": ("f16-q",), "only": ("sparq-1/4", "sparq-1/8", "sparq-1/4-f16-q", "sparq-1/8-f16-q",
-                                                  "exact", "window")},
+        "*": {"ablations": ("f16-q", "q4"), "only": ("sparq-1/4", "sparq-1/8", "sparq-1/4-f16-q", "sparq-1/8-f16-q",
+                                                        "sparq-q4", "exact", "window")},
     },
     # how to spend the 1/8 budget: k2 = 64 / 128 / 256 with k1 by the recipe (perplexity: the low-noise metric)
     "budget": {

@@ -38,7 +38,7 @@ ABLATIONS = ("mean", "no-window", "sinks16", "swa")      # the defaults' ablatio
 BUDGET_K2 = (64, 256)               # the "k2" study: the 1/8 budget spent on fewer / more kept cells
 PAPER_INDEX = ("f16", "q")          # the "f16-q" comparison: (index, select) of the paper
 PAPER_INDEX_RATIOS = (Fraction(1, 4), Fraction(1, 8))
-KNOWN_ABLATIONS = (*ABLATIONS, "k2", "f16-q")
+KNOWN_ABLATIONS = (*ABLATIONS, "k2", "f16-q", "q4")  # q4: the q4 index (every component, its own ratio)
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,10 @@ def settings_for(n_kv: int, shape: ModelShape, *, ablations: tuple[str, ...] = A
                 out.append(Setting(f"sparq-{label}-f16-q", replace(base, k1=k1_paper, index=paper_index,
                                                                    select=paper_select),
                                    sparq_transfer(n_kv, shape, k1_paper, k2, mean, paper_index), "ablation", target))
+    if "q4" in ablations and d % 8 == 0:
+        # every component: its ratio is the index's (6% more bytes than the default's at 1/8 on long contexts)
+        out.append(Setting("sparq-q4", replace(base, k1=None, index="q4"), sparq_transfer(n_kv, shape, d, k2, mean, "q4"),
+                           "ablation", HEADLINE))
     if headline_k1 is not None:
         k1, h = headline_k1, ratio_label(HEADLINE)
         if "mean" in ablations:
