@@ -52,6 +52,25 @@ ggml_backend * open_backend(const char * device, int n_threads, ggml_backend_dev
     return backend;
 }
 
+// An entry point's device and graph context: the backend on the named device (NULL or "": the CPU) with n_threads
+// threads where it takes a count, and a no_alloc context of ctx_bytes (the tensors get a buffer of that backend).
+// open returns 0, or fail's 1 with the reason.
+struct eval_env {
+    std::unique_ptr<ggml_backend, backend_deleter> backend;
+    ggml_backend_dev_t dev = nullptr;
+    std::unique_ptr<ggml_context, ctx_deleter> ctx;
+
+    int open(const char * device, int n_threads, size_t ctx_bytes, char * err, size_t err_size) {
+        backend.reset(open_backend(device, n_threads, &dev));
+        if (!backend) {
+            return fail(err, err_size, "no usable ggml device named '%s'", device ? device : "CPU");
+        }
+        ggml_init_params ip = { ctx_bytes, nullptr, /*no_alloc =*/ true };
+        ctx.reset(ggml_init(ip));
+        return ctx ? 0 : fail(err, err_size, "could not create a ggml context");
+    }
+};
+
 // Runs the one op `out` of context c (no_alloc) on backend: checks that the device supports it, allocates c's
 // tensors, sets the inputs (a NULL tensor is skipped), computes, and copies the result to dst. 0, or 1 with err.
 int compute_op(ggml_backend * backend, ggml_backend_dev_t dev, ggml_context * c, ggml_tensor * out, const char * op_name,
@@ -106,15 +125,13 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
             return fail(err, err_size, "k_type, kt_type and v_type must be ggml types, got %d", t);
         }
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-
-    ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     ggml_tensor * q  = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
     ggml_tensor * k  = ggml_new_tensor_4d(c, k_type, a->d, a->n_kv, a->n_head_kv, a->ns);
     ggml_tensor * kt = a->kt ? new_index(c, kt_type, a->d, a->n_kv, a->n_head_kv, a->ns) : nullptr;
@@ -134,7 +151,7 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (kstat) {
         ggml_sparq_attn_set_kstat(out, kstat);
     }
-    return compute_op(backend.get(), dev, c, out, "sparq_attn",
+    return compute_op(backend, dev, c, out, "sparq_attn",
                       { { q, a->q }, { k, a->k }, { kt, a->kt }, { v, a->v }, { mask, a->mask }, { pos, a->pos },
                         { vsum, a->vsum }, { kstat, a->kstat } }, a->out, err, err_size);
 }
@@ -167,14 +184,13 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
     if (check_table_rows(a->idx, a->n_tokens, a->n_seq, err, err_size)) {
         return 1;
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 8 + ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, (a->d_v + 1)*a->n_head_kv, a->n_seq);
     ggml_tensor * v_full = ggml_new_tensor_3d(c, GGML_TYPE_F32, a->v_ld, a->n_head_kv, a->n_tokens);
     ggml_tensor * v      = ggml_view_3d(c, v_full, a->d_v, a->n_head_kv, a->n_tokens, v_full->nb[1], v_full->nb[2], 0);
@@ -184,7 +200,7 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_vsum_rows(c, table, v, idx, v_type);
-    return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
+    return compute_op(backend, dev, c, out, "sparq_vsum_rows",
                       { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size,
                       { { table, a->table_out } });
 }
@@ -211,14 +227,13 @@ int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * a, char * er
             return fail(err, err_size, "cells[%lld] = %d is not a row of k", (long long) t, a->cells[t]);
         }
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 8 + ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     ggml_tensor * table = ggml_new_tensor_2d(c, GGML_TYPE_F32, (2*a->d + 1)*a->n_head_kv, a->n_seq);
     ggml_tensor * k     = ggml_new_tensor_3d(c, k_type, a->d*a->n_head_kv, a->kv_size, a->n_stream);
     ggml_tensor * cells = ggml_new_tensor_1d(c, GGML_TYPE_I32, a->n_tokens);
@@ -227,7 +242,7 @@ int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * a, char * er
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_kstat_rows(c, table, k, cells, idx);
-    return compute_op(backend.get(), dev, c, out, "sparq_vsum_rows",
+    return compute_op(backend, dev, c, out, "sparq_vsum_rows",
                       { { table, a->table }, { k, a->k }, { cells, a->cells }, { idx, a->idx } }, a->out, err, err_size,
                       { { table, a->table_out } });
 }
@@ -266,14 +281,13 @@ int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * 
                         (long long) a->blk[i]);
         }
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 8 + ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 8 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     ggml_tensor * kt    = q4 ? ggml_new_tensor_4d(c, kt_type, GGML_SPARQ_Q4_DIM_BYTES*a->head_dim,
                                                   a->n_embd/a->head_dim, a->row_len/B, a->n_stream)
                              : ggml_new_tensor_3d(c, kt_type, a->row_len, a->n_embd, a->n_stream);
@@ -285,7 +299,7 @@ int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * 
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_index_write(c, kt, k, cells, mask, blk, a->s0);
-    return compute_op(backend.get(), dev, c, out, "sparq_index_write",
+    return compute_op(backend, dev, c, out, "sparq_index_write",
                       { { kt, a->kt }, { k, a->k }, { cells, a->cells }, { mask, a->mask }, { blk, a->blk } },
                       a->kt_out, err, err_size);
 }
@@ -301,15 +315,13 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
     if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16 && kv_type != GGML_TYPE_BF16) {
         return fail(err, err_size, "kv_type must be f32, f16 or bf16");
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-
-    ggml_init_params ip = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, a->d, a->n_kv, a->n_head_kv, a->ns);
     ggml_tensor * v    = ggml_new_tensor_4d(c, kv_type, a->d_v, a->n_kv, a->n_head_kv, a->ns);
@@ -325,7 +337,7 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_centroid_attn(c, q, k, v, mask, cent, cell, coarse, parent, *a->params);
-    return compute_op(backend.get(), dev, c, out, "centroid_attn",
+    return compute_op(backend, dev, c, out, "centroid_attn",
                       { { q, a->q }, { k, a->k }, { v, a->v }, { mask, a->mask }, { cent, a->cent }, { cell, a->cell },
                         { coarse, a->coarse }, { parent, a->parent } }, a->out, err, err_size);
 }
@@ -337,21 +349,21 @@ int sparq_llama_eval_kmeans(const struct kmeans_eval_args * a, char * err, size_
     if (a->d < 1 || a->P < 1 || a->H < 1) {
         return fail(err, err_size, "d, P and H must be >= 1");
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 2, err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_tensor * x = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, a->d, a->P, a->H);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx.get(), backend.get()));
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * ctx = env.ctx.get();
+    ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->d, a->P, a->H);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx, backend));
     if (!buf) {
         return fail(err, err_size, "could not allocate the rows on '%s'", ggml_backend_dev_name(dev));
     }
     ggml_backend_tensor_set(x, a->x, 0, ggml_nbytes(x));
     sparq_kmeans_result res;
-    const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init,
+    const std::string msg = sparq_kmeans_run(backend, x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init,
                                              0, a->center != 0, a->weights);
     if (!msg.empty()) {
         return fail(err, err_size, "%s", msg.c_str());
@@ -455,14 +467,13 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     }
     const auto kv_type = (ggml_type) a->kv_type;
     const auto kt_type = a->kt_type < 0 ? kv_type : (ggml_type) a->kt_type;
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), nullptr, true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     const int64_t d = a->d, n_kv = a->n_kv, ns = std::max<int64_t>(1, a->n_seq);
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, ns);
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, a->n_head_kv, ns);
@@ -487,10 +498,10 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     ggml_build_forward_expand(g_sparq, sparq);
     ggml_cgraph * g_flash = ggml_new_graph(c);
     ggml_build_forward_expand(g_flash, flash);
-    if (!ggml_backend_supports_op(backend.get(), sparq) || !ggml_backend_supports_op(backend.get(), flash)) {
+    if (!ggml_backend_supports_op(backend, sparq) || !ggml_backend_supports_op(backend, flash)) {
         return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(dev));
     }
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend));
     if (!buf) {
         return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
     }
@@ -528,15 +539,15 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     }
 
     // warm-up, then interleaved timed runs so drift hits both ops alike
-    ggml_backend_graph_compute(backend.get(), g_sparq);
-    ggml_backend_graph_compute(backend.get(), g_flash);
+    ggml_backend_graph_compute(backend, g_sparq);
+    ggml_backend_graph_compute(backend, g_flash);
     for (int run = 0; run < a->n_runs; ++run) {
         int64_t t0 = ggml_time_us();
-        ggml_backend_graph_compute(backend.get(), g_sparq);
-        ggml_backend_synchronize(backend.get());
+        ggml_backend_graph_compute(backend, g_sparq);
+        ggml_backend_synchronize(backend);
         int64_t t1 = ggml_time_us();
-        ggml_backend_graph_compute(backend.get(), g_flash);
-        ggml_backend_synchronize(backend.get());
+        ggml_backend_graph_compute(backend, g_flash);
+        ggml_backend_synchronize(backend);
         int64_t t2 = ggml_time_us();
         a->sparq_us[run] = (double) (t1 - t0);
         a->flash_us[run] = (double) (t2 - t1);
@@ -553,14 +564,13 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
         return fail(err, err_size, "need 1 <= n_prefix <= n_kv, 1 <= n_clusters <= n_prefix and keep in (0, 1]");
     }
     const auto kv_type = (ggml_type) a->kv_type;
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), nullptr, true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_context * c = ctx.get();
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * c = env.ctx.get();
     const int64_t d = a->d, n_kv = a->n_kv, H = a->n_head_kv, G = a->n_head / std::max<int64_t>(1, H), n = a->n_clusters;
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, 1);
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, d, n_kv, H, 1);
@@ -572,7 +582,7 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     if (const char * msg = ggml_centroid_attn_check(q, k, v, mask, cent, cell, nullptr, nullptr, &params)) {
         return fail(err, err_size, "%s", msg);
     }
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend.get()));
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend));
     if (!buf) {
         return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
     }
@@ -656,7 +666,7 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     ggml_tensor * centroid = ggml_centroid_attn(c, q, k, v, mask, cent, cell, nullptr, nullptr, params);
     ggml_tensor * flash = ggml_flash_attn_ext(c, q, k, v, mask, (float) scale, 0.0f, 0.0f);
     ggml_prec_set_acc(flash, GGML_PREC_F32);
-    if (!ggml_backend_supports_op(backend.get(), centroid) || !ggml_backend_supports_op(backend.get(), flash)) {
+    if (!ggml_backend_supports_op(backend, centroid) || !ggml_backend_supports_op(backend, flash)) {
         return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(dev));
     }
     ggml_cgraph * g_centroid = ggml_new_graph(c);
@@ -664,24 +674,24 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     ggml_cgraph * g_flash = ggml_new_graph(c);
     ggml_build_forward_expand(g_flash, flash);
     std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr *)> galloc(
-        ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend.get())), ggml_gallocr_free);
+        ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)), ggml_gallocr_free);
     if (!ggml_gallocr_reserve(galloc.get(), g_centroid) || !ggml_gallocr_alloc_graph(galloc.get(), g_centroid)) {
         return fail(err, err_size, "could not allocate the op's output");
     }
     std::unique_ptr<ggml_gallocr, void (*)(ggml_gallocr *)> galloc_f(
-        ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend.get())), ggml_gallocr_free);
+        ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)), ggml_gallocr_free);
     if (!ggml_gallocr_alloc_graph(galloc_f.get(), g_flash)) {
         return fail(err, err_size, "could not allocate flash attention's output");
     }
-    ggml_backend_graph_compute(backend.get(), g_centroid);
-    ggml_backend_graph_compute(backend.get(), g_flash);
+    ggml_backend_graph_compute(backend, g_centroid);
+    ggml_backend_graph_compute(backend, g_flash);
     for (int run = 0; run < a->n_runs; ++run) {
         int64_t t0 = ggml_time_us();
-        ggml_backend_graph_compute(backend.get(), g_centroid);
-        ggml_backend_synchronize(backend.get());
+        ggml_backend_graph_compute(backend, g_centroid);
+        ggml_backend_synchronize(backend);
         int64_t t1 = ggml_time_us();
-        ggml_backend_graph_compute(backend.get(), g_flash);
-        ggml_backend_synchronize(backend.get());
+        ggml_backend_graph_compute(backend, g_flash);
+        ggml_backend_synchronize(backend);
         int64_t t2 = ggml_time_us();
         a->centroid_us[run] = (double) (t1 - t0);
         a->flash_us[run] = (double) (t2 - t1);
@@ -698,15 +708,15 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
     if (a->d < 1 || a->P < 1 || a->H < 1 || a->n_clusters < 1 || a->n_clusters > a->P || a->n_iter < 1) {
         return fail(err, err_size, "need d, P, H >= 1, 1 <= n_clusters <= P and n_iter >= 1");
     }
-    ggml_backend_dev_t dev = nullptr;
-    std::unique_ptr<ggml_backend, backend_deleter> backend(open_backend(a->device, a->n_threads, &dev));
-    if (!backend) {
-        return fail(err, err_size, "no usable ggml device named '%s'", a->device ? a->device : "CPU");
+    eval_env env;
+    if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 2, err, err_size) != 0) {
+        return 1;
     }
-    ggml_init_params ip = { ggml_tensor_overhead() * 2, nullptr, /*no_alloc =*/ true };
-    std::unique_ptr<ggml_context, ctx_deleter> ctx(ggml_init(ip));
-    ggml_tensor * x = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, a->d, a->P, a->H);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx.get(), backend.get()));
+    ggml_backend * backend = env.backend.get();
+    ggml_backend_dev_t dev = env.dev;
+    ggml_context * ctx = env.ctx.get();
+    ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->d, a->P, a->H);
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx, backend));
     if (!buf) {
         return fail(err, err_size, "could not allocate the keys on '%s'", ggml_backend_dev_name(dev));
     }
@@ -716,11 +726,11 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
     std::vector<float> table((size_t) a->H * a->n_clusters * (2 * a->d + 1), 0.0f);
     for (int layer = -1; layer < a->n_layers; ++layer) {  // layer -1: a warm-up, not reported
         fill_random(x, pool, rng);  // each layer its own keys, on the backend before the clock starts
-        ggml_backend_synchronize(backend.get());
+        ggml_backend_synchronize(backend);
         const int64_t t0 = ggml_time_us();
         sparq_kmeans_result res;
         res.table_dst = table.data();
-        const std::string msg = sparq_kmeans_run(backend.get(), x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init);
+        const std::string msg = sparq_kmeans_run(backend, x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init);
         const int64_t t1 = ggml_time_us();
         if (!msg.empty()) {
             return fail(err, err_size, "%s", msg.c_str());
