@@ -14,6 +14,7 @@ import pytest
 from sparq_llama import reference as ref
 from sparq_llama import sparq as sparq_api
 from sparq_llama.eval import k1_for_ratio
+from test_reference import naive_softmax
 from sparq_llama.index import (
     Q4_BLOCK,
     Q4_DIM_BYTES,
@@ -228,11 +229,8 @@ def naive_q4_selection(q, k, mask, k2, window, scale):
             s_hat = np.concatenate([loop_scores(qg, *loop_decode(raw[b], d)) for b in range(len(raw))], axis=1)
             total = {j: 0.0 for j in vis}
             for i in range(g):
-                logits = [scale * float(s_hat[i, j]) for j in vis]
-                mx = max(logits)
-                e = [math.exp(x - mx) for x in logits]
-                for j, p in zip(vis, e):
-                    total[j] += p / sum(e)
+                for j, p in zip(vis, naive_softmax([scale * float(s_hat[i, j]) for j in vis])):
+                    total[j] += p
             forced = set(vis[len(vis) - window:]) if window else set()
             rest = sorted((j for j in vis if j not in forced), key=lambda j: (-total[j], j))
             rows.append(sorted(forced | set(rest[:k2 - len(forced)])))

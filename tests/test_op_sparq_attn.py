@@ -227,15 +227,19 @@ def test_kstat_input_gives_the_same_selection_as_computing_it(kv_dtype):
     assert np.abs(as_q - ops.sparq_attn(q1, k1_, v1, mask, **kw1)).max() > 1e-3
 
 
+def dense_of_stream0(q, k, v, mask, kv_dtype: str) -> np.ndarray:
+    """Dense attention (the reference) of stream 0 over K and V as a kv_dtype cache holds them."""
+    return reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], kv_dtype),
+                                ops.kv_round(v[0], kv_dtype), mask)
+
+
 @pytest.mark.parametrize("kv_dtype", QUANT)
 def test_quantized_cache_with_k2_covering_the_context_equals_dense_attention(kv_dtype):
     rng = np.random.default_rng(8)
     q, k, v = make_case(rng, n_head_kv=2, group=2, n_q=2, n_kv=300, d=64, d_v=64)
     mask = make_mask(rng, "causal", 2, 300)
     got = ops.sparq_attn(q, k, v, mask, k1=16, k2=300, kv_dtype=kv_dtype, index="q8", select="qsigma")
-    dense = reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], kv_dtype),
-                                 ops.kv_round(v[0], kv_dtype), mask)
-    assert_close(got[0], dense, kv_dtype, "k2 >= visible")
+    assert_close(got[0], dense_of_stream0(q, k, v, mask, kv_dtype), kv_dtype, "k2 >= visible")
 
 
 def test_q8_index_scores_from_its_own_values():
@@ -284,9 +288,7 @@ def test_q4_index_over_a_quantized_cache_matches_reference(kv_dtype):
     got, want = run_both(q, k, v, mask, kv_dtype, k1=64, k2=40, index="q4", n_threads=2)
     assert_close(got, want, kv_dtype, f"q4 index over {kv_dtype}")
     got = ops.sparq_attn(q, k, v, mask, k1=64, k2=300, kv_dtype=kv_dtype, index="q4")
-    dense = reference.dense_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], kv_dtype),
-                                 ops.kv_round(v[0], kv_dtype), mask)
-    assert_close(got[0], dense, kv_dtype, "k2 >= visible")
+    assert_close(got[0], dense_of_stream0(q, k, v, mask, kv_dtype), kv_dtype, "k2 >= visible")
 
 
 def test_q4_index_needs_every_component_and_the_kt_layout():
