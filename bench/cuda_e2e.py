@@ -15,6 +15,12 @@ bench/results/cuda_e2e_ab.json: rows {model_shape, depth, build, round, dense_tp
 the medians' ratio head / base, for SparQ and for dense (the control: code that only SparQ runs leaves it at ~1).
 
     python bench/cuda_e2e.py --bin build/cuda/bin --base-bin build/base-src/build/cuda/bin --rounds 2
+
+With --indexes (e.g. q8,q4) SparQ runs once per index in the same llama-bench call (dense once), written to
+bench/results/cuda_e2e_index.json: the rows above with the index named, and per shape and depth each index's
+speedup.
+
+    python bench/cuda_e2e.py --bin build/cuda/bin --indexes q8,q4 --depths 32768,65536
 """
 from __future__ import annotations
 
@@ -55,11 +61,13 @@ def run_tool(cmd: list[str], timeout: int) -> str:
     return proc.stdout
 
 
-def llama_bench(bin_dir: Path, model: Path, depths: list[int], reps: int) -> tuple[str, list[dict[str, Any]]]:
-    """tg32 at each depth, dense and SparQ: the command and llama-bench's JSON rows."""
+def llama_bench(bin_dir: Path, model: Path, depths: list[int], reps: int,
+                indexes: list[str] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """tg32 at each depth, dense and SparQ (with each of `indexes` where given): the command and llama-bench's JSON
+    rows."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-ctk", "f16", "-ctv", "f16",
            "-p", "0", "-n", "32", "-r", str(reps), "-d", ",".join(map(str, depths)), "-sparq", "0,1",
-           *SPARQ_ARGS, "-o", "json"]
+           *SPARQ_ARGS, *(["-sparq-index", ",".join(indexes)] if indexes else []), "-o", "json"]
     return " ".join(cmd), json.loads(run_tool(cmd, timeout=3000))
 
 
@@ -86,6 +94,26 @@ def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: l
         targets.append(dict(model_shape=shape, depth=depth, target=want,
                             measured=row["speedup"] if row else None, met=bool(row and row["speedup"] >= want)))
     return dict(rows=rows, targets=targets, raw=raw)
+
+
+def measure_indexes(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: list[str],
+                    indexes: list[str]) -> dict[str, Any]:
+    """Dense and SparQ with each index, in one llama-bench call per shape."""
+    rows, raw = [], {}
+    for shape in shapes:
+        command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps, indexes)
+        raw[shape] = {"command": command, "output": out}
+        tps = {(int(r["n_depth"]), r.get("sparq_index", "") if r["sparq"] else ""): float(r["avg_ts"]) for r in out}
+        device = next((r.get("gpu_info") for r in out if r.get("gpu_info")), "")
+        for depth in depths:
+            dense = tps[(depth, "")]
+            for index in indexes:
+                sparq = tps[(depth, index)]
+                rows.append(dict(model_shape=shape, depth=depth, index=index, dense_tps=dense, sparq_tps=sparq,
+                                 speedup=sparq / dense, device=device))
+                print(f"{shape} depth {depth} {index}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, "
+                      f"{sparq / dense:.2f}x", flush=True)
+    return dict(rows=rows, raw=raw)
 
 
 def measure_ab(builds: dict[str, Path], models: Path, depths: list[int], reps: int, rounds: int,
@@ -126,7 +154,9 @@ def main() -> int:
     ap.add_argument("--shapes", default="llama2-7b,llama3-8b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--depths", default="4096,8192,16384,32768,65536")
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--out", type=Path, help="default: bench/results/cuda_e2e.json (cuda_e2e_ab.json with --base-bin)")
+    ap.add_argument("--indexes", help="SparQ indexes to compare in one run (of f16, q8, q4), e.g. q8,q4")
+    ap.add_argument("--out", type=Path, help="default: bench/results/cuda_e2e.json (cuda_e2e_ab.json with --base-bin, "
+                                             "cuda_e2e_index.json with --indexes)")
     args = ap.parse_args()
     shapes = args.shapes.split(",")
     if unknown := [s for s in shapes if s not in SHAPES]:
@@ -134,7 +164,16 @@ def main() -> int:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     depths = [int(x) for x in args.depths.split(",")]
-    if args.base_bin:
+    indexes = args.indexes.split(",") if args.indexes else []
+    if unknown := [x for x in indexes if x not in ("f16", "q8", "q4")]:
+        ap.error(f"--indexes: unknown {', '.join(unknown)} (known: f16, q8, q4)")
+    if indexes and args.base_bin:
+        ap.error("--indexes and --base-bin: one comparison a run")
+    if indexes:
+        record = provenance("cuda_e2e_index")
+        record.update(measure_indexes(args.bin, args.models, depths, args.reps, shapes, indexes))
+        write_record(args.out or RESULTS / "cuda_e2e_index.json", record)
+    elif args.base_bin:
         record = provenance("cuda_e2e_ab")
         record.update(measure_ab({"head": args.bin, "base": args.base_bin}, args.models, depths, args.reps,
                                  args.rounds, shapes))

@@ -68,6 +68,29 @@ def test_end_to_end_bench_compares_two_builds(tmp_path):
     assert res.returncode != 0 and "unknown llama9" in res.stderr
 
 
+def test_end_to_end_bench_compares_indexes(tmp_path):
+    # --indexes on the CPU: one llama-bench call per shape runs dense once and SparQ with each index; every depth
+    # gets a row per index with that index's own SparQ run
+    bin_dir = Path(shutil.which("llama-bench")).parent
+    out = tmp_path / "index.json"
+    res = run([sys.executable, str(REPO / "bench" / "cuda_e2e.py"), "--bin", str(bin_dir), "--indexes", "q8,q4",
+               "--models", str(tmp_path), "--shapes", "tiny", "--depths", "300", "--reps", "1", "--out", str(out)],
+              timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "cuda_e2e_index"
+    assert sorted((r["depth"], r["index"]) for r in rec["rows"]) == [(300, "q4"), (300, "q8")]
+    bench_rows = rec["raw"]["tiny"]["output"]
+    assert sorted(r["sparq_index"] for r in bench_rows if r["sparq"]) == ["q4", "q8"]
+    assert sum(not r["sparq"] for r in bench_rows) == 1
+    for r in rec["rows"]:
+        run_of = next(b for b in bench_rows if b["sparq"] and b["sparq_index"] == r["index"])
+        assert r["sparq_tps"] == float(run_of["avg_ts"]) and r["speedup"] == r["sparq_tps"] / r["dense_tps"]
+    res = run([sys.executable, str(REPO / "bench" / "cuda_e2e.py"), "--bin", str(bin_dir), "--indexes", "q5"],
+              timeout=120)
+    assert res.returncode != 0 and "unknown q5" in res.stderr
+
+
 def test_batched_bench_table_is_parsed(tmp_path):
     text = """
 |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
