@@ -111,6 +111,22 @@ def test_q4_index_rows_beyond_one_wave_match_reference_and_cpu(group):
     assert_close(got, cpu, "f16", f"q4 index, 40 rows, group {group}")
 
 
+@pytest.mark.parametrize("index", ["q4", "q8", "exact"])
+@pytest.mark.parametrize("n_head_kv", [1, 10, 20, 27])
+def test_gqa_rows_split_over_head_groups_match_reference_and_cpu(n_head_kv, index):
+    """Groups of 6 heads on rows of 5 chunks: with 5, 50, 100 and 135 blocks of chunks and rows, kernel A splits each
+    chunk's heads over 6, 3, 2 and 1 blocks on a 132-SM GPU (its grid within one wave of two blocks an SM), so passes
+    of 1 head, of 2, of 4 holding 3 (one past the group), and of 8 holding 6."""
+    rng = np.random.default_rng(300 + n_head_kv)
+    q, k, v = make_case(rng, n_head_kv=n_head_kv, group=6, n_q=1, n_kv=9000, d=64, d_v=64, ns=1)
+    mask = make_mask(rng, "holes", 1, 9000)
+    kw = dict(k1=64, k2=64, index="q4", layout="kt") if index == "q4" else \
+        dict(k1=32, k2=64, index="q8", layout="kt") if index == "q8" else dict(k1=16, k2=64, policy="exact")
+    got, cpu, want = both_backends(q, k, v, mask, "f16", **kw)
+    assert_close(got, want, "f16", f"{index}, {n_head_kv} rows of 6 heads")
+    assert_close(got, cpu, "f16", f"{index}, {n_head_kv} rows of 6 heads")
+
+
 def key_sums(k: np.ndarray, mask: np.ndarray | None, kv_dtype: str, n_q: int) -> np.ndarray:
     """kstat [ns, n_q, n_head_kv, 2d + 1] (sum of the visible keys as the cache holds them, of their squares, their
     count) of keys [ns, n_head_kv, n_kv, d] under a mask [n_q, n_kv] or [ns, n_q, n_kv] (None: all visible)."""

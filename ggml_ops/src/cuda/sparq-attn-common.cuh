@@ -155,6 +155,7 @@ struct sparq_args {
     int32_t window, sinks, n_top;  // resolved for sparse rows: forced recent / first cells, cells to pick
     int32_t cell_bits;             // bits of a cell index in a candidate key
     int32_t n_chunks_a, n_chunks_b;
+    int32_t a_head_groups;         // kernel A's blocks per chunk, each for G / a_head_groups of the row's heads
     int64_t n_words, cap;          // bitmap words per row, candidate-list capacity per row
     bool vec_kt, vec_kv, vec_logits;
     bool vec_kt_q8;                // a q8_0 index copied by warps (kernel A, q8_scores_warp)

@@ -760,31 +760,34 @@ __global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, con
     SPARQ_TIMING_PRINT("Q: loads, select+factors, writes", w, 4);
 }
 
-// Heads g0 .. g0+NG of the row into shared memory: scaled components at I1 (SparQ) or whole rows (exact).
+// Heads g0 .. g0+NG of the row into shared memory (heads from h_hi on: zero): scaled components at I1 (SparQ) or
+// whole rows (exact).
 template <int POL, int NG>
 __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, int64_t w, const row_coords & c,
-                                int64_t g0, float * qs) {
+                                int64_t g0, int64_t h_hi, bool first, float * qs) {
     const int64_t G = a.group, d = a.d;
     const int k1 = a.p.k1;
-    if (g0 > 0) {
+    if (!first) {
         __syncthreads();  // qs of the previous pass is no longer read (none before the first: its loads go out with I1's)
     }
     if (POL == SC_KT || POL == SC_GATHER) {
         const int qstride = a_qs_stride(k1);
         for (int idx = threadIdx.x; idx < NG*qstride; idx += blockDim.x) {
             const int gg = idx / qstride, i = idx % qstride;
-            qs[idx] = g0 + gg >= G || i >= k1 ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
+            qs[idx] = g0 + gg >= h_hi || i >= k1 ? 0.0f : s.qs[(w*G + g0 + gg)*k1 + i];
         }
     } else if (POL == SC_EXACT || POL == SC_Q4) {
         for (int64_t idx = threadIdx.x; idx < NG*d; idx += blockDim.x) {
             const int64_t gg = idx / d, i = idx % d;
-            qs[idx] = g0 + gg < G ? q_row(a, c.h*G + g0 + gg, c)[i] : 0.0f;
+            qs[idx] = g0 + gg < h_hi ? q_row(a, c.h*G + g0 + gg, c)[i] : 0.0f;
         }
     }
     __syncthreads();
 }
 
-// Kernel A (grid: chunks of A_CHUNK cells x rows; A_THREADS threads, A_CELLS cells each). Per pass of NG heads:
+// Kernel A (grid: chunks of A_CHUNK cells times a.a_head_groups x rows; A_THREADS threads, A_CELLS cells each).
+// Block x is chunk x / a_head_groups and does the heads of group x % a_head_groups (G / a_head_groups heads; the
+// chunk's visible count and position range come from group 0). Per pass of NG heads:
 // the approximate logits of the chunk's cells, -inf for hidden cells, and the chunk's max and sum of exponentials
 // per head; once per block the chunk's visible count and position range. Phases, each chosen so that a block
 // spends its life with K^T loads in flight:
@@ -803,9 +806,10 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
     pdl_wait();
     __shared__ uint32_t i1_buf[MAX_HEAD_DIM];  // I1; with K^T up to a_qs_stride(k1), row k1 - 1 past k1 (see there)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int64_t w = blockIdx.y, chunk = blockIdx.x;
+    const int64_t w = blockIdx.y, chunk = blockIdx.x / a.a_head_groups;
     const row_coords c = coords_of(a, r0 + w);
     const int64_t G = a.group, d = a.d, n_kv = a.n_kv;
+    const int64_t h_lo = (blockIdx.x % a.a_head_groups)*(G / a.a_head_groups), h_hi = h_lo + G / a.a_head_groups;
     const int k1 = a.p.k1, qstride = a_qs_stride(k1);
     if (POL == SC_KT) {
         for (int i = threadIdx.x; i < qstride; i += blockDim.x) {
@@ -845,7 +849,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
 
     // the first pass's query (no barrier before it), then the cells' statistics: each warp's go to shared memory
     // here and are read after the first pass's barriers (nothing of cr and the statistics stays live in the loop)
-    load_query_pass<POL, NG>(a, s, w, c, 0, qs);
+    load_query_pass<POL, NG>(a, s, w, c, h_lo, h_hi, true, qs);
     cells_use(a, m, pr, j0, cr, vis, n_vis, p_min, p_max);
     n_vis = warp_reduce(n_vis, op_add());
     p_min = warp_reduce(p_min, op_min());
@@ -853,9 +857,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
     if (lane == 0) {
         red_cells[0][warp] = n_vis; red_cells[1][warp] = p_min; red_cells[2][warp] = p_max;
     }
-    for (int64_t g0 = 0; g0 < G; g0 += NG) {
-        if (g0 > 0) {
-            load_query_pass<POL, NG>(a, s, w, c, g0, qs);
+    for (int64_t g0 = h_lo; g0 < h_hi; g0 += NG) {
+        if (g0 > h_lo) {
+            load_query_pass<POL, NG>(a, s, w, c, g0, h_hi, false, qs);
         }
         float acc[NG][A_CELLS];
 #pragma unroll
@@ -922,7 +926,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
         }
         // hidden cells: -inf; write the logits; every head's block max through one barrier. The NG heads' warp
         // reductions run side by side (warp_reduce_n: one after another, this epilogue took ~3.6 us per block);
-        // a pass's heads past G (g0 + g >= G) are reduced too and not written.
+        // a pass's heads past the group (g0 + g >= h_hi) are reduced too and not written.
         float mx[NG];
 #pragma unroll
         for (int g = 0; g < NG; ++g) {
@@ -932,7 +936,7 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
                 acc[g][u] = (vis >> u) & 1 ? acc[g][u] : -INFINITY;
                 mx[g] = fmaxf(mx[g], acc[g][u]);
             }
-            if (g0 + g >= G) {
+            if (g0 + g >= h_hi) {
                 continue;
             }
             float * lrow = s.logits + (w*G + g0 + g)*n_kv;
@@ -992,13 +996,13 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             if (lane == 0) {
 #pragma unroll
                 for (int g = 0; g < NG; ++g) {
-                    if (g0 + g < G) {
+                    if (g0 + g < h_hi) {
                         s.cmax[(w*G + g0 + g)*a.n_chunks_a + chunk] = mx[g];
                         s.csum[(w*G + g0 + g)*a.n_chunks_a + chunk] = sum[g];
                     }
                 }
             }
-            if (g0 == 0) {
+            if (g0 == 0) {  // group 0, its first pass
                 const bool in = lane < A_WARPS;
                 const int nv = warp_reduce(in ? red_cells[0][lane] : 0, op_add());
                 const int lo = warp_reduce(in ? red_cells[1][lane] : INT32_MAX, op_min());

@@ -343,6 +343,21 @@ static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int
 static bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 // Kernel A's heads per pass (its instances: 1, 2, 4, 8) for a group of G query heads
 static int heads_per_pass(int64_t G) { return G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1; }
+// Kernel A's head groups (blocks per chunk) for n_blocks = chunks x rows: the largest divisor of G whose grid stays
+// within one wave of A_WAVE_PER_SM blocks per SM. With few rows (GQA heads, short rows) one block per chunk and row
+// leaves kernel A latency bound: H200, Llama-3 heads at 32k (128 blocks, q4 index): 7.8 warps per SM issuing 0.26 a
+// cycle. The sibling blocks of a chunk are adjacent in the grid, so they read its K^T or index rows at about the
+// same time and L2 serves all but the first read.
+constexpr int A_WAVE_PER_SM = 2;
+static int a_head_groups(int64_t n_blocks, int64_t G, int n_sm) {
+    int groups = 1;
+    for (int64_t hg = 2; hg <= G; ++hg) {
+        if (G % hg == 0 && n_blocks*hg <= (int64_t) A_WAVE_PER_SM*n_sm) {
+            groups = (int) hg;
+        }
+    }
+    return groups;
+}
 static bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0; }
 
 // Scratch of one wave: each array 256-byte aligned.
@@ -494,7 +509,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int pol = !scores ? SC_NONE : a.p.policy != GGML_SPARQ_POLICY_SPARQ ? SC_EXACT :
                     kt && kt->type == GGML_TYPE_I8 ? SC_Q4 : kt ? SC_KT : SC_GATHER;
     const int64_t G = a.group;
-    const int ng = heads_per_pass(G);
+    const int n_sm = ggml_cuda_info().devices[ctx.device].nsm;
     const int64_t n_vec = (a.d + 7) / 8;  // kernel LV: K vectors of 8 components per thread
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
 
@@ -521,13 +536,15 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     s.alpha    = (float *)    (base + plan.alpha);
 
     const size_t smem_q = query_smem(a);
-    const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes() : 0) +
-                          (pol == SC_Q4 ? q4_coef_bytes(ng, a.d) : 0);
     const size_t smem_s = smem_s_plan(a.cap, a.p.k2).total;
     cudaStream_t stream = ctx.stream();
     for (int64_t r0 = 0; r0 < n_rows; r0 += W) {
         const int64_t nw = std::min(W, n_rows - r0);
-        const dim3 grid_a((unsigned) a.n_chunks_a, (unsigned) nw);
+        a.a_head_groups = pol == SC_NONE ? 1 : a_head_groups(a.n_chunks_a*nw, G, n_sm);
+        const int ng = heads_per_pass(G / a.a_head_groups);
+        const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes() : 0) +
+                              (pol == SC_Q4 ? q4_coef_bytes(ng, a.d) : 0);
+        const dim3 grid_a((unsigned) (a.n_chunks_a*a.a_head_groups), (unsigned) nw);
         if ((pol == SC_KT || pol == SC_GATHER) && a.p.select == GGML_SPARQ_SELECT_QSIGMA) {
             ensure_smem<sparq_query<true>>(smem_q);
             ggml_cuda_kernel_launch(sparq_query<true>,
