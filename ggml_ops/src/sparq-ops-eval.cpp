@@ -59,6 +59,7 @@ struct eval_env {
     std::unique_ptr<ggml_backend, backend_deleter> backend;
     ggml_backend_dev_t dev = nullptr;
     std::unique_ptr<ggml_context, ctx_deleter> ctx;
+    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf;  // the context's tensors (alloc); freed before the rest
 
     int open(const char * device, int n_threads, size_t ctx_bytes, char * err, size_t err_size) {
         backend.reset(open_backend(device, n_threads, &dev));
@@ -69,29 +70,35 @@ struct eval_env {
         ctx.reset(ggml_init(ip));
         return ctx ? 0 : fail(err, err_size, "could not create a ggml context");
     }
+
+    // One buffer of the backend for every tensor of the context: 0, or fail's 1 naming `what`
+    int alloc(const char * what, char * err, size_t err_size) {
+        buf.reset(ggml_backend_alloc_ctx_tensors(ctx.get(), backend.get()));
+        return buf ? 0 : fail(err, err_size, "could not allocate %s on '%s'", what, ggml_backend_dev_name(dev));
+    }
 };
 
 // Runs the one op `out` of context c (no_alloc) on backend: checks that the device supports it, allocates c's
 // tensors, sets the inputs (a NULL tensor is skipped), computes, and copies the result to dst. 0, or 1 with err.
-int compute_op(ggml_backend * backend, ggml_backend_dev_t dev, ggml_context * c, ggml_tensor * out, const char * op_name,
+int compute_op(eval_env & env, ggml_tensor * out, const char * op_name,
                std::initializer_list<std::pair<ggml_tensor *, const void *>> inputs, void * dst, char * err,
                size_t err_size, std::initializer_list<std::pair<const ggml_tensor *, void *>> written = {}) {
-    if (!ggml_backend_supports_op(backend, out)) {
-        return fail(err, err_size, "device '%s' does not support %s with these types", ggml_backend_dev_name(dev), op_name);
+    if (!ggml_backend_supports_op(env.backend.get(), out)) {
+        return fail(err, err_size, "device '%s' does not support %s with these types", ggml_backend_dev_name(env.dev),
+                    op_name);
     }
-    ggml_cgraph * gf = ggml_new_graph(c);
+    ggml_cgraph * gf = ggml_new_graph(env.ctx.get());
     ggml_build_forward_expand(gf, out);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    if (env.alloc("the tensors", err, err_size) != 0) {
+        return 1;
     }
     for (const auto & [t, data] : inputs) {
         if (t) {
             ggml_backend_tensor_set(t, data, 0, ggml_nbytes(t));
         }
     }
-    if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
-        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(dev));
+    if (ggml_backend_graph_compute(env.backend.get(), gf) != GGML_STATUS_SUCCESS) {
+        return fail(err, err_size, "graph compute failed on '%s'", ggml_backend_dev_name(env.dev));
     }
     ggml_backend_tensor_get(out, dst, 0, ggml_nbytes(out));
     for (const auto & [t, data] : written) {  // inputs the op writes in place, as they are after it
@@ -129,8 +136,6 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     ggml_tensor * q  = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
     ggml_tensor * k  = ggml_new_tensor_4d(c, k_type, a->d, a->n_kv, a->n_head_kv, a->ns);
@@ -151,7 +156,7 @@ int sparq_llama_eval_sparq_attn(const struct sparq_eval_args * a, char * err, si
     if (kstat) {
         ggml_sparq_attn_set_kstat(out, kstat);
     }
-    return compute_op(backend, dev, c, out, "sparq_attn",
+    return compute_op(env, out, "sparq_attn",
                       { { q, a->q }, { k, a->k }, { kt, a->kt }, { v, a->v }, { mask, a->mask }, { pos, a->pos },
                         { vsum, a->vsum }, { kstat, a->kstat } }, a->out, err, err_size);
 }
@@ -188,8 +193,6 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 8 + ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     ggml_tensor * table  = ggml_new_tensor_2d(c, GGML_TYPE_F32, (a->d_v + 1)*a->n_head_kv, a->n_seq);
     ggml_tensor * v_full = ggml_new_tensor_3d(c, GGML_TYPE_F32, a->v_ld, a->n_head_kv, a->n_tokens);
@@ -200,7 +203,7 @@ int sparq_llama_eval_vsum_rows(const struct vsum_rows_eval_args * a, char * err,
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_vsum_rows(c, table, v, idx, v_type);
-    return compute_op(backend, dev, c, out, "sparq_vsum_rows",
+    return compute_op(env, out, "sparq_vsum_rows",
                       { { table, a->table }, { v_full, a->v }, { idx, a->idx } }, a->out, err, err_size,
                       { { table, a->table_out } });
 }
@@ -231,8 +234,6 @@ int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * a, char * er
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 8 + ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     ggml_tensor * table = ggml_new_tensor_2d(c, GGML_TYPE_F32, (2*a->d + 1)*a->n_head_kv, a->n_seq);
     ggml_tensor * k     = ggml_new_tensor_3d(c, k_type, a->d*a->n_head_kv, a->kv_size, a->n_stream);
@@ -242,7 +243,7 @@ int sparq_llama_eval_kstat_rows(const struct kstat_rows_eval_args * a, char * er
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_kstat_rows(c, table, k, cells, idx);
-    return compute_op(backend, dev, c, out, "sparq_vsum_rows",
+    return compute_op(env, out, "sparq_vsum_rows",
                       { { table, a->table }, { k, a->k }, { cells, a->cells }, { idx, a->idx } }, a->out, err, err_size,
                       { { table, a->table_out } });
 }
@@ -285,8 +286,6 @@ int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * 
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 8 + ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     ggml_tensor * kt    = q4 ? ggml_new_tensor_4d(c, kt_type, GGML_SPARQ_Q4_DIM_BYTES*a->head_dim,
                                                   a->n_embd/a->head_dim, a->row_len/B, a->n_stream)
@@ -299,7 +298,7 @@ int sparq_llama_eval_index_write(const struct index_write_eval_args * a, char * 
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_sparq_index_write(c, kt, k, cells, mask, blk, a->s0);
-    return compute_op(backend, dev, c, out, "sparq_index_write",
+    return compute_op(env, out, "sparq_index_write",
                       { { kt, a->kt }, { k, a->k }, { cells, a->cells }, { mask, a->mask }, { blk, a->blk } },
                       a->kt_out, err, err_size);
 }
@@ -319,8 +318,6 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, a->d, a->n_q, a->n_head, a->ns);
     ggml_tensor * k    = ggml_new_tensor_4d(c, kv_type, a->d, a->n_kv, a->n_head_kv, a->ns);
@@ -337,7 +334,7 @@ int sparq_llama_eval_centroid_attn(const struct centroid_eval_args * a, char * e
         return fail(err, err_size, "%s", msg);
     }
     ggml_tensor * out = ggml_centroid_attn(c, q, k, v, mask, cent, cell, coarse, parent, *a->params);
-    return compute_op(backend, dev, c, out, "centroid_attn",
+    return compute_op(env, out, "centroid_attn",
                       { { q, a->q }, { k, a->k }, { v, a->v }, { mask, a->mask }, { cent, a->cent }, { cell, a->cell },
                         { coarse, a->coarse }, { parent, a->parent } }, a->out, err, err_size);
 }
@@ -353,18 +350,15 @@ int sparq_llama_eval_kmeans(const struct kmeans_eval_args * a, char * err, size_
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 2, err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * ctx = env.ctx.get();
     ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->d, a->P, a->H);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx, backend));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the rows on '%s'", ggml_backend_dev_name(dev));
+    if (env.alloc("the rows", err, err_size) != 0) {
+        return 1;
     }
     ggml_backend_tensor_set(x, a->x, 0, ggml_nbytes(x));
     sparq_kmeans_result res;
-    const std::string msg = sparq_kmeans_run(backend, x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init,
-                                             0, a->center != 0, a->weights);
+    const std::string msg = sparq_kmeans_run(env.backend.get(), x, a->n_clusters, a->n_iter, res,
+                                             (sparq_kmeans_init) a->init, 0, a->center != 0, a->weights);
     if (!msg.empty()) {
         return fail(err, err_size, "%s", msg.c_str());
     }
@@ -471,8 +465,6 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     const int64_t d = a->d, n_kv = a->n_kv, ns = std::max<int64_t>(1, a->n_seq);
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, ns);
@@ -498,12 +490,12 @@ int sparq_llama_bench_attn(const struct sparq_bench_args * a, char * err, size_t
     ggml_build_forward_expand(g_sparq, sparq);
     ggml_cgraph * g_flash = ggml_new_graph(c);
     ggml_build_forward_expand(g_flash, flash);
+    ggml_backend * backend = env.backend.get();
     if (!ggml_backend_supports_op(backend, sparq) || !ggml_backend_supports_op(backend, flash)) {
-        return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(dev));
+        return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(env.dev));
     }
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    if (env.alloc("the tensors", err, err_size) != 0) {
+        return 1;
     }
     // K^T holds its own random values rather than the transpose of K: the op reads the same amount either
     // way, and at 128k x 16 sequences a host-side transpose would take minutes
@@ -568,8 +560,6 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 16 + 2 * ggml_graph_overhead(), err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * c = env.ctx.get();
     const int64_t d = a->d, n_kv = a->n_kv, H = a->n_head_kv, G = a->n_head / std::max<int64_t>(1, H), n = a->n_clusters;
     ggml_tensor * q    = ggml_new_tensor_4d(c, GGML_TYPE_F32, d, 1, a->n_head, 1);
@@ -582,9 +572,8 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     if (const char * msg = ggml_centroid_attn_check(q, k, v, mask, cent, cell, nullptr, nullptr, &params)) {
         return fail(err, err_size, "%s", msg);
     }
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(c, backend));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the tensors on '%s'", ggml_backend_dev_name(dev));
+    if (env.alloc("the tensors", err, err_size) != 0) {
+        return 1;
     }
     std::mt19937 rng(1234);
     const random_pool pool(rng);
@@ -666,8 +655,9 @@ int sparq_llama_bench_centroid(const struct centroid_bench_args * a, char * err,
     ggml_tensor * centroid = ggml_centroid_attn(c, q, k, v, mask, cent, cell, nullptr, nullptr, params);
     ggml_tensor * flash = ggml_flash_attn_ext(c, q, k, v, mask, (float) scale, 0.0f, 0.0f);
     ggml_prec_set_acc(flash, GGML_PREC_F32);
+    ggml_backend * backend = env.backend.get();
     if (!ggml_backend_supports_op(backend, centroid) || !ggml_backend_supports_op(backend, flash)) {
-        return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(dev));
+        return fail(err, err_size, "device '%s' does not support both ops", ggml_backend_dev_name(env.dev));
     }
     ggml_cgraph * g_centroid = ggml_new_graph(c);
     ggml_build_forward_expand(g_centroid, centroid);
@@ -712,13 +702,10 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
     if (env.open(a->device, a->n_threads, ggml_tensor_overhead() * 2, err, err_size) != 0) {
         return 1;
     }
-    ggml_backend * backend = env.backend.get();
-    ggml_backend_dev_t dev = env.dev;
     ggml_context * ctx = env.ctx.get();
     ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, a->d, a->P, a->H);
-    std::unique_ptr<ggml_backend_buffer, buffer_deleter> buf(ggml_backend_alloc_ctx_tensors(ctx, backend));
-    if (!buf) {
-        return fail(err, err_size, "could not allocate the keys on '%s'", ggml_backend_dev_name(dev));
+    if (env.alloc("the keys", err, err_size) != 0) {
+        return 1;
     }
     std::mt19937 rng(4321);
     const random_pool pool(rng);
@@ -726,11 +713,12 @@ int sparq_llama_bench_kmeans(const struct kmeans_bench_args * a, char * err, siz
     std::vector<float> table((size_t) a->H * a->n_clusters * (2 * a->d + 1), 0.0f);
     for (int layer = -1; layer < a->n_layers; ++layer) {  // layer -1: a warm-up, not reported
         fill_random(x, pool, rng);  // each layer its own keys, on the backend before the clock starts
-        ggml_backend_synchronize(backend);
+        ggml_backend_synchronize(env.backend.get());
         const int64_t t0 = ggml_time_us();
         sparq_kmeans_result res;
         res.table_dst = table.data();
-        const std::string msg = sparq_kmeans_run(backend, x, a->n_clusters, a->n_iter, res, (sparq_kmeans_init) a->init);
+        const std::string msg = sparq_kmeans_run(env.backend.get(), x, a->n_clusters, a->n_iter, res,
+                                                 (sparq_kmeans_init) a->init);
         const int64_t t1 = ggml_time_us();
         if (!msg.empty()) {
             return fail(err, err_size, "%s", msg.c_str());
