@@ -75,45 +75,35 @@ def tps_of(out: list[dict[str, Any]]) -> dict[tuple[int, bool], float]:
     return {(int(r["n_depth"]), bool(r["sparq"])): float(r["avg_ts"]) for r in out}
 
 
-def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: list[str]) -> dict[str, Any]:
+def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: list[str],
+            indexes: list[str] | None = None) -> dict[str, Any]:
+    """Dense and SparQ per shape and depth in one llama-bench call per shape; with `indexes`, SparQ with each of them
+    (rows name their index; no targets: those are the default's)."""
     rows, raw = [], {}
     for shape in shapes:
-        command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps)
+        command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps, indexes)
         raw[shape] = {"command": command, "output": out}
-        tps = tps_of(out)
+        dense_tps = {int(r["n_depth"]): float(r["avg_ts"]) for r in out if not r["sparq"]}
+        sparq_tps = {(int(r["n_depth"]), r.get("sparq_index") if indexes else None): float(r["avg_ts"])
+                     for r in out if r["sparq"]}
+        device = next((r.get("gpu_info") for r in out if r.get("gpu_info")), "")
         for depth in depths:
-            dense, sparq = tps[(depth, False)], tps[(depth, True)]
-            device = next((r.get("gpu_info") for r in out if r.get("gpu_info")), "")
-            rows.append(dict(model_shape=shape, depth=depth, dense_tps=dense, sparq_tps=sparq, speedup=sparq / dense,
-                             device=device))
-            print(f"{shape} depth {depth}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x",
-                  flush=True)
+            dense = dense_tps[depth]
+            for index in indexes or [None]:
+                sparq = sparq_tps[(depth, index)]
+                named = dict(index=index) if index else {}
+                rows.append(dict(model_shape=shape, depth=depth, **named, dense_tps=dense, sparq_tps=sparq,
+                                 speedup=sparq / dense, device=device))
+                print(f"{shape} depth {depth}{' ' + index if index else ''}: dense {dense:.1f} t/s, "
+                      f"SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x", flush=True)
+    if indexes:
+        return dict(rows=rows, raw=raw)
     targets = []
     for (shape, depth), want in TARGETS.items():
         row = next((r for r in rows if r["model_shape"] == shape and r["depth"] == depth), None)
         targets.append(dict(model_shape=shape, depth=depth, target=want,
                             measured=row["speedup"] if row else None, met=bool(row and row["speedup"] >= want)))
     return dict(rows=rows, targets=targets, raw=raw)
-
-
-def measure_indexes(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: list[str],
-                    indexes: list[str]) -> dict[str, Any]:
-    """Dense and SparQ with each index, in one llama-bench call per shape."""
-    rows, raw = [], {}
-    for shape in shapes:
-        command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps, indexes)
-        raw[shape] = {"command": command, "output": out}
-        tps = {(int(r["n_depth"]), r.get("sparq_index", "") if r["sparq"] else ""): float(r["avg_ts"]) for r in out}
-        device = next((r.get("gpu_info") for r in out if r.get("gpu_info")), "")
-        for depth in depths:
-            dense = tps[(depth, "")]
-            for index in indexes:
-                sparq = tps[(depth, index)]
-                rows.append(dict(model_shape=shape, depth=depth, index=index, dense_tps=dense, sparq_tps=sparq,
-                                 speedup=sparq / dense, device=device))
-                print(f"{shape} depth {depth} {index}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, "
-                      f"{sparq / dense:.2f}x", flush=True)
-    return dict(rows=rows, raw=raw)
 
 
 def measure_ab(builds: dict[str, Path], models: Path, depths: list[int], reps: int, rounds: int,
@@ -171,7 +161,7 @@ def main() -> int:
         ap.error("--indexes and --base-bin: one comparison a run")
     if indexes:
         record = provenance("cuda_e2e_index")
-        record.update(measure_indexes(args.bin, args.models, depths, args.reps, shapes, indexes))
+        record.update(measure(args.bin, args.models, depths, args.reps, shapes, indexes))
         write_record(args.out or RESULTS / "cuda_e2e_index.json", record)
     elif args.base_bin:
         record = provenance("cuda_e2e_ab")
