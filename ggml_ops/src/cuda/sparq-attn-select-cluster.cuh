@@ -210,8 +210,9 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             key[u] = scored[u] ? score_key(score[u]) : (vis[u] ? 1u : 0u);
-            // K's top 8 of 31 + cell_bits bits: the key's bits 30..23
-            warp_count(ex.hist[0], find_cand && vis[u] && !((forced >> (u0 + u)) & 1) ? key[u] >> 23 : NO_BIN);
+            if (find_cand && vis[u] && !((forced >> (u0 + u)) & 1)) {
+                atomicAdd(&ex.hist[0][key[u] >> 23], 1u);  // K's top 8 of 31 + cell_bits bits: the key's bits 30..23
+            }
         }
         *(uint4 *) (mine + u0) = make_uint4(key[0], key[1], key[2], key[3]);
     }
@@ -271,12 +272,12 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
                 const uint32_t k4[4] = { raw.x, raw.y, raw.z, raw.w };
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
-                    uint32_t bin = NO_BIN;
                     if (k4[u] >> 23 == top_digit && k4[u] != 0 && !((forced >> (u0 + u)) & 1)) {
                         const uint64_t K = ((uint64_t) k4[u] << a.cell_bits) | (cmask - (uint64_t) (j0 + u0 + u));
-                        bin = (K >> (sh + width)) == prefix ? (uint32_t) (K >> sh) & ((1u << width) - 1) : NO_BIN;
+                        if ((K >> (sh + width)) == prefix) {
+                            atomicAdd(&h[(uint32_t) (K >> sh) & ((1u << width) - 1)], 1u);
+                        }
                     }
-                    warp_count(h, bin);
                 }
             }
             cluster.sync();

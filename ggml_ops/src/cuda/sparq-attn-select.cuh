@@ -33,17 +33,6 @@ struct select_state {
 
 constexpr int HIST_WORDS = 256 * (B_THREADS / WARP_SIZE + 1);  // per-warp histograms + their sum
 
-// Counts each active lane of the warp into hist[bin] (NO_BIN: not counted). The keys of a row share their leading
-// digits, so many lanes hit one bin, and a warp's atomics on one shared address run one after another: the lanes
-// with equal bins are merged first (__match_any_sync), one atomic per distinct bin.
-constexpr uint32_t NO_BIN = UINT32_MAX;
-__device__ __forceinline__ void warp_count(uint32_t * hist, uint32_t bin) {
-    const uint32_t peers = __match_any_sync(__activemask(), bin);
-    if (bin != NO_BIN && threadIdx.x % WARP_SIZE == __ffs(peers) - 1) {
-        atomicAdd(&hist[bin], (uint32_t) __popc(peers));
-    }
-}
-
 // Radix select over keys key_of(0..n) (0 = not an item; items have distinct keys): returns T such that
 // exactly `need` items have key >= T (need <= number of items). Digits of 8 bits from bit top_shift down;
 // stops early once a digit's bin holds exactly the remaining need. Keys share their leading digits (scores
@@ -69,7 +58,11 @@ __device__ uint64_t block_select(int64_t n, uint32_t need, int top_shift, KeyFn 
         const uint64_t prefix = sst->prefix;
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
             const uint64_t key = key_of(i);
-            warp_count(hist + warp*256, key != 0 && (key & pmask) == prefix ? (uint32_t) (key >> shift) & 0xFF : NO_BIN);
+            const uint32_t bin = key != 0 && (key & pmask) == prefix ? (uint32_t) (key >> shift) & 0xFF : 256u;
+            const uint32_t peers = __match_any_sync(__activemask(), bin);
+            if (bin < 256 && lane == __ffs(peers) - 1) {
+                atomicAdd(&hist[warp*256 + bin], (uint32_t) __popc(peers));
+            }
         }
         __syncthreads();
         for (int b = threadIdx.x; b < 256; b += blockDim.x) {
@@ -143,6 +136,7 @@ __device__ __forceinline__ int bucket_shift(uint32_t lo, uint32_t hi) {
 template <typename KeyFn>
 __device__ bucket_state bucket_find(int64_t n, uint32_t need, uint32_t lo, int shift, KeyFn key_of, uint32_t * hist,
                                     int * red, bucket_state * bs) {
+    const int lane = threadIdx.x % WARP_SIZE;
     const int n_bins = BUCKETS_PER_THREAD*blockDim.x;
     for (int b = threadIdx.x; b < n_bins; b += blockDim.x) {
         hist[b] = 0;
@@ -150,7 +144,11 @@ __device__ bucket_state bucket_find(int64_t n, uint32_t need, uint32_t lo, int s
     __syncthreads();
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         const uint32_t key = key_of(i);
-        warp_count(hist, key != 0 ? (key - lo) >> shift : NO_BIN);
+        const uint32_t bin = key != 0 ? (key - lo) >> shift : UINT32_MAX;
+        const uint32_t peers = __match_any_sync(__activemask(), bin);
+        if (bin != UINT32_MAX && lane == __ffs(peers) - 1) {
+            atomicAdd(&hist[bin], (uint32_t) __popc(peers));
+        }
     }
     __syncthreads();
     // thread t owns buckets n_bins-1-8t down to n_bins-8-8t; a scan in thread order counts the items above them
