@@ -65,3 +65,30 @@ def test_the_pbs_chain_hands_over_from_kernel_a(tmp_path):
     assert k["PBS"]["gap"] == pytest.approx(0.5)  # 0.6, 0.5, 0.5
     assert k["PBS"]["body"] == pytest.approx(34.8)  # 34.8, 33.5, 36.5
     assert k["LV"]["gap"] == pytest.approx(0.5) and k["LV"]["body"] == pytest.approx(8.7)  # 8.7, 9.5, 7.4
+
+
+def test_the_last_block_start(tmp_path):
+    # lines with the fourth mark (the last block's start); the chain's hand-over and bodies are read as before
+    header = "sparq timeline n_kv 33024 rows 32 (us: start / past wait / end / last start):"
+    data, printed = summarise(tmp_path, "\n".join(header + line for line in (
+        " Q 0.00 0.40 4.70 1.00; A - - 46.50 -; PBS 45.90 47.10 81.90 52.00; LV 48.20 82.30 91.00 83.00;",
+        " Q 0.00 0.40 4.60 1.20; A - - 46.00 -; PBS 45.00 46.50 80.00 55.00; LV 47.00 80.50 90.00 81.00;",
+        " Q 0.00 0.40 4.80 0.80; A - - 47.00 -; PBS 46.00 47.50 84.00 50.00; LV 49.00 84.60 92.00 85.50;")))
+    k = data["33024/32"]["kernels"]
+    assert k["PBS"]["last_start"] == pytest.approx(52.0) and k["Q"]["last_start"] == pytest.approx(1.0)
+    assert "last_start" not in k["A"] and k["A"]["end"] == pytest.approx(46.5)
+    assert k["PBS"]["body"] == pytest.approx(34.8) and k["LV"]["last_start"] == pytest.approx(83.0)
+    assert "   last" in printed and "  52.00" in printed
+
+
+def test_a_chain_without_kernel_q(tmp_path):
+    # the q4 index has no kernel Q: the earliest recorded start is PBS's, so kernel A's end comes out negative
+    header = "sparq timeline n_kv 33024 rows 8 (us: start / past wait / end / last start):"
+    data, _ = summarise(tmp_path, "\n".join(header + line for line in (
+        " A - - -0.90 -; PBS 0.00 0.03 25.68 0.16; LV 26.79 26.80 35.24 26.95;",
+        " A - - -1.10 -; PBS 0.00 0.04 25.20 0.20; LV 26.30 26.32 34.90 26.50;",
+        " A - - -0.70 -; PBS 0.00 0.02 26.10 0.12; LV 27.20 27.21 35.80 27.40;")))
+    k = data["33024/8"]["kernels"]
+    assert k["A"] == {"end": pytest.approx(-0.9)}
+    assert k["PBS"]["gap"] == pytest.approx(0.93) and k["PBS"]["body"] == pytest.approx(25.65)  # 25.65, 25.16, 26.08
+    assert k["LV"]["body"] == pytest.approx(8.58)  # 8.44, 8.58, 8.59

@@ -58,13 +58,14 @@ static_assert(B_THREADS % WARP_SIZE == 0 && B_THREADS / WARP_SIZE <= WARP_SIZE, 
 // empty: no instrumentation code and no environment reads. With it, for kernel tuning:
 #ifdef SPARQ_CUDA_INSTRUMENT
 // Timeline of the op's kernels (SPARQ_CUDA_TIMELINE=1 in the environment): per kernel the
-// %globaltimer of its first block's start, of the first block past pdl_wait, and of the last warp's end; after
+// %globaltimer of its first block's start, of the first block past pdl_wait, of the last warp's end and of the last
+// block's start (how long the grid took to be placed: a late block ends the kernel late); after
 // the chain a one-thread kernel prints them relative to the chain's start and resets them. It shows the chain as it
 // runs under dependent launches, which ncu cannot (ncu serialises kernels and flushes caches between them).
 enum tl_kernel { TL_Q = 0, TL_A, TL_P, TL_B, TL_S, TL_PBS, TL_LV, TL_N };
-__device__ unsigned long long g_tl[TL_N][3] = {
-    { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 },
-    { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 }, { ~0ull, ~0ull, 0 } };
+__device__ unsigned long long g_tl[TL_N][4] = {
+    { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 },
+    { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 } };
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -73,7 +74,11 @@ __device__ __forceinline__ unsigned long long global_ns() {
 struct tl_scope {
     int k; bool on;
     __device__ tl_scope(int k_, bool on_) : k(k_), on(on_) {
-        if (on && threadIdx.x == 0) { atomicMin(&g_tl[k][0], global_ns()); }
+        if (on && threadIdx.x == 0) {
+            const unsigned long long t = global_ns();
+            atomicMin(&g_tl[k][0], t);
+            atomicMax(&g_tl[k][3], t);
+        }
     }
     __device__ void waited() const {
         if (on && threadIdx.x == 0) { atomicMin(&g_tl[k][1], global_ns()); }
@@ -93,21 +98,23 @@ __global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
     for (int k = 0; k < TL_N; ++k) {
         t0 = min(t0, g_tl[k][0]);
     }
-    printf("sparq timeline n_kv %lld rows %lld (us: start / past wait / end):", (long long) n_kv, (long long) n_rows);
+    printf("sparq timeline n_kv %lld rows %lld (us: start / past wait / end / last start):", (long long) n_kv,
+           (long long) n_rows);
     for (int k = 0; k < TL_N; ++k) {
         if (g_tl[k][2] != 0) {
             printf(" %s", names[k]);
-            for (int f = 0; f < 3; ++f) {
+            for (int f = 0; f < 4; ++f) {
                 const unsigned long long t = g_tl[k][f];
-                if (f < 2 && t == ~0ull) {
+                if ((f < 2 && t == ~0ull) || (f == 3 && t == 0)) {
                     printf(" -");
                 } else {
-                    printf(" %.2f", (double) (t - t0)*1e-3);
+                    // signed: without kernel Q the earliest recorded start is after kernel A's end
+                    printf(" %.2f", (double) (long long) (t - t0)*1e-3);
                 }
             }
             printf(";");
         }
-        g_tl[k][0] = ~0ull; g_tl[k][1] = ~0ull; g_tl[k][2] = 0;
+        g_tl[k][0] = ~0ull; g_tl[k][1] = ~0ull; g_tl[k][2] = 0; g_tl[k][3] = 0;
     }
     printf("\n");
 }
