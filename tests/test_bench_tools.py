@@ -211,3 +211,21 @@ def test_int8_tiles_q4_0_blocks_are_ggml_q4_0():
     w_max = (np.abs(qg)[:, :, None] * np.abs(scale)[None, :, :, 0]).max(axis=1)
     bound = (w_max / 127 / 2)[:, np.arange(70) // 32] * np.abs(vals.reshape(64, -1)[:, :70]).sum(axis=0)
     assert np.all(np.abs(got - exact) <= bound + 1e-9)
+
+
+def test_block_bound_keeps_the_exact_top():
+    # bench/block_bound.py's per-block bound: with one head it is the block's maximum, so exactly the need blocks with
+    # the largest maxima are kept; with three heads the per-head bound keeps at least the exact maximum's blocks, and
+    # both keep every cell of the exact top (kept_cells asserts that against a full sort of the row)
+    sys.path.insert(0, str(REPO / "bench"))
+    import block_bound as bb
+    rng = np.random.default_rng(5)
+    window, need, block = 3, 4, 8
+    p = rng.uniform(0.0, 0.01, (1, 40 * block + window))
+    p[0, [3 * block + 1, 3 * block + 5, 7 * block + 2, 7 * block + 6]] = [0.9, 0.8, 0.7, 0.6]
+    assert bb.kept_cells(p, window, need, block) == (4 * block, 4 * block)
+    for seed in range(20):
+        p = np.random.default_rng(seed).dirichlet(np.full(403, 0.05), size=3)  # peaked rows, as attention is
+        kept, exact = bb.kept_cells(p, window, need, block)
+        assert exact <= kept <= 400 and exact >= need and exact % block == 0
+    assert bb.kept_cells(p, window, 60, block) == (400, 400)  # fewer whole blocks than need: nothing skipped
