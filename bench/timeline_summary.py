@@ -34,7 +34,7 @@ def parse(path: Path) -> dict[tuple[int, int], list[dict[str, list[float | None]
         run = {}
         for part in m[3].split(";"):
             f = part.split()
-            if len(f) in (4, 5) and f[0] in KERNELS:  # logs from before the last-start mark have 3 values
+            if len(f) in (4, 5) and f[0] in KERNELS:  # three marks (no last block start) are read too
                 run[f[0]] = [None if x == "-" else float(x) for x in f[1:]] + [None] * (5 - len(f))
         runs[(int(m[1]), int(m[2]))].append(run)
     return runs
