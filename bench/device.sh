@@ -29,6 +29,12 @@
 #   SPARQ_COMMIT=$(git rev-parse --short HEAD) BASE_COMMIT=<sha> SEQS=4096,32768,65536 BATCHES=1 ROUNDS=2 \
 #       bash bench/device.sh build test op       # -> cuda_op.json / cuda_op_base.json (per round), a table of both
 #
+# A library built on another machine (bench/prebuild.sh; no GPU needed there): PREBUILT=<its .tgz> makes `build`
+# unpack it into build/cuda/bin instead of compiling (seconds instead of ~5 minutes of the lent machine). Carry the
+# tarball's folder with the tree. It holds the library only: the stages that run llama.cpp's tools (e2e, batched,
+# kernels) need a build here. The driver library is preloaded, since the other machine linked against a stub of it.
+#   bash bench/prebuild.sh && PREBUILT=.prebuilt/pb.tgz bash bench/device.sh build test
+#
 # Knobs (environment): TARGETS (the build's CMake targets, default the library and the five tools), OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
 # SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
 # switch SPARQ_CUDA_SELECT), SPARQ_TESTS_K (a pytest -k expression for the SparQ op tests), TEST_PARTS (which of the
@@ -105,7 +111,23 @@ base_tree() {  # the base commit's source in build/base-src
     echo "$BASE_COMMIT" > "$BASE_SRC/.base-commit"
 }
 
+# The library of bench/prebuild.sh's tarball into build/cuda/bin, with the names the loader asks for; the CUDA
+# toolkit's libraries on the search path and the driver library preloaded (the tarball's was linked against a stub).
+unpack_prebuilt() {
+    mkdir -p "$BUILD/bin" && tar -xzf "$PREBUILT" -C "$BUILD/bin" || return 1
+    local f
+    for f in "$BUILD"/bin/*.so.*.*; do
+        ln -sf "$(basename "$f")" "${f%%.so.*}.so.0"; ln -sf "$(basename "$f")" "${f%%.so.*}.so"
+    done
+    local cuda; cuda=$(dirname "$(readlink -f "$(command -v nvcc)")")/..
+    export LD_LIBRARY_PATH=$BUILD/bin:$cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    LD_PRELOAD=$(ldconfig -p | grep -m1 "libcuda.so.1 " | sed "s/.*=> //"); export LD_PRELOAD
+    [ -n "$LD_PRELOAD" ] || { echo "no libcuda.so.1 on this machine"; return 1; }
+    echo "build: unpacked $PREBUILT ($(ls "$BUILD"/bin/*.so.*.* | wc -l) libraries)"
+}
+
 stage_build() {
+    [ -n "${PREBUILT:-}" ] && { unpack_prebuilt; return; }
     local t0=$(date +%s)
     cmake_build "$REPO" "$BUILD" head "$REPO/.device/llama.cpp-src.tgz" || return 1
     echo "build ($SPARQ_COMMIT): $(( $(date +%s) - t0 )) s"
