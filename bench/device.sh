@@ -127,7 +127,10 @@ unpack_prebuilt() {
 }
 
 stage_build() {
-    [ -n "${PREBUILT:-}" ] && { unpack_prebuilt; return; }
+    if [ -n "${PREBUILT:-}" ]; then
+        [ -z "${BASE_COMMIT:-}" ] || { echo "PREBUILT holds one build: BASE_COMMIT needs both built here"; return 1; }
+        unpack_prebuilt; return
+    fi
     local t0=$(date +%s)
     cmake_build "$REPO" "$BUILD" head "$REPO/.device/llama.cpp-src.tgz" || return 1
     echo "build ($SPARQ_COMMIT): $(( $(date +%s) - t0 )) s"
