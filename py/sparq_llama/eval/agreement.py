@@ -42,6 +42,12 @@ if TYPE_CHECKING:
     from .runner import EvalConfig
 
 
+# Tokens per ubatch of the capture context: its graph is reserved for the worst case of every token output, so the
+# logits alone take n_vocab * ubatch floats (Gemma-3's 262k vocabulary: 2 GiB at 2048 tokens, 29 GiB at the 28k of a
+# whole long prompt). The callback appends each ubatch's Q and K, so the prompt may take several.
+CAPTURE_UBATCH = 2048
+
+
 class QKCapture:
     """A llama.cpp context on `engine`'s model that records roped Q and K per layer while it prefills."""
 
@@ -58,7 +64,8 @@ class QKCapture:
         self.error: str | None = None
         self._cb = lc.ggml_backend_sched_eval_callback(self._callback)
         params = lc.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_ctx = params.n_batch = n_ctx  # the whole prompt in one llama_decode
+        params.n_ubatch = min(n_ctx, CAPTURE_UBATCH)
         params.n_threads = params.n_threads_batch = engine.llm.context_params.n_threads
         params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.cb_eval = self._cb
