@@ -42,9 +42,9 @@ if TYPE_CHECKING:
     from .runner import EvalConfig
 
 
-# Tokens per ubatch of the capture context: its graph is reserved for the worst case of every token output, so the
-# logits alone take n_vocab * ubatch floats (Gemma-3's 262k vocabulary: 2 GiB at 2048 tokens, 29 GiB at the 28k of a
-# whole long prompt). The callback appends each ubatch's Q and K, so the prompt may take several.
+# Tokens per ubatch of the capture context. Its compute buffers are reserved for a whole ubatch: with a 28k-token
+# Gemma-3 prompt as one ubatch the context could not be created on a 24 GiB machine. The callback appends each
+# ubatch's Q and K, so the prompt may take several.
 CAPTURE_UBATCH = 2048
 
 
