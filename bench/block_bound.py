@@ -37,7 +37,7 @@ from captured_rows import captured_rows
 from carry_threshold import head_logits, log_norm
 from record import RESULTS, append_run, provenance, write_record
 
-BLOCKS = (16, 32, 64)
+BLOCKS = (8, 16, 32)  # the record's block sizes
 
 
 def kept_cells(p: np.ndarray, window: int, need: int, block: int) -> tuple[int, int]:
