@@ -11,6 +11,12 @@ from conftest import REPO, run
 TOOL = REPO / "bench" / "timeline_summary.py"
 
 HEADER = "sparq timeline n_kv {n} rows {r} (us: start / past wait / end):"
+HEADER4 = "sparq timeline n_kv {n} rows {r} (us: start / past wait / end / last start):"  # with the last block start
+
+
+def log4(n: int, r: int, *lines: str) -> str:
+    """A log of four-mark lines for n cells and r rows."""
+    return "\n".join(HEADER4.format(n=n, r=r) + line for line in lines)
 LOG = "\n".join([
     "      S   B  sparq us  flash us",  # the benchmark's own output around the lines
     HEADER.format(n=32768, r=32) + " Q 0.00 1.00 5.00; A - - 40.00; P 38.00 41.00 50.00; B 45.00 51.00 60.00;"
@@ -69,11 +75,11 @@ def test_the_pbs_chain_hands_over_from_kernel_a(tmp_path):
 
 def test_the_last_block_start(tmp_path):
     # lines with the fourth mark (the last block's start); the chain's hand-over and bodies are read as before
-    header = "sparq timeline n_kv 33024 rows 32 (us: start / past wait / end / last start):"
-    data, printed = summarise(tmp_path, "\n".join(header + line for line in (
+    data, printed = summarise(tmp_path, log4(
+        33024, 32,
         " Q 0.00 0.40 4.70 1.00; A - - 46.50 -; PBS 45.90 47.10 81.90 52.00; LV 48.20 82.30 91.00 83.00;",
         " Q 0.00 0.40 4.60 1.20; A - - 46.00 -; PBS 45.00 46.50 80.00 55.00; LV 47.00 80.50 90.00 81.00;",
-        " Q 0.00 0.40 4.80 0.80; A - - 47.00 -; PBS 46.00 47.50 84.00 50.00; LV 49.00 84.60 92.00 85.50;")))
+        " Q 0.00 0.40 4.80 0.80; A - - 47.00 -; PBS 46.00 47.50 84.00 50.00; LV 49.00 84.60 92.00 85.50;"))
     k = data["33024/32"]["kernels"]
     assert k["PBS"]["last_start"] == pytest.approx(52.0) and k["Q"]["last_start"] == pytest.approx(1.0)
     assert "last_start" not in k["A"] and k["A"]["end"] == pytest.approx(46.5)
@@ -83,11 +89,11 @@ def test_the_last_block_start(tmp_path):
 
 def test_a_chain_without_kernel_q(tmp_path):
     # the q4 index has no kernel Q: the earliest recorded start is PBS's, so kernel A's end comes out negative
-    header = "sparq timeline n_kv 33024 rows 8 (us: start / past wait / end / last start):"
-    data, _ = summarise(tmp_path, "\n".join(header + line for line in (
+    data, _ = summarise(tmp_path, log4(
+        33024, 8,
         " A - - -0.90 -; PBS 0.00 0.03 25.68 0.16; LV 26.79 26.80 35.24 26.95;",
         " A - - -1.10 -; PBS 0.00 0.04 25.20 0.20; LV 26.30 26.32 34.90 26.50;",
-        " A - - -0.70 -; PBS 0.00 0.02 26.10 0.12; LV 27.20 27.21 35.80 27.40;")))
+        " A - - -0.70 -; PBS 0.00 0.02 26.10 0.12; LV 27.20 27.21 35.80 27.40;"))
     k = data["33024/8"]["kernels"]
     assert k["A"] == {"end": pytest.approx(-0.9)}
     assert k["PBS"]["gap"] == pytest.approx(0.93) and k["PBS"]["body"] == pytest.approx(25.65)  # 25.65, 25.16, 26.08
