@@ -36,7 +36,9 @@
 #   bash bench/prebuild.sh && PREBUILT=.prebuilt/pb.tgz bash bench/device.sh build test
 #
 # Knobs (environment): TARGETS (the build's CMake targets, default the library and the five tools), OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
-# SELECT (selection paths the SparQ op tests run, default "auto cluster sweep": the test-only
+# OP_SELECT (selection paths the op stage measures, each under SPARQ_CUDA_SELECT, default "auto"; more than one:
+# cuda_op_<path>.json each and a table of all),
+# SELECT (selection paths the SparQ op tests run, default "auto cluster sweep bound": the test-only
 # switch SPARQ_CUDA_SELECT), SPARQ_TESTS_K (a pytest -k expression for the SparQ op tests), TEST_PARTS (which of the
 # test stage's parts run, default "sparq centroid model"), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op),
 # CUDA_ARCH (default 90), OUT (default /tmp/out), DEPTHS (e2e). ccache is used where the machine has it, or where .device/debs
@@ -53,7 +55,7 @@ REPO=$PWD
 BUILD=$REPO/build/cuda
 BASE_SRC=$REPO/build/base-src
 BASE_BUILD=$BASE_SRC/build/cuda   # same depth below its tree as build/cuda: ccache (base dir $REPO) shares the upstream objects
-SELECT=${SELECT:-auto cluster sweep}
+SELECT=${SELECT:-auto cluster sweep bound}
 TEST_PARTS=${TEST_PARTS:-sparq centroid model}
 BASE_SELECT=${BASE_SELECT:-auto}
 export PYTHONUNBUFFERED=1 DEVICE_SH_STAGES="$*"
@@ -201,14 +203,14 @@ stage_fit() {
 # compute-sanitizer over the CUDA op tests' small cases: SparQ rows through both selection paths (the cluster kernel
 # at 4 to 36 cells per thread: 5000- to 70000-cell rows), the index types, qsigma with and without kstat, quantized
 # and mixed K/V types, the centroid op and k-means. Time-boxed.
-SPARQ_MEMCHECK="(random_case and (33 or 77 or 250 or 401)) or (window_and_sinks and 5) or (long_sequences and on and (shape0 or shape1 or shape2 or shape5 or shape6)) or (index_select_and_kv_type and (q4_1 or q5_0 or q8_0-q8 or f32-f16)) or (mixed_k_and_v and off) or (exact_and_window and q5_1) or (long_rows_with_q8 and (shape1 or shape3))"
-SPARQ_RACECHECK="(random_case and 33) or (window_and_sinks and 2) or (long_sequences and on and (shape0 or shape5 or shape6)) or (index_select_and_kv_type and (q5_1-q8 or bf16-none)) or (mixed_k_and_v and q4_0 and off) or (long_rows_with_q8 and shape3)"
+SPARQ_MEMCHECK="(random_case and (33 or 77 or 250 or 401)) or (window_and_sinks and 5) or (long_sequences and on and (shape0 or shape1 or shape2 or shape5 or shape6)) or (index_select_and_kv_type and (q4_1 or q5_0 or q8_0-q8 or f32-f16)) or (mixed_k_and_v and off) or (exact_and_window and q5_1) or (long_rows_with_q8 and (shape1 or shape3)) or (peaked_rows and (g4-20000 or perm))"
+SPARQ_RACECHECK="(random_case and 33) or (window_and_sinks and 2) or (long_sequences and on and (shape0 or shape5 or shape6)) or (index_select_and_kv_type and (q5_1-q8 or bf16-none)) or (mixed_k_and_v and q4_0 and off) or (long_rows_with_q8 and shape3) or (peaked_rows and g1-33000)"
 CENTROID_MEMCHECK="(matches_reference_and_cpu and (0-0.1 or 3-0.3 or 6-0.1 or 8-0.3)) or selected_cells or threshold_zero or without_visible or (kmeans and not 7b)"
 CENTROID_RACECHECK="(matches_reference_and_cpu and (1-0.1 or 6-0.3)) or (selected_cells and 3) or (kmeans_matches and 32)"
 
 stage_sanitize() {
     local rc=0 path tool
-    for path in cluster sweep; do
+    for path in cluster sweep bound; do
         check "memcheck_sparq_$path" "$REPO" "$BUILD" "$SPARQ_COMMIT" SPARQ_CUDA_SELECT=$path -- timeout 300 \
             compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
             tests/test_op_sparq_attn_cuda.py -k "$SPARQ_MEMCHECK" || rc=1
@@ -226,27 +228,32 @@ stage_sanitize() {
 }
 
 stage_op() {
-    local round name tree build commit suffix files=()
-    for round in $(seq "${ROUNDS:-1}"); do  # builds interleaved, so a drift of the machine hits both
+    local round name tree build commit path suffix files=()
+    for round in $(seq "${ROUNDS:-1}"); do  # builds and selection paths interleaved, so a drift of the machine hits all
         while read -r name tree build commit; do
-            suffix=$([ "$name" = base ] && echo _base)$([ "$round" -gt 1 ] && echo "_r$round")
-            with_build "$tree" "$build" "$commit" python3 bench/cuda_op.py --runs "${RUNS:-50}" \
-                --seqs "${SEQS:-4096,16384,32768,65536,131072}" --batches "${BATCHES:-1,16}" ${OP_ARGS:-} \
-                --out "$OUT/cuda_op$suffix.json" 2>&1 | tee "$OUT/cuda_op$suffix.log" | grep -v "^wrote"
-            files+=("$OUT/cuda_op$suffix.json")
+            for path in ${OP_SELECT:-auto}; do
+                suffix=$([ "$name" = base ] && echo _base)$([ "${OP_SELECT:-auto}" != auto ] && echo "_$path")
+                suffix=$suffix$([ "$round" -gt 1 ] && echo "_r$round")
+                with_build "$tree" "$build" "$commit" env SPARQ_CUDA_SELECT="$path" python3 bench/cuda_op.py \
+                    --runs "${RUNS:-50}" --seqs "${SEQS:-4096,16384,32768,65536,131072}" --batches "${BATCHES:-1,16}" \
+                    ${OP_ARGS:-} --out "$OUT/cuda_op$suffix.json" 2>&1 | tee "$OUT/cuda_op$suffix.log" | grep -v "^wrote"
+                files+=("$OUT/cuda_op$suffix.json")
+            done
         done < <(builds)
     done
-    [ -n "${BASE_COMMIT:-}" ] && python3 - "${files[@]}" <<'PY'
-import json, sys
+    [ ${#files[@]} -gt 1 ] && python3 - "${files[@]}" <<'PY'
+import json, re, sys
 from collections import defaultdict
-t = defaultdict(lambda: defaultdict(list))
+t, cols = defaultdict(lambda: defaultdict(list)), []
 for f in sys.argv[1:]:
+    col = re.sub(r"^_|_r\d+$", "", re.sub(r"^.*cuda_op", "", f.removesuffix(".json"))) or "head"
+    cols += [col] if col not in cols else []
     for r in json.load(open(f))["rows"]:
         if "sparq_us" in r:
-            t[(r["S"], r["B"])]["base" if "_base" in f else "head"].append(r["sparq_us"])
-print(f"{'S':>7} {'B':>3} {'head us':>16} {'base us':>16}")
+            t[(r["S"], r["B"])][col].append(r["sparq_us"])
+print(f"{'S':>7} {'B':>3} " + " ".join(f"{c + ' us':>16}" for c in cols))
 for (s, b), v in sorted(t.items()):
-    print(f"{s:>7} {b:>3} {' / '.join(f'{x:.1f}' for x in v['head']):>16} {' / '.join(f'{x:.1f}' for x in v['base']):>16}")
+    print(f"{s:>7} {b:>3} " + " ".join(f"{' / '.join(f'{x:.1f}' for x in v[c]):>16}" for c in cols))
 PY
     return 0
 }

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 LINE = re.compile(r"sparq timeline n_kv (\d+) rows (\d+) \(us: [a-z /]+\):(.*)")
-KERNELS = ("Q", "A", "P", "B", "S", "PBS", "LV")
+KERNELS = ("Q", "A", "P", "B", "S", "PBS", "BS", "LV")
 
 
 def parse(path: Path) -> dict[tuple[int, int], list[dict[str, list[float | None]]]]:

@@ -5,10 +5,10 @@ elsewhere the module is skipped as a whole. The cases are the CPU op's cases (te
 plus long sequences that split every kernel over many blocks, and the paths only a GPU kernel has: the
 sampled candidate threshold, its exact fallback, waves of rows, and repeated runs giving identical bits.
 
-The kernel selects I2 with one of two kernel families, chosen from the shapes and the device: kernel PBS (a
-thread-block cluster per row, Hopper) or kernels P, B, S. A plain run takes each where the choice puts it (on a
-Hopper GPU: PBS for decode-like shapes, P, B, S for many rows); the testing switch SPARQ_CUDA_SELECT=cluster|sweep
-forces one (see ggml_ops/src/cuda/sparq-attn.cu). The library reads it once per process, so
+The kernel selects I2 with one of three kernel families, chosen from the shapes and the device: kernel BS (one
+block per row, scoring the cells that per-block bounds keep), kernel PBS (a thread-block cluster per row, Hopper) or
+kernels P, B, S. A plain run takes each where the choice puts it; the testing switch
+SPARQ_CUDA_SELECT=cluster|sweep|bound forces one (see ggml_ops/src/cuda/sparq-attn.cu). The library reads it once per process, so
 test_cases_pass_with_each_selection_kernel_forced runs this file's selection cases again in a subprocess under each
 value; the whole file runs under one value with e.g.
 `SPARQ_CUDA_SELECT=sweep python -m pytest tests/test_op_sparq_attn_cuda.py`.
@@ -395,6 +395,37 @@ def test_mha_rows_with_hidden_chunks_match_reference_and_cpu():
     assert_close(got, cpu, "f16", "hidden chunks")
 
 
+@pytest.mark.parametrize("config", [
+    dict(n_head_kv=2, group=1, n_kv=33000, index="q8", select="qsigma", mean="on", sinks=0, permuted=False),
+    dict(n_head_kv=2, group=4, n_kv=20000, index="q8", select="qsigma", mean="off", sinks=4, permuted=False),
+    dict(n_head_kv=1, group=4, n_kv=24001, index="f16", select="q", mean="on", sinks=4, permuted=True),
+    dict(n_head_kv=3, group=1, n_kv=9000, index="q8", select="qsigma", mean="on", sinks=0, permuted=True),
+], ids=lambda c: f"g{c['group']}-{c['n_kv']}-{c['index']}-sinks{c['sinks']}{'-perm' if c['permuted'] else ''}")
+def test_peaked_rows_match_reference_and_cpu(config):
+    # attention as real models have it: a few hundred keys per head lie along the queries' direction, the rest is
+    # noise. Kernel BS's block bounds then keep only the blocks of those keys and of the window and the sinks, far
+    # fewer cells than its shared memory holds, so its bound path decides the selection (flat random rows keep too
+    # many blocks and take its exact fallback). Permuted positions scatter the window's and the sinks' cells over
+    # the row, so blocks anywhere may hold forced cells.
+    rng = np.random.default_rng(config["n_kv"] + 7)
+    n_head_kv, group, n_kv, d, n_q = config["n_head_kv"], config["group"], config["n_kv"], 128, 2
+    q, k, v = make_case(rng, n_head_kv=n_head_kv, group=group, n_q=n_q, n_kv=n_kv, d=d, d_v=d)
+    for h in range(n_head_kv):
+        direction = q[0, h * group: (h + 1) * group, 0].mean(axis=0)
+        hot = rng.choice(n_kv, size=300, replace=False)
+        k[0, h, hot] += rng.uniform(1.0, 2.0, size=(300, 1)) * direction / np.linalg.norm(direction) * 6.0
+    mask = make_mask(rng, "causal", n_q, n_kv)
+    pos = rng.permutation(n_kv).astype(np.int32)[None] if config["permuted"] else None
+    kw = dict(k1=32, k2=128, index=config["index"], select=config["select"], mean=config["mean"],
+              sinks=config["sinks"])
+    got = ops.sparq_attn(q, k, v, mask, kv_dtype="f16", pos=pos, backend="cuda", **kw)
+    cpu = ops.sparq_attn(q, k, v, mask, kv_dtype="f16", pos=pos, n_threads=2, **kw)
+    want = reference.sparq_attn(q[0].astype(np.float32).astype(np.float64), ops.kv_round(k[0], "f16"),
+                                ops.kv_round(v[0], "f16"), mask, pos=None if pos is None else pos[0], **kw)
+    assert_close(got[0], want, "f16", config)
+    assert_close(got, cpu, "f16", config)
+
+
 def test_many_rows_run_in_waves_and_repeat_bit_for_bit():
     # a prefill-sized batch of query rows: more rows than one wave of scratch holds at this length
     rng = np.random.default_rng(21)
@@ -486,7 +517,7 @@ def test_index_write_holds_the_keys_of_its_cells_as_on_the_cpu(seed):
 # of the testing switch. Under "cluster" kernel PBS takes every row it can hold, however many rows (the waves test
 # too); only the 260000-cell rows fall back to P, B, S.
 FORCED_SELECTION_CASES = ("window_and_sinks or long_sequences or underflow or mha_rows or waves or covering "
-                          "or empty_rows or long_rows_with_q8_index")
+                          "or empty_rows or long_rows_with_q8_index or peaked_rows or random_case")
 
 
 @pytest.mark.parametrize("seed", range(len(Q4_WRITE_CASES)), ids=["-".join(map(str, c)) for c in Q4_WRITE_CASES])
@@ -502,7 +533,7 @@ def test_q4_index_write_equals_the_cpu_and_the_q4_blocks(seed):
 
 @pytest.mark.skipif(os.environ.get("SPARQ_CUDA_SELECT", "auto") != "auto",
                     reason="this process already runs under a forced selection kernel")
-@pytest.mark.parametrize("select", ["cluster", "sweep"])
+@pytest.mark.parametrize("select", ["cluster", "sweep", "bound"])
 def test_cases_pass_with_each_selection_kernel_forced(select):
     repo = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),

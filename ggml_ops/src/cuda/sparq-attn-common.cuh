@@ -5,6 +5,7 @@
 //   sparq-attn-score.cuh           kernel Q (I1, scaled query components) and kernel A (approximate scores)
 //   sparq-attn-select.cuh          kernels P, B, S (sampled threshold, sweep, exact selection)
 //   sparq-attn-select-cluster.cuh  kernel PBS (P, B and S over a thread-block cluster)
+//   sparq-attn-select-bound.cuh    kernel BS (one block per row, scoring the cells that per-block bounds keep)
 //   sparq-attn-values.cuh          kernel LV (exact logits over I2, softmax, Sparse-V, V gather, mean)
 // The headers are included by sparq-attn.cu only (one translation unit; the anonymous namespace is its own).
 // Structure and reasons: docs/design.md, "CUDA kernels".
@@ -62,10 +63,11 @@ static_assert(B_THREADS % WARP_SIZE == 0 && B_THREADS / WARP_SIZE <= WARP_SIZE, 
 // block's start (how long the grid took to be placed: a late block ends the kernel late); after
 // the chain a one-thread kernel prints them relative to the chain's start and resets them. It shows the chain as it
 // runs under dependent launches, which ncu cannot (ncu serialises kernels and flushes caches between them).
-enum tl_kernel { TL_Q = 0, TL_A, TL_P, TL_B, TL_S, TL_PBS, TL_LV, TL_N };
+enum tl_kernel { TL_Q = 0, TL_A, TL_P, TL_B, TL_S, TL_PBS, TL_BS, TL_LV, TL_N };
 __device__ unsigned long long g_tl[TL_N][4] = {
     { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 },
-    { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 } };
+    { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 }, { ~0ull, ~0ull, 0, 0 },
+    { ~0ull, ~0ull, 0, 0 } };
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -93,7 +95,7 @@ __device__ __forceinline__ void tl_end(int k, bool on) {
     if (on && threadIdx.x % WARP_SIZE == 0) { atomicMax(&g_tl[k][2], global_ns()); }
 }
 __global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
-    static const char * const names[TL_N] = { "Q", "A", "P", "B", "S", "PBS", "LV" };
+    static const char * const names[TL_N] = { "Q", "A", "P", "B", "S", "PBS", "BS", "LV" };
     unsigned long long t0 = ~0ull;
     for (int k = 0; k < TL_N; ++k) {
         t0 = min(t0, g_tl[k][0]);
@@ -168,6 +170,7 @@ struct sparq_args {
     bool vec_kt_q8;                // a q8_0 index copied by warps (kernel A, q8_scores_warp)
     bool vec_mask, vec_pos;        // mask rows / positions allow 16-byte loads of 8 cells (kernel A)
     bool has_logits;               // kernel A writes logits (every policy but WINDOW without the mean)
+    bool write_bmax;               // kernel A writes each thread's largest logit per head (kernel BS reads them)
 #ifdef SPARQ_CUDA_INSTRUMENT
     bool timing;                   // SPARQ_CUDA_TIMING: print tail phase timings
     bool timeline;                 // SPARQ_CUDA_TIMELINE: print the kernels' start and end times (tl_scope)
@@ -178,6 +181,9 @@ struct sparq_scratch {
     float    * qs;       // [W][G][k1] scaled query components at I1 (kernel Q)
     int32_t  * i1;       // [W][k1]
     float    * logits;   // [W][G][n_kv] approximate (or exact) logits, -inf for hidden cells
+    float    * bmax;     // [W][G][n_chunks_a*A_THREADS] the largest logit of each A_CELLS cells (kernel BS)
+    uint32_t * bkeys;    // [W][n_chunks_a*A_CHUNK] kernel BS's keys of its kept cells, where shared memory is short
+    int32_t  * bkept;    // [W][n_chunks_a*A_THREADS] kernel BS's kept blocks, likewise
     float    * cmax;     // [W][G][n_chunks_a]
     float    * csum;     // [W][G][n_chunks_a]
     int32_t  * cvis;     // [W][n_chunks_a][3]: visible cells, smallest and largest position

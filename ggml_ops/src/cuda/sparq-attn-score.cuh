@@ -789,8 +789,8 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
 // Block x is chunk x / a_head_groups and does the heads of group x % a_head_groups (G / a_head_groups heads; the
 // chunk's visible count and position range come from group 0). Per pass of NG heads:
 // the approximate logits of the chunk's cells, -inf for hidden cells, and the chunk's max and sum of exponentials
-// per head; once per block the chunk's visible count and position range. Phases, each chosen so that a block
-// spends its life with K^T loads in flight:
+// per head (where kernel BS selects, also each thread's max per head); once per block the chunk's visible count and
+// position range. Phases, each chosen so that a block spends its life with K^T loads in flight:
 //   prologue: I1, the first pass's query components, the mask and the positions in one round trip (one barrier);
 //   K^T rows a_unroll at a time (evict-first, no L1);
 //   epilogue: one barrier for every head's block max, one for the sums; the visible count and position range
@@ -938,6 +938,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             }
             if (g0 + g >= h_hi) {
                 continue;
+            }
+            if (a.write_bmax) {  // this thread's cells are kernel BS's block j0 / A_CELLS
+                s.bmax[(w*G + g0 + g)*a.n_chunks_a*A_THREADS + chunk*A_THREADS + threadIdx.x] = mx[g];
             }
             float * lrow = s.logits + (w*G + g0 + g)*n_kv;
             if (a.vec_logits && j0 + A_CELLS <= n_kv) {

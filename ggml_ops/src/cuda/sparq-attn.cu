@@ -9,13 +9,15 @@
 // sequence or over output slices, so that every SM works even with 8 KV heads:
 //   Q, A   (sparq-attn-score.cuh): I1 and the scaled query components; the approximate logits per chunk of cells
 //          with the chunk's softmax and visible-cell statistics;
-//   then the selection of I2, by one of two kernel families (sparq_cuda_get_best_select_kernel chooses):
+//   then the selection of I2, by one of three kernel families (sparq_cuda_get_best_select_kernel chooses):
 //   P, B, S (sparq-attn-select.cuh): merge and sampled threshold, sweep, exact selection; many blocks per row,
 //          for any number of rows;
 //   PBS    (sparq-attn-select-cluster.cuh): the same selection in one launch, a thread-block cluster per row
 //          exchanging counts through distributed shared memory (Hopper), for a few rows all in flight at once;
+//   BS     (sparq-attn-select-bound.cuh): one block per row that bounds each 8-cell block's scores from kernel A's
+//          per-block maxima and scores only the blocks that can hold a selected cell;
 //   LV     (sparq-attn-values.cuh): exact logits over I2, softmax, Sparse-V cut, weighted sum of V, mean mix.
-// Both selection families give the same I2 and alpha_g. Launch sizes depend on shapes only (CUDA graphs stay on);
+// The selection families give the same I2 and alpha_g. Launch sizes depend on shapes only (CUDA graphs stay on);
 // no host round trip. Shared device code: sparq-attn-common.cuh.
 //
 // Types: kernel A is instantiated for the type it reads (the index's: f32, f16, bf16 or q8_0, whatever K's type; or
@@ -23,10 +25,11 @@
 // or their types differ (run-time types, each value dequantized as ggml defines it); kernel Q reads K (select qsigma
 // without kstat) through the run-time type too.
 //
-// Testing switch: SPARQ_CUDA_SELECT=auto|cluster|sweep (read once per process; unset or empty: auto) forces the
-// selection kernel, so that the op tests cover both families on every shape:
+// Testing switch: SPARQ_CUDA_SELECT=auto|cluster|sweep|bound (read once per process; unset or empty: auto) forces the
+// selection kernel, so that the op tests cover every family on every shape:
 //   auto     the choice of sparq_cuda_get_best_select_kernel (the default);
 //   sweep    kernels P, B and S for every launch;
+//   bound    kernel BS wherever it can run (rows with logits of at most BS_MAX_KV cells), however many rows;
 //   cluster  kernel PBS wherever it can hold the rows (at most PBS_MAX_CPT cells per thread at clusters of 16), however
 //            many rows there are (clusters past the resident ones wait for a slot); longer rows fall back to P, B and
 //            S. A device or build where kernel PBS cannot run at all (before Hopper, no sm_90 code) aborts.
@@ -40,6 +43,7 @@
 #include "sparq-attn-score.cuh"
 #include "sparq-attn-select.cuh"
 #include "sparq-attn-select-cluster.cuh"
+#include "sparq-attn-select-bound.cuh"
 #include "sparq-attn-values.cuh"
 
 #include <algorithm>
@@ -201,6 +205,7 @@ int pbs_resident_clusters() {
 // clusters of 8 or 16 blocks per row.
 enum sparq_select_kernel {
     SPARQ_SELECT_SWEEP      = 0,   // kernels P, B, S
+    SPARQ_SELECT_BOUND      = 1,   // kernel BS
     SPARQ_SELECT_CLUSTER_8  = 8,   // kernel PBS, clusters of 8
     SPARQ_SELECT_CLUSTER_16 = 16,  // kernel PBS, clusters of 16 (Hopper's non-portable size)
 };
@@ -252,7 +257,7 @@ static const sparq_select_caps & select_device_caps() {
 }
 
 // The testing switch SPARQ_CUDA_SELECT (see the file header), read once per process.
-enum select_mode { SELECT_AUTO, SELECT_CLUSTER, SELECT_SWEEP };
+enum select_mode { SELECT_AUTO, SELECT_CLUSTER, SELECT_SWEEP, SELECT_BOUND };
 static select_mode select_mode_from_env() {
     static const select_mode mode = [] {
         const char * e = getenv("SPARQ_CUDA_SELECT");
@@ -265,17 +270,27 @@ static select_mode select_mode_from_env() {
         if (strcmp(e, "sweep") == 0) {
             return SELECT_SWEEP;
         }
-        GGML_ABORT("SPARQ_CUDA_SELECT=%s: expected auto, cluster or sweep", e);
+        if (strcmp(e, "bound") == 0) {
+            return SELECT_BOUND;
+        }
+        GGML_ABORT("SPARQ_CUDA_SELECT=%s: expected auto, cluster, sweep or bound", e);
     }();
     return mode;
 }
 
-// The selection kernel of one wave of nw rows: the pure choice, unless SPARQ_CUDA_SELECT forces one.
-static sparq_select_kernel select_kernel_for(int64_t n_kv, int64_t nw) {
+// The selection kernel of an op's n_rows rows: the pure choice, unless SPARQ_CUDA_SELECT forces one.
+static sparq_select_kernel select_kernel_for(const sparq_args & a, int64_t n_rows) {
+    const int64_t n_kv = a.n_kv;
     const sparq_select_caps & dev = select_device_caps();
     switch (select_mode_from_env()) {
         case SELECT_SWEEP:
             return SPARQ_SELECT_SWEEP;
+        case SELECT_BOUND:
+            // kernel BS wherever it can run, however many rows; elsewhere the choice for these rows
+            if (a.has_logits && n_kv <= BS_MAX_KV) {
+                return SPARQ_SELECT_BOUND;
+            }
+            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, dev);
         case SELECT_CLUSTER:
             if (dev.resident_cl8 == 0 && dev.resident_cl16 == 0) {
                 GGML_ABORT("SPARQ_CUDA_SELECT=cluster: kernel PBS cannot run on this device "
@@ -284,7 +299,7 @@ static sparq_select_kernel select_kernel_for(int64_t n_kv, int64_t nw) {
             // the choice for one row: PBS wherever it holds the rows, whatever their count; longer rows take P, B, S
             return sparq_cuda_get_best_select_kernel(n_kv, 1, dev);
         default:
-            return sparq_cuda_get_best_select_kernel(n_kv, nw, dev);
+            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, dev);
     }
 }
 
@@ -315,8 +330,9 @@ static void launch_lv_of(int vpt, int slice, int64_t nw, cudaStream_t stream, co
     }
 }
 
-static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s, cudaStream_t stream,
-                       const sparq_args & a, const sparq_scratch & s, int64_t r0) {
+static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int64_t nw, size_t smem_s,
+                       sparq_select_kernel sel, cudaStream_t stream, const sparq_args & a, const sparq_scratch & s,
+                       int64_t r0) {
     switch (pol) {
         case SC_NONE:   launch_scores<float, SC_NONE, 1>(grid_a, smem_a, stream, a, s, r0); break;  // reads no K
         case SC_KT:     launch_scores_of<SC_KT>    (a.kt_type, ng, grid_a, smem_a, stream, a, s, r0); break;
@@ -324,8 +340,12 @@ static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int
         case SC_GATHER: launch_scores_of<SC_GATHER>(a.k_type,  ng, grid_a, smem_a, stream, a, s, r0); break;
         default:        launch_scores_of<SC_EXACT> (a.k_type,  ng, grid_a, smem_a, stream, a, s, r0); break;
     }
-    const sparq_select_kernel sel = select_kernel_for(a.n_kv, nw);
-    if (sel == SPARQ_SELECT_CLUSTER_16) {
+    if (sel == SPARQ_SELECT_BOUND) {
+        ensure_smem<sparq_bound_select>(bs_smem(a.n_kv));
+        ggml_cuda_kernel_launch(sparq_bound_select,
+                                ggml_cuda_kernel_launch_params(dim3((unsigned) nw), BS_THREADS, bs_smem(a.n_kv), stream),
+                                a, s, r0);
+    } else if (sel == SPARQ_SELECT_CLUSTER_16) {
         launch_pbs<16>(nw, stream, a, s, r0);
     } else if (sel == SPARQ_SELECT_CLUSTER_8) {
         launch_pbs<8>(nw, stream, a, s, r0);
@@ -362,9 +382,9 @@ static bool strides16(const ggml_tensor * t) { return t->nb[1] % 16 == 0 && t->n
 
 // Scratch of one wave: each array 256-byte aligned.
 struct scratch_plan {
-    size_t qs, i1, logits, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, total;
+    size_t qs, i1, logits, bmax, bkeys, bkept, cmax, csum, cvis, rstat, rinfo, counters, bitmap, cand, forced, i2, alpha, total;
 };
-static scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
+static scratch_plan plan_scratch(const sparq_args & a, bool scores, bool bound, int64_t W) {
     const int64_t G = a.group;
     scratch_plan p;
     size_t o = 0;
@@ -372,6 +392,9 @@ static scratch_plan plan_scratch(const sparq_args & a, bool scores, int64_t W) {
     p.qs       = take(sizeof(float) * W*G*a.p.k1);
     p.i1       = take(sizeof(int32_t) * W*a.p.k1);
     p.logits   = take(scores ? sizeof(float) * W*G*a.n_kv : 0);
+    p.bmax     = take(bound ? sizeof(float) * W*G*bs_blocks_a(a.n_chunks_a) : 0);
+    p.bkeys    = take(bound ? sizeof(uint32_t) * W*bs_blocks_a(a.n_chunks_a)*A_CELLS : 0);
+    p.bkept    = take(bound ? sizeof(int32_t) * W*bs_blocks_a(a.n_chunks_a) : 0);
     p.cmax     = take(sizeof(float) * W*G*a.n_chunks_a);
     p.csum     = take(sizeof(float) * W*G*a.n_chunks_a);
     p.cvis     = take(sizeof(int32_t) * W*a.n_chunks_a*3);
@@ -514,15 +537,21 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int vpt = n_vec <= 32 ? 1 : n_vec <= 64 ? 2 : 4;
 
     const int64_t n_rows = a.n_head_kv * a.n_q * a.ns;
-    const int64_t row_bytes = plan_scratch(a, scores, 1).total;
+    // one selection kernel for every wave (each takes any number of rows): the choice for all the rows
+    const sparq_select_kernel sel = select_kernel_for(a, n_rows);
+    a.write_bmax = sel == SPARQ_SELECT_BOUND;
+    const int64_t row_bytes = plan_scratch(a, scores, a.write_bmax, 1).total;
     const int64_t W = std::max<int64_t>(1, std::min<int64_t>({ n_rows, 65535, WAVE_BYTES / row_bytes }));
-    const scratch_plan plan = plan_scratch(a, scores, W);
+    const scratch_plan plan = plan_scratch(a, scores, a.write_bmax, W);
     ggml_cuda_pool_alloc<char> buf(ctx.pool(), plan.total);
     char * base = buf.get();
     sparq_scratch s;
     s.qs       = (float *)    (base + plan.qs);
     s.i1       = (int32_t *)  (base + plan.i1);
     s.logits   = (float *)    (base + plan.logits);
+    s.bmax     = (float *)    (base + plan.bmax);
+    s.bkeys    = (uint32_t *) (base + plan.bkeys);
+    s.bkept    = (int32_t *)  (base + plan.bkept);
     s.cmax     = (float *)    (base + plan.cmax);
     s.csum     = (float *)    (base + plan.csum);
     s.cvis     = (int32_t *)  (base + plan.cvis);
@@ -554,7 +583,7 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
             ggml_cuda_kernel_launch(sparq_query<false>,
                                     ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
         }
-        launch_all(pol, ng, vpt, grid_a, smem_a, nw, smem_s, stream, a, s, r0);
+        launch_all(pol, ng, vpt, grid_a, smem_a, nw, smem_s, sel, stream, a, s, r0);
 #ifdef SPARQ_CUDA_INSTRUMENT
         if (a.timeline) {
             sparq_timeline_dump<<<1, 1, 0, stream>>>(a.n_kv, nw);
