@@ -122,7 +122,7 @@ __global__ void sparq_timeline_dump(int64_t n_kv, int64_t n_rows) {
 }
 
 // Phase timings of the tails (SPARQ_CUDA_TIMING=1 in the environment): thread 0 of row 0's block prints clock64()
-// deltas between marks (kernels Q, P, S, PBS and LV), and kernel S reports the rows that take its exact fallback.
+// deltas between marks (kernels Q, P, S, PBS, BS and LV), and kernel S reports the rows that take its exact fallback.
 #    define SPARQ_TL_SCOPE(k)      const tl_scope tl(k, a.timeline)
 #    define SPARQ_TL_WAITED()      tl.waited()
 #    define SPARQ_TL_END(k)        tl_end(k, a.timeline)

@@ -16,9 +16,10 @@ namespace {
 // of the histogram bin (11 bits of the float) that holds the n_top-th largest L(b) is at most the n_top-th best score:
 // a block with U(b) < T holds no selected cell. Blocks that may hold window or sink cells (by their cells' positions,
 // where kernel A's chunk range reaches them) give no L(b) and are always kept. Then, for the kept blocks' cells only:
-// visibility, forced cells, group scores and keys into shared memory; the exact top n_top by (score, cell) as kernel
-// S's radix select (block_select); I2 in cell order; alpha_g. A study on captured queries and keys (bench/block_bound.py,
-// blocks of 8 cells) keeps ~12 n_top cells of a row from 8k to 28k cells.
+// visibility, forced cells, group scores and keys into shared memory; the exact top n_top by (score, cell) among the
+// candidates scoring T or more (one bucket pass and the boundary bucket ranked pairwise, as kernel S's list path);
+// I2 in cell order; alpha_g. A study on captured queries and keys (bench/block_bound.py, blocks of 8 cells) keeps
+// ~12 n_top cells of a row from 8k to 28k cells.
 // The kept cells' keys live in shared memory where they fit (BS_CAP cells), else in this row's scratch: flat rows (a
 // model's first layers, random tests) keep most blocks and take the same path, slower. Dense rows list their visible
 // cells; rows whose positions make the window or the sinks inexact take kernel S's exact selection over every cell in
@@ -31,7 +32,8 @@ constexpr int BS_BIN_SHIFT = 20;
 constexpr int64_t BS_MAX_KV = 131072;          // U(b) of every block in shared memory
 constexpr int BS_HIST_WORDS = 256 * (BS_THREADS / WARP_SIZE + 1);  // block_select's per-warp histograms
 static_assert(BS_BINS == 2*BS_THREADS, "two histogram bins per thread");
-static_assert(BS_HIST_WORDS >= BS_BINS, "the bound's histogram shares block_select's words");
+static_assert(BS_HIST_WORDS >= BS_BINS && BS_HIST_WORDS >= BUCKETS_PER_THREAD*BS_THREADS,
+              "the bound's histogram and bucket_find's share block_select's words");
 static_assert(A_CHUNK % A_CELLS == 0 && BS_CAP % A_CELLS == 0, "kept items are whole blocks");
 static_assert(A_CELLS == 8, "a block's cells are one thread's of kernel A, and the kept list is indexed by i / 8");
 // T is lowered by this factor before the comparison: __expf is an approximation whose monotonicity is not
@@ -79,8 +81,14 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
     __shared__ float rst[2*MAX_G];
     __shared__ int64_t redl[96];
     __shared__ int red[32];
+    __shared__ uint32_t redu[32];
     __shared__ int bin_found;
-    SPARQ_TIMING_MARKS(7);
+    __shared__ bool pos_chunk[BS_MAX_KV / A_CHUNK];  // kernel A's chunks whose cells may be window or sink cells
+    __shared__ bucket_state bst;
+    __shared__ uint64_t bnd[BND_CAP];  // the boundary bucket's candidate keys
+    __shared__ uint32_t n_bnd;
+    __shared__ uint64_t thr_k;
+    SPARQ_TIMING_MARKS(8);
     SPARQ_TL_SCOPE(TL_BS);
     pdl_wait();
     SPARQ_TL_WAITED();
@@ -138,7 +146,15 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
     for (int i = tid; i < BS_BINS; i += BS_THREADS) {
         hist[i] = 0;
     }
+    for (int64_t ch = tid; ch < a.n_chunks_a; ch += BS_THREADS) {  // kernel A's chunks whose cells may be forced
+        const int32_t * cv = s.cvis + (w*a.n_chunks_a + ch)*3;
+        pos_chunk[ch] = cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi);
+    }
+    if (tid == 0) {
+        bin_found = -1;
+    }
     __syncthreads();
+    SPARQ_TIMING_MARK(1);
     const float * bmax = s.bmax + w*G*n_bb_a;
     for (int64_t b0 = tid; b0 < n_bb; b0 += BS_BATCH*BS_THREADS) {  // BS_BATCH blocks' maxima in flight per head
         float up[BS_BATCH], lo[BS_BATCH];
@@ -149,9 +165,8 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
             if (b >= n_bb) {
                 break;
             }
-            const int32_t * cv = s.cvis + (w*a.n_chunks_a + b*A_CELLS / A_CHUNK)*3;
             bool fb = false;  // some cell's position is in the window or the sinks (its visibility aside)
-            if (cv[0] > 0 && ((int64_t) cv[2] > w_lo || (int64_t) cv[1] < s_hi)) {
+            if (pos_chunk[b*A_CELLS / A_CHUNK]) {
                 for (int e = 0; e < A_CELLS; ++e) {
                     const int64_t j = b*A_CELLS + e;
                     if (j < n_kv) {
@@ -166,11 +181,8 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
             }
         }
     }
-    if (tid == 0) {
-        bin_found = -1;
-    }
     __syncthreads();
-    SPARQ_TIMING_MARK(1);
+    SPARQ_TIMING_MARK(2);
     // the bin of the need-th largest L(b) (bins scanned from the top; thread t owns bins 2t' + 1 and 2t' of t' =
     // BS_THREADS - 1 - t)
     float thr_u = INFINITY;  // no top to find: only the blocks that may hold forced cells
@@ -185,30 +197,47 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
         __syncthreads();
         thr_u = bin_found < 0 ? 0.0f : __uint_as_float((uint32_t) bin_found << BS_BIN_SHIFT) * BS_T_MARGIN;
     }
-    SPARQ_TIMING_MARK(2);
 
-    // 2. the kept blocks in order: thread t takes blocks [t*bpt, (t + 1)*bpt)
-    const int64_t bpt = (n_bb + BS_THREADS - 1) / BS_THREADS, b0 = tid*bpt, b1 = min(n_bb, b0 + bpt);
-    int n_kept_t = 0;
-    for (int64_t b = b0; b < b1; ++b) {
-        n_kept_t += ub[b] >= thr_u;
+    // 2. the kept blocks in order: warp v takes a segment of whole 32-block strips, counts its kept blocks by ballots,
+    // then lists them after the warps before it
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    constexpr int n_warps = BS_THREADS / WARP_SIZE;
+    const int64_t per_warp = (n_bb + n_warps*WARP_SIZE - 1) / (n_warps*WARP_SIZE) * WARP_SIZE;
+    const int64_t wb0 = warp*per_warp, wb1 = min(n_bb, wb0 + per_warp);
+    int n_kept_w = 0;
+    for (int64_t b = wb0 + lane; b < wb0 + per_warp; b += WARP_SIZE) {
+        n_kept_w += __popc(__ballot_sync(0xFFFFFFFF, b < wb1 && ub[b] >= thr_u));
     }
-    int n_kept = 0;
-    int at = block_exclusive_scan(n_kept_t, &n_kept, red);
+    if (lane == 0) {
+        red[warp] = n_kept_w;
+    }
+    __syncthreads();
+    int at_w = 0, n_kept = 0;
+#pragma unroll
+    for (int v = 0; v < n_warps; ++v) {
+        at_w += v < warp ? red[v] : 0;
+        n_kept += red[v];
+    }
     const bool in_smem = n_kept*A_CELLS <= BS_CAP;
     uint32_t * keys = in_smem ? keys_s : s.bkeys + w*n_bb_a*A_CELLS;
     int32_t  * kb   = in_smem ? kb_s : s.bkept + w*n_bb_a;
-    for (int64_t b = b0; b < b1; ++b) {
-        if (ub[b] >= thr_u) {
-            kb[at++] = (int32_t) b;
+    for (int64_t b = wb0 + lane; b < wb0 + per_warp; b += WARP_SIZE) {
+        const bool keep = b < wb1 && ub[b] >= thr_u;
+        const uint32_t ballot = __ballot_sync(0xFFFFFFFF, keep);
+        if (keep) {
+            kb[at_w + __popc(ballot & ((1u << lane) - 1))] = (int32_t) b;
         }
+        at_w += __popc(ballot);
     }
     __syncthreads();  // also makes the scratch lists written by this block visible to it
     SPARQ_TIMING_MARK(3);
 
-    // 3. the kept cells: visibility, forced cells, keys; the counts that decide whether the bound path is exact
+    // 3. the kept cells: visibility, forced cells, keys; the counts that decide whether the bound path is exact, and
+    // the largest candidate key. At least need candidates score T or more, so only keys from k_lo count.
     const int n_items = n_kept*A_CELLS;
-    int64_t counts = 0;  // forced window cells + (sink cells << 21) + (candidates << 42)
+    const uint32_t k_lo = score_key(thr_u);
+    int64_t counts = 0;  // forced window cells + (sink cells << 21) + (candidates from k_lo << 42)
+    uint32_t k_max = 0;
     for (int i0 = tid; i0 < n_items; i0 += BS_BATCH*BS_THREADS) {  // BS_BATCH cells' logits in flight per head
         int64_t cells[BS_BATCH];
         bool in_row[BS_BATCH];
@@ -232,11 +261,14 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
             const int64_t pj = need_pos && vis ? position(pr, j) : 0;
             const bool in_w = need_pos && vis && pj > w_lo, in_s = need_pos && vis && pj < s_hi;
             const bool cand = need > 0 && vis && !in_w && !in_s;
-            keys[i] = in_w || in_s ? BS_FORCED : cand ? score_key(score[u]) : 0u;
-            counts += (int64_t) in_w + ((int64_t) in_s << 21) + ((int64_t) cand << 42);
+            const uint32_t key = cand ? score_key(score[u]) : 0u;
+            keys[i] = in_w || in_s ? BS_FORCED : key;
+            k_max = max(k_max, key);
+            counts += (int64_t) in_w + ((int64_t) in_s << 21) + ((int64_t) (cand && key >= k_lo) << 42);
         }
     }
     counts = block_reduce(counts, op_add(), (int64_t) 0, redl);
+    k_max = block_reduce(k_max, op_max(), 0u, redu);
     const int64_t n_w = counts & 0x1FFFFF, n_s = (counts >> 21) & 0x1FFFFF, n_cand = counts >> 42;
     // kernel S's condition for its fast path (exactly the window and the sinks forced, and disjoint), and the top's
     // cells among the kept ones
@@ -255,14 +287,51 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
         return;
     }
 
-    // 4. the exact top need of the candidates by K = key << cell_bits | ~cell (equal scores to the lower cell)
+    // 4. the exact top need of the candidates from k_lo by K = key << cell_bits | ~cell (equal scores to the lower
+    // cell): one bucket pass, the boundary bucket's keys ranked pairwise (kernel S's list path), or the radix select
+    // where that bucket is large
     const uint64_t cmask = (uint64_t(1) << a.cell_bits) - 1;
-    auto key_of = [&](int64_t i) -> uint64_t {
-        const uint64_t k = keys[i];
-        return k == 0 || k == BS_FORCED ? 0 : (k << a.cell_bits) | (cmask - (uint64_t) ((int64_t) kb[i / A_CELLS]*A_CELLS + i % A_CELLS));
+    auto cell_of = [&](int i) -> int64_t { return (int64_t) kb[i / A_CELLS]*A_CELLS + i % A_CELLS; };
+    auto key32_of = [&](int64_t i) -> uint32_t {
+        const uint32_t k = keys[i];
+        return k >= k_lo && k != BS_FORCED ? k : 0u;
     };
-    const uint64_t thr = need > 0 ? block_select(n_items, need, top_shift_for(31 + a.cell_bits), key_of, hist, &sst)
-                                  : ~uint64_t(0);
+    auto key_of = [&](int64_t i) -> uint64_t {
+        const uint64_t k = key32_of(i);
+        return k == 0 ? 0 : (k << a.cell_bits) | (cmask - (uint64_t) cell_of((int) i));
+    };
+    uint64_t thr = ~uint64_t(0);  // no top: forced cells only
+    if (need > 0) {
+        const int shift = bucket_shift(k_lo, k_max);
+        const bucket_state bk = bucket_find(n_items, need, k_lo, shift, key32_of, hist, red, &bst);
+        if (bk.count <= BND_CAP) {
+            if (tid == 0) {
+                n_bnd = 0;
+            }
+            __syncthreads();
+            for (int i = tid; i < n_items; i += BS_THREADS) {
+                const uint32_t k = key32_of(i);
+                if (k != 0 && (k - k_lo) >> shift == bk.bin) {
+                    bnd[atomicAdd(&n_bnd, 1u)] = key_of(i);
+                }
+            }
+            __syncthreads();
+            const uint32_t rank_thr = need - bk.above - 1;  // the boundary's keys are distinct
+            for (uint32_t t = tid; t < bk.count; t += BS_THREADS) {
+                uint32_t rk = 0;
+                for (uint32_t u = 0; u < bk.count; ++u) {
+                    rk += bnd[u] > bnd[t];
+                }
+                if (rk == rank_thr) {
+                    thr_k = bnd[t];
+                }
+            }
+            __syncthreads();
+            thr = thr_k;
+        } else {
+            thr = block_select(n_items, need, top_shift_for(31 + a.cell_bits), key_of, hist, &sst);
+        }
+    }
     SPARQ_TIMING_MARK(5);
 
     // 5. I2 in cell order (the items are in cell order): thread t takes items [t*ipt, (t + 1)*ipt)
@@ -272,11 +341,11 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
         n_sel_t += keys[i] == BS_FORCED || key_of(i) >= thr;
     }
     int n_sel = 0;
-    at = block_exclusive_scan(n_sel_t, &n_sel, red);
+    int at = block_exclusive_scan(n_sel_t, &n_sel, red);
     for (int i = i0; i < i1; ++i) {
         if (keys[i] == BS_FORCED || key_of(i) >= thr) {
             if (at < k2) {
-                i2[at] = kb[i / A_CELLS]*A_CELLS + i % A_CELLS;
+                i2[at] = (int32_t) cell_of(i);
             }
             ++at;
         }
@@ -295,7 +364,7 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
         printf("BS blocks %lld kept %d candidates %lld\n", (long long) n_bb, n_kept, (long long) n_cand);
     }
 #endif
-    SPARQ_TIMING_PRINT("BS: merge+bounds, T, kept blocks, keys, select, I2+alpha", w, 7);
+    SPARQ_TIMING_PRINT("BS: merge, bounds, T+kept blocks, keys, select, I2+alpha", w, 7);
 }
 
 }  // namespace

@@ -37,8 +37,8 @@
 //
 // Debugging build: -DSPARQ_CUDA_INSTRUMENT (e.g. cmake -DSPARQ_CUDA_INSTRUMENT=ON) compiles in the instrumentation of
 // sparq-attn-common.cuh, switched on at run time by SPARQ_CUDA_TIMELINE=1 (each kernel's start, end of its dependent-
-// launch wait and end, printed after each wave) and SPARQ_CUDA_TIMING=1 (phase timings of kernels Q, P, S, PBS and
-// LV, and kernel S's exact fallbacks). Without the define there is no instrumentation code and no environment read.
+// launch wait and end, printed after each wave) and SPARQ_CUDA_TIMING=1 (phase timings of kernels Q, P, S, PBS, BS
+// and LV, and kernel S's exact fallbacks). Without the define there is no instrumentation code and no environment read.
 #include "sparq-attn.cuh"
 #include "sparq-attn-score.cuh"
 #include "sparq-attn-select.cuh"
