@@ -9,7 +9,8 @@
 // sequence or over output slices, so that every SM works even with 8 KV heads:
 //   Q, A   (sparq-attn-score.cuh): I1 and the scaled query components; the approximate logits per chunk of cells
 //          with the chunk's softmax and visible-cell statistics;
-//   then the selection of I2, by one of three kernel families (sparq_cuda_get_best_select_kernel chooses):
+//   then the selection of I2, by one of three kernel families (sparq_cuda_get_best_select_kernel chooses between the
+//   first two; BS runs through the testing switch so far):
 //   P, B, S (sparq-attn-select.cuh): merge and sampled threshold, sweep, exact selection; many blocks per row,
 //          for any number of rows;
 //   PBS    (sparq-attn-select-cluster.cuh): the same selection in one launch, a thread-block cluster per row
