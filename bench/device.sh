@@ -246,7 +246,7 @@ import json, re, sys
 from collections import defaultdict
 t, cols = defaultdict(lambda: defaultdict(list)), []
 for f in sys.argv[1:]:
-    col = re.sub(r"^_|_r\d+$", "", re.sub(r"^.*cuda_op", "", f.removesuffix(".json"))) or "head"
+    col = re.sub(r"_r\d+$", "", re.sub(r"^.*cuda_op", "", f.removesuffix(".json"))).lstrip("_") or "head"
     cols += [col] if col not in cols else []
     for r in json.load(open(f))["rows"]:
         if "sparq_us" in r:
