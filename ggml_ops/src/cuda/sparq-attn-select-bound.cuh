@@ -275,15 +275,7 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
     const bool exact_all = !(n_w == a.window && n_s == a.sinks && w_lo >= s_hi - 1) || n_cand < (int64_t) need;
     SPARQ_TIMING_MARK(4);
     if (exact_all) {
-        select_all_cells(a, s, w, c, hist, &sst);
-        const int n = i2_from_bitmap(a, bm, i2, red);
-        __syncthreads();  // i2 (global) written by this block
-        if (a.p.mean_on) {
-            row_alpha(a, s, w, i2, n, rst);
-        }
-        if (tid == 0) {
-            ri[RI_N_SEL] = n;
-        }
+        select_sparse_row_exact(a, s, w, c, hist, &sst, i2, red, rst);
         return;
     }
 
@@ -351,13 +343,7 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
         }
     }
     n_sel = (int) min((int64_t) n_sel, k2);
-    __syncthreads();  // i2 (global) written by this block
-    if (a.p.mean_on) {
-        row_alpha(a, s, w, i2, n_sel, rst);
-    }
-    if (tid == 0) {
-        ri[RI_N_SEL] = n_sel;
-    }
+    finish_sparse_row(a, s, w, i2, n_sel, rst);
     SPARQ_TIMING_MARK(6);
 #ifdef SPARQ_CUDA_INSTRUMENT
     if (a.timing && tid == 0 && w == 0) {

@@ -377,15 +377,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
         }
     } else if (rank == 0) {
         // positions not distinct: kernel S's exact selection over every cell, in this block
-        select_all_cells(a, s, w, c, hist, &sst);
-        const int n = i2_from_bitmap(a, s.bitmap + w*a.n_words, i2, red);
-        __syncthreads();  // i2 (global) written by this block
-        if (a.p.mean_on) {
-            row_alpha(a, s, w, i2, n, rst);
-        }
-        if (tid == 0) {
-            ri[RI_N_SEL] = n;
-        }
+        select_sparse_row_exact(a, s, w, c, hist, &sst, i2, red, rst);
     }
     SPARQ_TIMING_MARK(8);
     cluster.barrier_wait();

@@ -657,6 +657,29 @@ static __device__ void row_alpha(const sparq_args & a, const sparq_scratch & s, 
     }
 }
 
+// The end of a sparse row's selection in a block that wrote i2 (global memory) itself: the barrier that makes i2
+// visible to the block, alpha_g where the mean is on, and I2's size.
+static __device__ void finish_sparse_row(const sparq_args & a, const sparq_scratch & s, int64_t w, const int32_t * i2,
+                                         int n_sel, const float * rst) {
+    __syncthreads();
+    if (a.p.mean_on) {
+        row_alpha(a, s, w, i2, n_sel, rst);
+    }
+    if (threadIdx.x == 0) {
+        s.rinfo[w*N_RI + RI_N_SEL] = n_sel;
+    }
+}
+
+// Kernel S's exact selection over every cell of a sparse row, done by one block of kernel PBS or BS where their fast
+// path cannot decide the row (positions not distinct, or too few candidates): I2 into i2 (global), then the row's end.
+static __device__ void select_sparse_row_exact(const sparq_args & a, const sparq_scratch & s, int64_t w,
+                                               const row_coords & c, uint32_t * hist, select_state * sst,
+                                               int32_t * i2, int * red, const float * rst) {
+    select_all_cells(a, s, w, c, hist, sst);
+    const int n_sel = i2_from_bitmap(a, s.bitmap + w*a.n_words, i2, red);
+    finish_sparse_row(a, s, w, i2, n_sel, rst);
+}
+
 // Kernel S, one block per row: the final selection (the exact top of the candidates, or the fallback over all
 // cells), I2 in cell order into scratch with its size, and alpha_g for sparse rows with the mean on.
 __global__ void __launch_bounds__(B_THREADS) sparq_select(const sparq_args a, const sparq_scratch s, int64_t r0) {

@@ -9,8 +9,7 @@
 // sequence or over output slices, so that every SM works even with 8 KV heads:
 //   Q, A   (sparq-attn-score.cuh): I1 and the scaled query components; the approximate logits per chunk of cells
 //          with the chunk's softmax and visible-cell statistics;
-//   then the selection of I2, by one of three kernel families (sparq_cuda_get_best_select_kernel chooses between the
-//   first two; BS runs through the testing switch so far):
+//   then the selection of I2, by one of three kernel families (sparq_cuda_get_best_select_kernel chooses):
 //   P, B, S (sparq-attn-select.cuh): merge and sampled threshold, sweep, exact selection; many blocks per row,
 //          for any number of rows;
 //   PBS    (sparq-attn-select-cluster.cuh): the same selection in one launch, a thread-block cluster per row
@@ -222,13 +221,26 @@ struct sparq_select_caps {
 // Rows longer than this many cells per thread at clusters of 8 take clusters of 16 where those fit.
 constexpr int PBS_CL16_FROM_CPT = 20;
 
+// Kernel BS where rows of at least BS_FROM_KV cells are few: on an H100 (bench/results/cuda_op_select_ab.json, B = 1)
+// is 3-16% faster than the choice without it from 32k cells (32 rows of Llama-2 heads, 8 of Llama-3); at 16k it is as
+// fast or 9% slower, at 4k up to 12% slower (one block per row leaves most SMs idle). Measured only on a device that
+// runs kernel PBS, and only up to 32 rows.
+constexpr int64_t BS_FROM_KV  = 32768;
+constexpr int64_t BS_MAX_ROWS = 32;
+
 // The selection kernel for n_rows rows of n_kv cells on a device with the given caps: a pure function of the shapes and
-// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel PBS where it holds the
-// rows (at most PBS_MAX_CPT cells per thread) and every row's cluster is resident at once (one wave of clusters: PBS is
-// built for latency, P, B and S for throughput; see sparq-attn-select-cluster.cuh for the measurements); clusters of
-// 16 where clusters of 8 would not fit or would leave more than PBS_CL16_FROM_CPT cells per thread (few long rows, as
-// GQA models' 8 rows in one decode step, whose 8-block clusters would leave half the SMs idle); elsewhere P, B and S.
-static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64_t n_rows, const sparq_select_caps & dev) {
+// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS for a few long rows
+// with logits on devices that run kernel PBS (above). Else kernel PBS where it holds the rows (at most PBS_MAX_CPT cells
+// per thread) and every row's cluster is resident at once (one wave of clusters: PBS is built for latency, P, B and S
+// for throughput; see sparq-attn-select-cluster.cuh for the measurements); clusters of 16 where clusters of 8 would not
+// fit or would leave more than PBS_CL16_FROM_CPT cells per thread (few long rows, as GQA models' 8 rows in one decode
+// step, whose 8-block clusters would leave half the SMs idle); elsewhere P, B and S.
+static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64_t n_rows, bool has_logits,
+                                                             const sparq_select_caps & dev) {
+    const bool runs_pbs = dev.resident_cl8 > 0 || dev.resident_cl16 > 0;
+    if (runs_pbs && has_logits && n_kv >= BS_FROM_KV && n_kv <= BS_MAX_KV && n_rows <= BS_MAX_ROWS) {
+        return SPARQ_SELECT_BOUND;
+    }
     const bool fits8  = pbs_cpt(n_kv, 8)  <= PBS_MAX_CPT && n_rows <= dev.resident_cl8;
     const bool fits16 = pbs_cpt(n_kv, 16) <= PBS_MAX_CPT && n_rows <= dev.resident_cl16;
     if (fits16 && (!fits8 || pbs_cpt(n_kv, 8) > PBS_CL16_FROM_CPT)) {
@@ -291,16 +303,17 @@ static sparq_select_kernel select_kernel_for(const sparq_args & a, int64_t n_row
             if (a.has_logits && n_kv <= BS_MAX_KV) {
                 return SPARQ_SELECT_BOUND;
             }
-            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, dev);
+            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, a.has_logits, dev);
         case SELECT_CLUSTER:
             if (dev.resident_cl8 == 0 && dev.resident_cl16 == 0) {
                 GGML_ABORT("SPARQ_CUDA_SELECT=cluster: kernel PBS cannot run on this device "
                            "(it needs compute capability 9.0 or later and a build with sm_90 code)");
             }
-            // the choice for one row: PBS wherever it holds the rows, whatever their count; longer rows take P, B, S
-            return sparq_cuda_get_best_select_kernel(n_kv, 1, dev);
+            // the choice for one row without kernel BS: PBS wherever it holds the rows, whatever their count; longer rows
+            // take P, B, S
+            return sparq_cuda_get_best_select_kernel(n_kv, 1, false, dev);
         default:
-            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, dev);
+            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, a.has_logits, dev);
     }
 }
 
