@@ -31,8 +31,9 @@
 #
 # A library built on another machine (bench/prebuild.sh; no GPU needed there): PREBUILT=<its .tgz> makes `build`
 # unpack it into build/cuda/bin instead of compiling (seconds instead of ~5 minutes of the lent machine). Carry the
-# tarball's folder with the tree. It holds the library only: the stages that run llama.cpp's tools (e2e, batched,
-# kernels) need a build here. The driver library is preloaded, since the other machine linked against a stub of it.
+# tarball's folder with the tree. It holds the library, llama-bench and llama-batched-bench (the test, sanitize, op,
+# e2e, batched and kernels stages); the other tools need a build here. The driver library is preloaded, since the
+# other machine linked against a stub of it.
 #   bash bench/prebuild.sh && PREBUILT=.prebuilt/pb.tgz bash bench/device.sh build test
 #
 # Knobs (environment): TARGETS (the build's CMake targets, default the library and the five tools), OP_ARGS (more arguments of bench/cuda_op.py, e.g. "--index f16 --select q"),
@@ -125,6 +126,9 @@ unpack_prebuilt() {
     export LD_LIBRARY_PATH=$BUILD/bin:$cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     LD_PRELOAD=$(ldconfig -p | grep -m1 "libcuda.so.1 " | sed "s/.*=> //"); export LD_PRELOAD
     [ -n "$LD_PRELOAD" ] || { echo "no libcuda.so.1 on this machine"; return 1; }
+    if [ -d "$BUILD/bin/vocab" ]; then  # the tokenizers the random-weight models copy, where a build would leave them
+        mkdir -p vendor/llama.cpp/models && cp -n "$BUILD"/bin/vocab/*.gguf vendor/llama.cpp/models/
+    fi
     echo "build: unpacked $PREBUILT ($(ls "$BUILD"/bin/*.so.*.* | wc -l) libraries)"
 }
 

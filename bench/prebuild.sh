@@ -8,9 +8,11 @@
 # 90) and cuBLAS. Where the toolkit is nvcc alone, cuBLAS's headers and libraries come from its PyPI wheel
 # (nvidia-cublas, the toolkit's major version), copied into the toolkit, and an empty libcuda.so stub in its
 # lib64/stubs satisfies CMake's driver target: ggml-cuda loads its driver entry points at run time, so the library
-# never names libcuda itself and the lent machine preloads its own. The first build takes ~36 minutes on 2 cores;
+# never names libcuda itself and the lent machine preloads its own. The first build takes ~45 minutes on 2 cores;
 # after a change to the SparQ kernels, ~1-2 minutes. CMAKE_EXTRA adds CMake arguments, e.g.
-# CMAKE_EXTRA=-DSPARQ_CUDA_INSTRUMENT=ON (its cache keeps them). The tarball is ~45 MiB (libggml-cuda stripped).
+# CMAKE_EXTRA=-DSPARQ_CUDA_INSTRUMENT=ON (its cache keeps them). The tarball (~50 MiB, libggml-cuda stripped) holds
+# the libraries, llama-bench and llama-batched-bench with the libraries they load, and the two tokenizer files the
+# random-weight models of bench/cuda_e2e.py and cuda_batched.py copy (in vocab/).
 set -euo pipefail
 BUILD=${1:-/tmp/prebuild-cuda}
 REPO=$PWD
@@ -41,13 +43,17 @@ fi
 # shellcheck disable=SC2086
 cmake -S "$REPO" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DSPARQ_LLAMA_SOURCE="$REPO/.device/llama.cpp-src.tgz" \
-    -DPython3_EXECUTABLE="$(command -v python3)" ${CMAKE_EXTRA:-} > "$BUILD.configure.log" 2>&1 \
-    || { tail -30 "$BUILD.configure.log"; exit 1; }
-cmake --build "$BUILD" --target llama -j "$(nproc)"
+    -DPython3_EXECUTABLE="$(command -v python3)" -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
+    ${CMAKE_EXTRA:-} > "$BUILD.configure.log" 2>&1 || { tail -30 "$BUILD.configure.log"; exit 1; }
+# the tools link against libggml-cuda, whose driver symbols the stub does not define (the lent machine's driver
+# resolves them when it loads): hence --allow-shlib-undefined for executables
+cmake --build "$BUILD" --target llama llama-bench llama-batched-bench -j "$(nproc)"
 
 pack=$(mktemp -d)
-cp "$BUILD"/bin/*.so.*.* "$pack/"
+cp "$BUILD"/bin/*.so.*.* "$BUILD"/bin/lib*-impl.so "$BUILD"/bin/llama-bench "$BUILD"/bin/llama-batched-bench "$pack/"
 strip --strip-unneeded "$pack"/libggml-cuda.so.*
+mkdir "$pack/vocab"  # the random-weight models' tokenizers (bench/cuda_e2e.py, cuda_batched.py)
+cp "$REPO"/vendor/llama.cpp/models/ggml-vocab-llama-{spm,bpe}.gguf "$pack/vocab/"
 mkdir -p .prebuilt
 tar -czf .prebuilt/pb.tgz -C "$pack" .
 rm -rf "$pack"
