@@ -221,24 +221,25 @@ struct sparq_select_caps {
 // Rows longer than this many cells per thread at clusters of 8 take clusters of 16 where those fit.
 constexpr int PBS_CL16_FROM_CPT = 20;
 
-// Kernel BS where rows of at least BS_FROM_KV cells are few: on an H100 (bench/results/cuda_op_select_ab.json, B = 1)
-// is 3-16% faster than the choice without it from 32k cells (32 rows of Llama-2 heads, 8 of Llama-3); at 16k it is as
-// fast or 9% slower, at 4k up to 12% slower (one block per row leaves most SMs idle). Measured only on a device that
-// runs kernel PBS, and only up to 32 rows.
-constexpr int64_t BS_FROM_KV  = 32768;
-constexpr int64_t BS_MAX_ROWS = 32;
+// Kernel BS for every row with logits of at most BS_MAX_KV cells, except a few short rows. On an H100 (op bench,
+// bench/results/cuda_op_select_ab.json) it is faster than the other kernels from BS_FROM_KV cells (B = 1: 32 rows of
+// Llama-2 heads by 5-16%, 8 of Llama-3 by 0-5%) and for many rows at any length (B = 16, 128 or 512 rows: by 11-19%
+// from 4k); below 32k it is as fast with 32 rows and 5-7% slower with 8 (one block per row leaves most SMs idle, where
+// kernel PBS runs a cluster of 16 blocks per row).
+constexpr int64_t BS_FROM_KV       = 32768;
+constexpr int64_t BS_FEW_ROWS_UPTO = 32;
 
 // The selection kernel for n_rows rows of n_kv cells on a device with the given caps: a pure function of the shapes and
-// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS for a few long rows
-// with logits on devices that run kernel PBS (above). Else kernel PBS where it holds the rows (at most PBS_MAX_CPT cells
-// per thread) and every row's cluster is resident at once (one wave of clusters: PBS is built for latency, P, B and S
-// for throughput; see sparq-attn-select-cluster.cuh for the measurements); clusters of 16 where clusters of 8 would not
+// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS where it can run,
+// except for a few short rows (above). Else kernel PBS where it holds the rows (at most PBS_MAX_CPT cells per thread)
+// and every row's cluster is resident at once (one wave of clusters: PBS is built for latency, P, B and S for
+// throughput; see sparq-attn-select-cluster.cuh for the measurements); clusters of 16 where clusters of 8 would not
 // fit or would leave more than PBS_CL16_FROM_CPT cells per thread (few long rows, as GQA models' 8 rows in one decode
-// step, whose 8-block clusters would leave half the SMs idle); elsewhere P, B and S.
+// step, whose 8-block clusters would leave half the SMs idle); elsewhere P, B and S (rows without logits, rows longer
+// than BS_MAX_KV).
 static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64_t n_rows, bool has_logits,
                                                              const sparq_select_caps & dev) {
-    const bool runs_pbs = dev.resident_cl8 > 0 || dev.resident_cl16 > 0;
-    if (runs_pbs && has_logits && n_kv >= BS_FROM_KV && n_kv <= BS_MAX_KV && n_rows <= BS_MAX_ROWS) {
+    if (has_logits && n_kv <= BS_MAX_KV && (n_kv >= BS_FROM_KV || n_rows > BS_FEW_ROWS_UPTO)) {
         return SPARQ_SELECT_BOUND;
     }
     const bool fits8  = pbs_cpt(n_kv, 8)  <= PBS_MAX_CPT && n_rows <= dev.resident_cl8;
