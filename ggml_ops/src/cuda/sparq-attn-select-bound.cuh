@@ -1,4 +1,4 @@
-// Kernel BS of the CUDA SparQ op: the selection of I2 for a few rows, one block per row, scoring only the cells that
+// Kernel BS of the CUDA SparQ op: the selection of I2 for most rows, one block per row, scoring only the cells that
 // per-block bounds cannot rule out (included by sparq-attn.cu only; the op's files: sparq-attn-common.cuh).
 // docs/design.md, "CUDA kernels".
 #pragma once

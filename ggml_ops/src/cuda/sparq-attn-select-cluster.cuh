@@ -34,7 +34,8 @@ namespace {
 // devices before Hopper run P, B and S. The bound covers decodes at depth 32k and 64k, whose rows are 33024 and 65792
 // cells (the cache view is padded); end to end PBS is worth more there than the op bench shows (llama-bench tg at
 // 32k: 7.36 vs 8.03 ms; op 96 vs 104 us). Few long rows (GQA: 8 rows at B = 1) take clusters of 16 blocks (op with
-// Llama-3 heads at 65792 cells: 83 us vs 97 with clusters of 8 and 91 with P, B, S).
+// Llama-3 heads at 65792 cells: 83 us vs 97 with clusters of 8 and 91 with P, B, S). Kernel BS, faster still, takes
+// every row it can run except a few short ones (sparq-attn.cu): PBS runs for at most 32 rows of fewer than 32768 cells.
 constexpr int PBS_THREADS = 256;
 constexpr int PBS_MAX_CPT = 36;    // rows up to 73728 cells: decodes at depth 64k (n_kv 65792, padded) take PBS
 constexpr int PBS_REG_CPT = 20;    // a thread's first logits held in registers during the merge (more would spill)
