@@ -20,9 +20,11 @@ if (GGML_CUDA)
     target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-upkeep.cu"
-                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-common.cuh" "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-score.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-common.cuh" "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-query.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-score.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-cluster.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-bound.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-values.cuh")
     target_include_directories(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda" "${SPARQ_LLAMA_TREE}/ggml/src/ggml-cuda")
     # The debugging build of the SparQ kernel: its timeline and timing instrumentation (sparq-attn.cu's header).

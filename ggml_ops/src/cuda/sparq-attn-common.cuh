@@ -2,7 +2,8 @@
 // addressing, loads, block-wide reductions, and the instrumentation of the debugging build. The op's files:
 //   sparq-attn.cu                  dispatch: host code, launches, the choice of the selection kernel
 //   sparq-attn-common.cuh          this file
-//   sparq-attn-score.cuh           kernel Q (I1, scaled query components) and kernel A (approximate scores)
+//   sparq-attn-query.cuh           kernel Q (I1, scaled query components)
+//   sparq-attn-score.cuh           kernel A (approximate scores)
 //   sparq-attn-select.cuh          kernels P, B, S (sampled threshold, sweep, exact selection)
 //   sparq-attn-select-cluster.cuh  kernel PBS (P, B and S over a thread-block cluster)
 //   sparq-attn-select-bound.cuh    kernel BS (one block per row, scoring the cells that per-block bounds keep)

@@ -7,8 +7,9 @@
 // selection. Rows are processed in waves (scratch stays bounded for long prefill batches); per wave, a chain of
 // short kernels. Each kernel's grid is either one block per row (the serial steps) or is split along the
 // sequence or over output slices, so that every SM works even with 8 KV heads:
-//   Q, A   (sparq-attn-score.cuh): I1 and the scaled query components; the approximate logits per chunk of cells
-//          with the chunk's softmax and visible-cell statistics;
+//   Q      (sparq-attn-query.cuh): I1 and the scaled query components;
+//   A      (sparq-attn-score.cuh): the approximate logits per chunk of cells with the chunk's softmax and visible-cell
+//          statistics;
 //   then the selection of I2, by one of three kernel families (sparq_cuda_get_best_select_kernel chooses):
 //   P, B, S (sparq-attn-select.cuh): merge and sampled threshold, sweep, exact selection; many blocks per row,
 //          for any number of rows;
@@ -40,6 +41,7 @@
 // launch wait and end, printed after each wave) and SPARQ_CUDA_TIMING=1 (phase timings of kernels Q, P, S, PBS, BS
 // and LV, and kernel S's exact fallbacks). Without the define there is no instrumentation code and no environment read.
 #include "sparq-attn.cuh"
+#include "sparq-attn-query.cuh"
 #include "sparq-attn-score.cuh"
 #include "sparq-attn-select.cuh"
 #include "sparq-attn-select-cluster.cuh"
