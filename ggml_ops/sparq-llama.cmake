@@ -16,7 +16,8 @@ set_source_files_properties("${SPARQ_OPS_DIR}/src/cpu/sparq-index-cpu.cpp" TARGE
     PROPERTIES COMPILE_OPTIONS "$<$<NOT:$<CXX_COMPILER_ID:MSVC>>:-ffp-contract=off>")
 if (GGML_CUDA)
     # the kernels include ggml-cuda's common.cuh; the patched ggml-cuda.cu includes our headers. sparq-attn.cu is the
-    # SparQ op's one translation unit: the sparq-attn-*.cuh headers hold its kernels.
+    # SparQ op's one translation unit (its kernels in the sparq-attn-*.cuh headers), centroid-attn.cu the centroid
+    # op's (centroid-attn-*.cuh).
     target_sources(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda/sparq-attn.cu" "${SPARQ_OPS_DIR}/src/cuda/centroid-attn.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/cluster-update.cu"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-upkeep.cu"
@@ -25,7 +26,10 @@ if (GGML_CUDA)
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-cluster.cuh"
                                      "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-select-bound.cuh"
-                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-values.cuh")
+                                     "${SPARQ_OPS_DIR}/src/cuda/sparq-attn-values.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/centroid-attn-common.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/centroid-attn-select.cuh"
+                                     "${SPARQ_OPS_DIR}/src/cuda/centroid-attn-attend.cuh")
     target_include_directories(ggml-cuda PRIVATE "${SPARQ_OPS_DIR}/src/cuda" "${SPARQ_LLAMA_TREE}/ggml/src/ggml-cuda")
     # The debugging build of the SparQ kernel: its timeline and timing instrumentation (sparq-attn.cu's header).
     option(SPARQ_CUDA_INSTRUMENT "compile the CUDA SparQ kernel's timeline and timing instrumentation" OFF)
