@@ -231,25 +231,29 @@ constexpr int PBS_CL16_FROM_CPT = 20;
 constexpr int64_t BS_FROM_KV       = 32768;
 constexpr int64_t BS_FEW_ROWS_UPTO = 32;
 
-// The selection kernel for n_rows rows of n_kv cells on a device with the given caps: a pure function of the shapes and
-// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS where it can run,
-// except for a few short rows (above). Else kernel PBS where it holds the rows (at most PBS_MAX_CPT cells per thread)
-// and every row's cluster is resident at once (one wave of clusters: PBS is built for latency, P, B and S for
-// throughput; see sparq-attn-select-cluster.cuh for the measurements); clusters of 16 where clusters of 8 would not
-// fit or would leave more than PBS_CL16_FROM_CPT cells per thread (few long rows, as GQA models' 8 rows in one decode
-// step, whose 8-block clusters would leave half the SMs idle); elsewhere P, B and S (rows without logits, rows longer
-// than BS_MAX_KV).
-static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64_t n_rows, bool has_logits,
-                                                             const sparq_select_caps & dev) {
-    if (has_logits && n_kv <= BS_MAX_KV && (n_kv >= BS_FROM_KV || n_rows > BS_FEW_ROWS_UPTO)) {
-        return SPARQ_SELECT_BOUND;
-    }
+// The selection kernel without kernel BS: kernel PBS where it holds the rows (at most PBS_MAX_CPT cells per thread) and
+// every row's cluster is resident at once (one wave of clusters: PBS is built for latency, P, B and S for throughput;
+// see sparq-attn-select-cluster.cuh for the measurements); clusters of 16 where clusters of 8 would not fit or would
+// leave more than PBS_CL16_FROM_CPT cells per thread (few long rows, as GQA models' 8 rows in one decode step, whose
+// 8-block clusters would leave half the SMs idle); elsewhere P, B and S.
+static sparq_select_kernel pbs_or_sweep(int64_t n_kv, int64_t n_rows, const sparq_select_caps & dev) {
     const bool fits8  = pbs_cpt(n_kv, 8)  <= PBS_MAX_CPT && n_rows <= dev.resident_cl8;
     const bool fits16 = pbs_cpt(n_kv, 16) <= PBS_MAX_CPT && n_rows <= dev.resident_cl16;
     if (fits16 && (!fits8 || pbs_cpt(n_kv, 8) > PBS_CL16_FROM_CPT)) {
         return SPARQ_SELECT_CLUSTER_16;
     }
     return fits8 ? SPARQ_SELECT_CLUSTER_8 : SPARQ_SELECT_SWEEP;
+}
+
+// The selection kernel for n_rows rows of n_kv cells on a device with the given caps: a pure function of the shapes and
+// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS where it can run
+// (rows with logits of at most BS_MAX_KV cells), except for a few short rows (above); elsewhere pbs_or_sweep's choice.
+static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64_t n_rows, bool has_logits,
+                                                             const sparq_select_caps & dev) {
+    if (has_logits && n_kv <= BS_MAX_KV && (n_kv >= BS_FROM_KV || n_rows > BS_FEW_ROWS_UPTO)) {
+        return SPARQ_SELECT_BOUND;
+    }
+    return pbs_or_sweep(n_kv, n_rows, dev);
 }
 
 // The current device's caps (once per device): cluster occupancy of kernel PBS where the device is Hopper or later and
@@ -312,9 +316,8 @@ static sparq_select_kernel select_kernel_for(const sparq_args & a, int64_t n_row
                 GGML_ABORT("SPARQ_CUDA_SELECT=cluster: kernel PBS cannot run on this device "
                            "(it needs compute capability 9.0 or later and a build with sm_90 code)");
             }
-            // the choice for one row without kernel BS: PBS wherever it holds the rows, whatever their count; longer rows
-            // take P, B, S
-            return sparq_cuda_get_best_select_kernel(n_kv, 1, false, dev);
+            // PBS wherever it holds the rows, whatever their count (the choice for one row); longer rows take P, B, S
+            return pbs_or_sweep(n_kv, 1, dev);
         default:
             return sparq_cuda_get_best_select_kernel(n_kv, n_rows, a.has_logits, dev);
     }
