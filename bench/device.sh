@@ -127,7 +127,10 @@ unpack_prebuilt() {
     LD_PRELOAD=$(ldconfig -p | grep -m1 "libcuda.so.1 " | sed "s/.*=> //"); export LD_PRELOAD
     [ -n "$LD_PRELOAD" ] || { echo "no libcuda.so.1 on this machine"; return 1; }
     if [ -d "$BUILD/bin/vocab" ]; then  # the tokenizers the random-weight models copy, where a build would leave them
-        mkdir -p vendor/llama.cpp/models && cp -n "$BUILD"/bin/vocab/*.gguf vendor/llama.cpp/models/
+        mkdir -p vendor/llama.cpp/models
+        for f in "$BUILD"/bin/vocab/*.gguf; do
+            [ -e "vendor/llama.cpp/models/$(basename "$f")" ] || cp "$f" vendor/llama.cpp/models/
+        done
     fi
     echo "build: unpacked $PREBUILT ($(ls "$BUILD"/bin/*.so.*.* | wc -l) libraries)"
 }
