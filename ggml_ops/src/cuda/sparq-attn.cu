@@ -231,6 +231,12 @@ constexpr int PBS_CL16_FROM_CPT = 20;
 constexpr int64_t BS_FROM_KV       = 32768;
 constexpr int64_t BS_FEW_ROWS_UPTO = 32;
 
+// Where kernel BS can run at all: rows with logits (its bounds come from kernel A's per-block maxima of them) of at
+// most BS_MAX_KV cells (every block's bound in shared memory).
+static bool bs_can_run(int64_t n_kv, bool has_logits) {
+    return has_logits && n_kv <= BS_MAX_KV;
+}
+
 // The selection kernel without kernel BS: kernel PBS where it holds the rows (at most PBS_MAX_CPT cells per thread) and
 // every row's cluster is resident at once (one wave of clusters: PBS is built for latency, P, B and S for throughput;
 // see sparq-attn-select-cluster.cuh for the measurements); clusters of 16 where clusters of 8 would not fit or would
@@ -246,11 +252,11 @@ static sparq_select_kernel pbs_or_sweep(int64_t n_kv, int64_t n_rows, const spar
 }
 
 // The selection kernel for n_rows rows of n_kv cells on a device with the given caps: a pure function of the shapes and
-// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS where it can run
-// (rows with logits of at most BS_MAX_KV cells), except for a few short rows (above); elsewhere pbs_or_sweep's choice.
+// the device (no state, no environment), as ggml-cuda chooses a flash-attention kernel. Kernel BS where it can run,
+// except for a few short rows (above); elsewhere pbs_or_sweep's choice.
 static sparq_select_kernel sparq_cuda_get_best_select_kernel(int64_t n_kv, int64_t n_rows, bool has_logits,
                                                              const sparq_select_caps & dev) {
-    if (has_logits && n_kv <= BS_MAX_KV && (n_kv >= BS_FROM_KV || n_rows > BS_FEW_ROWS_UPTO)) {
+    if (bs_can_run(n_kv, has_logits) && (n_kv >= BS_FROM_KV || n_rows > BS_FEW_ROWS_UPTO)) {
         return SPARQ_SELECT_BOUND;
     }
     return pbs_or_sweep(n_kv, n_rows, dev);
@@ -306,11 +312,8 @@ static sparq_select_kernel select_kernel_for(const sparq_args & a, int64_t n_row
         case SELECT_SWEEP:
             return SPARQ_SELECT_SWEEP;
         case SELECT_BOUND:
-            // kernel BS wherever it can run, however many rows; elsewhere the choice for these rows
-            if (a.has_logits && n_kv <= BS_MAX_KV) {
-                return SPARQ_SELECT_BOUND;
-            }
-            return sparq_cuda_get_best_select_kernel(n_kv, n_rows, a.has_logits, dev);
+            // kernel BS wherever it can run, however many rows; elsewhere the choice without it
+            return bs_can_run(n_kv, a.has_logits) ? SPARQ_SELECT_BOUND : pbs_or_sweep(n_kv, n_rows, dev);
         case SELECT_CLUSTER:
             if (dev.resident_cl8 == 0 && dev.resident_cl16 == 0) {
                 GGML_ABORT("SPARQ_CUDA_SELECT=cluster: kernel PBS cannot run on this device "
