@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cuda_e2e import model_path, run_tool
-from record import RESULTS, provenance, write_record
+from record import RESULTS, Checkpoint, checkpointer, provenance, write_record
 from sparq_llama.eval.random_gguf import SHAPES
 
 TARGETS = {"llama2-7b": 2.0, "llama3-8b": 1.8}  # speedup at B = TARGET_B
@@ -68,7 +68,10 @@ def parse_table(text: str) -> list[dict[str, float]]:
     return rows
 
 
-def measure(bin_dir: Path, models: Path, batch_sizes: list[int]) -> dict[str, Any]:
+def measure(bin_dir: Path, models: Path, batch_sizes: list[int],
+            checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """Per shape the three llama-batched-bench runs (dense, SparQ, short prompts) at the batch sizes that fit; the rows
+    so far go to checkpoint after each shape."""
     rows, raw, targets = [], {}, []
     memory = gpu_memory_bytes()
     for shape in ("llama2-7b", "llama3-8b"):
@@ -101,6 +104,8 @@ def measure(bin_dir: Path, models: Path, batch_sizes: list[int]) -> dict[str, An
             print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x; "
                   f"{SHORT_PROMPT}-token prompts {floor:.1f} t/s: attention-free bound {floor / dense:.2f}x",
                   flush=True)
+        if checkpoint:
+            checkpoint(dict(rows=rows, raw=raw), f"{shape} measured")
     for shape, target in TARGETS.items():
         row = next((r for r in rows if r["model_shape"] == shape and r["B"] == TARGET_B and "speedup" in r), None)
         targets.append(dict(model_shape=shape, B=TARGET_B, target=target, measured=row["speedup"] if row else None,
@@ -123,7 +128,8 @@ def main() -> int:
     if args.bin is None:
         ap.error("--bin is required (or --from-log)")
     record = provenance("cuda_batched")
-    record.update(measure(args.bin, args.models, [int(x) for x in args.batches.split(",")]))
+    record.update(measure(args.bin, args.models, [int(x) for x in args.batches.split(",")],
+                          checkpointer(args.out, record)))
     write_record(args.out, record)
     return 0
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from record import RESULTS, provenance, write_record
+from record import RESULTS, Checkpoint, checkpointer, provenance, write_record
 from sparq_llama.eval.random_gguf import SHAPES, write_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,9 +76,9 @@ def tps_of(out: list[dict[str, Any]]) -> dict[tuple[int, bool], float]:
 
 
 def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: list[str],
-            indexes: list[str] | None = None) -> dict[str, Any]:
+            indexes: list[str] | None = None, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
     """Dense and SparQ per shape and depth in one llama-bench call per shape; with `indexes`, SparQ with each of them
-    (rows name their index; no targets: those are the default's)."""
+    (rows name their index; no targets: those are the default's). The rows so far go to checkpoint after each shape."""
     rows, raw = [], {}
     for shape in shapes:
         command, out = llama_bench(bin_dir, model_path(models, shape), depths, reps, indexes)
@@ -96,6 +96,8 @@ def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: l
                                  speedup=sparq / dense, device=device))
                 print(f"{shape} depth {depth}{' ' + index if index else ''}: dense {dense:.1f} t/s, "
                       f"SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x", flush=True)
+        if checkpoint:
+            checkpoint(dict(rows=rows, raw=raw), f"{len(raw)} of {len(shapes)} shapes measured")
     if indexes:
         return dict(rows=rows, raw=raw)
     targets = []
@@ -107,8 +109,9 @@ def measure(bin_dir: Path, models: Path, depths: list[int], reps: int, shapes: l
 
 
 def measure_ab(builds: dict[str, Path], models: Path, depths: list[int], reps: int, rounds: int,
-               shapes: list[str]) -> dict[str, Any]:
-    """The same runs on each build, the builds interleaved within every round."""
+               shapes: list[str], checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """The same runs on each build, the builds interleaved within every round; the rows so far go to checkpoint after
+    each llama-bench call."""
     rows, raw = [], []
     for rnd in range(1, rounds + 1):
         for shape in shapes:
@@ -119,6 +122,9 @@ def measure_ab(builds: dict[str, Path], models: Path, depths: list[int], reps: i
                 for depth in depths:
                     rows.append(dict(model_shape=shape, depth=depth, build=build, round=rnd,
                                      dense_tps=tps[(depth, False)], sparq_tps=tps[(depth, True)]))
+                if checkpoint:
+                    checkpoint(dict(rows=rows, raw=raw),
+                               f"{len(raw)} of {rounds * len(shapes) * len(builds)} llama-bench runs measured")
     summary = []
     for shape in shapes:
         for depth in depths:
@@ -159,19 +165,16 @@ def main() -> int:
         ap.error(f"--indexes: unknown {', '.join(unknown)} (known: f16, q8, q4)")
     if indexes and args.base_bin:
         ap.error("--indexes and --base-bin: one comparison a run")
-    if indexes:
-        record = provenance("cuda_e2e_index")
-        record.update(measure(args.bin, args.models, depths, args.reps, shapes, indexes))
-        write_record(args.out or RESULTS / "cuda_e2e_index.json", record)
-    elif args.base_bin:
-        record = provenance("cuda_e2e_ab")
+    name = "cuda_e2e_index" if indexes else "cuda_e2e_ab" if args.base_bin else "cuda_e2e"
+    out = args.out or RESULTS / f"{name}.json"
+    record = provenance(name)
+    checkpoint = checkpointer(out, record)
+    if args.base_bin:
         record.update(measure_ab({"head": args.bin, "base": args.base_bin}, args.models, depths, args.reps,
-                                 args.rounds, shapes))
-        write_record(args.out or RESULTS / "cuda_e2e_ab.json", record)
+                                 args.rounds, shapes, checkpoint))
     else:
-        record = provenance("cuda_e2e")
-        record.update(measure(args.bin, args.models, depths, args.reps, shapes))
-        write_record(args.out or RESULTS / "cuda_e2e.json", record)
+        record.update(measure(args.bin, args.models, depths, args.reps, shapes, indexes or None, checkpoint))
+    write_record(out, record)
     return 0
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("bench.record")
 
@@ -86,6 +86,18 @@ def write_record(out: Path, record: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}", flush=True)
+
+
+Checkpoint = Callable[[dict[str, Any], str], None]
+
+
+def checkpointer(out: Path, record: dict[str, Any]) -> Checkpoint:
+    """For a script of several long runs: checkpoint(part, done) writes the record so far (record, then part's keys)
+    to out, with "partial" saying what it holds (done). A run stopped before its end (a device call's time limit, a
+    tool that fails) leaves what it measured; the script's final write_record replaces it."""
+    def checkpoint(part: dict[str, Any], done: str) -> None:
+        write_record(out, {**record, **part, "partial": f"{done}; the run stopped before the rest"})
+    return checkpoint
 
 
 def append_run(out: Path, record: dict[str, Any]) -> None:

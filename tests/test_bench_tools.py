@@ -54,7 +54,7 @@ def test_end_to_end_bench_compares_two_builds(tmp_path):
                "--out", str(out)], timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(out.read_text())
-    assert rec["bench"] == "cuda_e2e_ab"
+    assert rec["bench"] == "cuda_e2e_ab" and "partial" not in rec
     got = sorted((r["build"], r["round"], r["depth"]) for r in rec["rows"])
     assert got == sorted((b, n, d) for b in ("head", "base") for n in (1, 2) for d in (300, 600))
     assert all(r["dense_tps"] > 0 and r["sparq_tps"] > 0 for r in rec["rows"])
@@ -68,6 +68,31 @@ def test_end_to_end_bench_compares_two_builds(tmp_path):
     assert res.returncode != 0 and "unknown llama9" in res.stderr
 
 
+def test_end_to_end_bench_keeps_what_it_measured_when_a_run_fails(tmp_path):
+    # a llama-bench that answers its first call and fails its second, as a device call's time limit or a crash would
+    # stop a long run: the record on disk holds the first shape's rows, says that it is partial, and the script fails
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    rows = [{"n_depth": 300, "sparq": False, "avg_ts": 10.0}, {"n_depth": 300, "sparq": True, "avg_ts": 15.0}]
+    tool = bin_dir / "llama-bench"
+    tool.write_text(f"""#!/bin/sh
+echo x >> {calls}
+[ "$(wc -l < {calls})" -eq 1 ] || {{ echo "out of memory" >&2; exit 3; }}
+echo '{json.dumps(rows)}'
+""")
+    tool.chmod(0o755)
+    out = tmp_path / "e2e.json"
+    res = run([sys.executable, str(REPO / "bench" / "cuda_e2e.py"), "--bin", str(bin_dir), "--models", str(tmp_path),
+               "--shapes", "tiny,tiny", "--depths", "300", "--reps", "1", "--out", str(out)], timeout=300)
+    assert res.returncode != 0 and "out of memory" in res.stderr
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "cuda_e2e" and rec["partial"].startswith("1 of 2 shapes measured")
+    got = [(r["model_shape"], r["depth"], r["dense_tps"], r["sparq_tps"]) for r in rec["rows"]]
+    assert got == [("tiny", 300, 10.0, 15.0)]
+    assert "targets" not in rec
+
+
 def test_end_to_end_bench_compares_indexes(tmp_path):
     # --indexes on the CPU: one llama-bench call per shape runs dense once and SparQ with each index; every depth
     # gets a row per index with that index's own SparQ run
@@ -78,7 +103,7 @@ def test_end_to_end_bench_compares_indexes(tmp_path):
               timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(out.read_text())
-    assert rec["bench"] == "cuda_e2e_index"
+    assert rec["bench"] == "cuda_e2e_index" and "partial" not in rec
     assert sorted((r["depth"], r["index"]) for r in rec["rows"]) == [(300, "q4"), (300, "q8")]
     bench_rows = rec["raw"]["tiny"]["output"]
     assert sorted(r["sparq_index"] for r in bench_rows if r["sparq"]) == ["q4", "q8"]
