@@ -182,17 +182,18 @@ def test_llama_bench_rejects_bad_index_and_select(smollm2_path, flag, value):
     assert flag in help_text
 
 
-def test_batched_bench_reports_index_and_select(smollm2_path):
+@pytest.mark.parametrize(("index", "select"), [("q8", "qsigma"), ("q4", "qsigma"), ("f16", "q")])
+def test_batched_bench_reports_index_and_select(smollm2_path, index, select):
     args = ["llama-batched-bench", "-m", str(smollm2_path), "-c", "256", "-t", "2", "-npp", "8", "-ntg", "2",
-            "-npl", "1", "--sparq", "--sparq-index", "q8", "--sparq-select", "qsigma"]
+            "-npl", "1", "--sparq", "--sparq-index", index, "--sparq-select", select]
     res = run(args, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "sparq = 1, k1 = 0, k2 = 128, sparq_index = q8, sparq_select = qsigma" in res.stdout + res.stderr
+    assert f"sparq = 1, k1 = 0, k2 = 128, sparq_index = {index}, sparq_select = {select}" in res.stdout + res.stderr
     res = run([*args, "--output-format", "jsonl"], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     row = json.loads(next(line for line in (res.stdout + res.stderr).splitlines() if line.startswith("{")))
     got = (row["sparq"], row["k1"], row["k2"], row["sparq_index"], row["sparq_select"])
-    assert got == (True, 0, 128, "q8", "qsigma")
+    assert got == (True, 0, 128, index, select)
 
 
 # ---- what runs, at the tools' default verbosity -----------------------------------------------------------------

@@ -130,6 +130,16 @@ struct llama_sparq_run {
 // n_layers_sparq > 0. All zero when no ubatch has held the sequence yet, or seq_id is out of [-1, n_seq_max).
 SPARQ_API struct llama_sparq_run llama_sparq_last_run(const struct llama_context * ctx, int32_t seq_id);
 
+// The names the flags and tools use for enum llama_sparq_index and enum llama_sparq_select ("f16", "q8", "q4";
+// "q", "qsigma").
+static inline const char * llama_sparq_index_name(int32_t index) {
+    return index == LLAMA_SPARQ_INDEX_Q4 ? "q4" : index == LLAMA_SPARQ_INDEX_Q8 ? "q8" : "f16";
+}
+
+static inline const char * llama_sparq_select_name(int32_t select) {
+    return select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q";
+}
+
 // Field-by-field equality (graph reuse compares settings with it).
 static inline bool llama_sparq_params_equal(struct llama_sparq_params a, struct llama_sparq_params b) {
     return a.enabled == b.enabled && a.k1 == b.k1 && a.k2 == b.k2 && a.window == b.window &&

@@ -88,7 +88,7 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
                 params.k1, k1_share.c_str(), params.k2,
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
-                params.default_layout ? "default (no K^T)" : "K^T", sparq_index_name(params.index),
+                params.default_layout ? "default (no K^T)" : "K^T", llama_sparq_index_name(params.index),
                 q4 ? "none (every component)" : params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q", dense_below);
     }
 
@@ -200,7 +200,7 @@ const char * llama_sparq_check(const struct llama_context * ctx, const struct ll
     }
     if (p->default_layout && p->index != LLAMA_SPARQ_INDEX_F16) {
         return fail("the %s index is a quantized key copy, which default_layout does not keep: use the f16 index with "
-                    "default_layout", sparq_index_name(p->index));
+                    "default_layout", llama_sparq_index_name(p->index));
     }
     if (ctx != nullptr && p->enabled && !ctx->get_cparams().flash_attn) {
         return "SparQ needs flash attention's row-major V cache; create the context with flash attention on "
@@ -342,7 +342,7 @@ static std::string sparq_summary(const llama_context & ctx) {
         k1 = head_dim ? std::to_string(sparq_k1_auto(p.index, head_dim)) + " (" + share + ")" : "0 (" + share + ")";
     }
     std::string out = "SparQ: on, k1 = " + k1 + ", k2 = " + std::to_string(p.k2) + ", index = " +
-                      sparq_index_name(p.index) + ", select = " +
+                      llama_sparq_index_name(p.index) + ", select = " +
                       (p.index == LLAMA_SPARQ_INDEX_Q4 ? "none" : p.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q");
     if (p.policy != LLAMA_SPARQ_POLICY_SPARQ) {
         out += std::string(", policy = ") + (p.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : "window");

@@ -43,11 +43,8 @@ inline int64_t sparq_index_block(const ggml_tensor * kt) {
     return kt->type == GGML_TYPE_Q8_0 ? ggml_blck_size(GGML_TYPE_Q8_0) : kt->type == GGML_TYPE_I8 ? GGML_SPARQ_Q4_CELLS : 1;
 }
 
-// The index's name, and k1 = 0 resolved for it: about 1/8 of dense attention's bytes with the f16 and q8 indexes; the
+// k1 = 0 resolved for the index: about 1/8 of dense attention's bytes with the f16 and q8 indexes; the
 // q4 index scores every component
-inline const char * sparq_index_name(int32_t index) {
-    return index == LLAMA_SPARQ_INDEX_Q4 ? "q4" : index == LLAMA_SPARQ_INDEX_Q8 ? "q8" : "f16";
-}
 inline int64_t sparq_k1_auto(int32_t index, int64_t head_dim) {
     return index == LLAMA_SPARQ_INDEX_Q4 ? head_dim : index == LLAMA_SPARQ_INDEX_Q8 ? head_dim/2 : head_dim/4;
 }
