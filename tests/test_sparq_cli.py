@@ -357,6 +357,13 @@ def test_integer_flags_name_themselves_on_a_bad_number(flag, value, message):
     assert f'error while handling argument "{flag}": {message}' in res.stderr + res.stdout
 
 
+def test_negative_k1_is_refused_with_what_0_means():
+    res = run(["llama-completion", "--sparq", "--k1", "-3", "-m", "/nonexistent.gguf"], timeout=60)
+    assert res.returncode != 0
+    assert ('"--k1": must be >= 0 (0 = by the index: head_dim/4 with f16, head_dim/2 with q8, every component with '
+            'q4)') in res.stderr + res.stdout
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--sparq", "--sparse-v-thresh", "x"], '"--sparse-v-thresh": expected a number, got \'x\''),
     (["--squeeze", "--squeeze-levels", "two"], '"--squeeze-levels": expected an integer, got \'two\''),
