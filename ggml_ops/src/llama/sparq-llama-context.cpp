@@ -89,7 +89,7 @@ int32_t llama_context::set_sparq(const llama_sparq_params & params, std::string 
                 sparq_window(params), params.sinks,
                 params.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : params.policy == LLAMA_SPARQ_POLICY_WINDOW ? "window" : "sparq",
                 params.default_layout ? "default (no K^T)" : "K^T", llama_sparq_index_name(params.index),
-                q4 ? "none (every component)" : params.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q", dense_below);
+                q4 ? "none (every component)" : llama_sparq_select_name(params.select), dense_below);
     }
 
     cparams.sparq = params;
@@ -343,7 +343,7 @@ static std::string sparq_summary(const llama_context & ctx) {
     }
     std::string out = "SparQ: on, k1 = " + k1 + ", k2 = " + std::to_string(p.k2) + ", index = " +
                       llama_sparq_index_name(p.index) + ", select = " +
-                      (p.index == LLAMA_SPARQ_INDEX_Q4 ? "none" : p.select == LLAMA_SPARQ_SELECT_QSIGMA ? "qsigma" : "q");
+                      (p.index == LLAMA_SPARQ_INDEX_Q4 ? "none" : llama_sparq_select_name(p.select));
     if (p.policy != LLAMA_SPARQ_POLICY_SPARQ) {
         out += std::string(", policy = ") + (p.policy == LLAMA_SPARQ_POLICY_EXACT ? "exact" : "window");
     }
