@@ -23,6 +23,14 @@ step checks that the kept cells hold the exact top.
     python bench/block_bound.py --model smollm2
     python bench/block_bound.py --model gemma3 --append
 Writes bench/results/block_bound.json (per model and block size the shares).
+
+The rows the timings run on, for comparison with the real ones: `--model random:<shape>` prefills a random-weight
+model of bench/cuda_e2e.py's shapes (`sparq_llama.eval.random_gguf`, cut to --layers layers) with random tokens, as
+llama-bench fills its depth; `--model opbench:<heads>` draws the op bench's rows (bench/cuda_op.py: normal keys,
+heavy-tailed queries z (1 + 0.3 z^2), as sparq-ops-eval.cpp fills them).
+
+    python bench/block_bound.py --model random:llama3-8b --layers 6 --length 8192 --n 1 --rows 8 --append
+    python bench/block_bound.py --model opbench:llama3-8b --length 8192 --n 1 --rows 8 --append
 """
 from __future__ import annotations
 
@@ -30,11 +38,13 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from captured_rows import captured_rows
 from carry_threshold import head_logits, log_norm
+from head_shapes import HEAD_SHAPES
 from record import RESULTS, append_run, provenance, write_record
 
 BLOCKS = (8, 16, 32)  # the record's block sizes
@@ -90,9 +100,66 @@ def shares(counts: np.ndarray, need: int, blocks: tuple[int, ...]) -> dict[str, 
     return out
 
 
+def random_model_rows(shape: str, layers: int, length: int, rows: int, n: int, seed: int, threads: int,
+                      models: Path = Path("/tmp/models")) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+    """Rows as captured_rows yields them, from a random-weight model of `shape` cut to `layers` layers (written to
+    `models` on first use) prefilled with `n` sequences of random tokens."""
+    import dataclasses
+
+    from cuda_e2e import VOCAB
+    from sparq_llama.eval.agreement import QKCapture
+    from sparq_llama.eval.engine import Engine, EngineConfig
+    from sparq_llama.eval.random_gguf import SHAPES, write_model
+
+    model = models / f"random-{shape}-{layers}l-q8_0.gguf"
+    if not model.exists():
+        model.parent.mkdir(parents=True, exist_ok=True)
+        write_model(dataclasses.replace(SHAPES[shape], n_layer=layers), model, VOCAB)
+    engine = Engine(EngineConfig(str(model), n_ctx=length + 64, n_threads=threads))
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        tokens = [int(t) for t in rng.integers(0, engine.llm.n_vocab(), length)]
+        first = length - rows
+        cap = QKCapture(engine, n_ctx=length, keep_q_from=first)
+        try:
+            cap.prefill(tokens)
+            G = cap.n_head // cap.n_head_kv
+            for il in sorted(cap.k):
+                q, k = np.concatenate(cap.q[il]), np.concatenate(cap.k[il])
+                for h in range(cap.n_head_kv):
+                    yield il, q[:, h * G:(h + 1) * G], k[:, h], first
+        finally:
+            cap.close()
+
+
+def op_bench_rows(heads: str, length: int, rows: int, n: int, seed: int
+                  ) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+    """The op bench's rows: keys of normal values, heavy-tailed queries z (1 + 0.3 z^2) (sparq-ops-eval.cpp), as one
+    "layer" 0 of n KV heads. The components are chosen by these keys' own spread (about 1 in every component); the
+    op bench draws its key statistics apart from its keys, so there the choice follows |q| a little less."""
+    shape = HEAD_SHAPES[heads]
+    G, rng = shape.n_head // shape.n_head_kv, np.random.default_rng(seed)
+    for _ in range(n):
+        k = rng.standard_normal((length, shape.d)).astype(np.float32)
+        z = rng.standard_normal((rows, G, shape.d))
+        yield 0, (z * (1.0 + 0.3 * z * z)).astype(np.float32), k, length - rows
+
+
+def rows_of(args: argparse.Namespace) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+    kind, _, name = args.model.rpartition(":")
+    if kind == "random":
+        return random_model_rows(name, args.layers, args.length, args.rows, args.n, args.seed, args.threads)
+    if kind == "opbench":
+        return op_bench_rows(name, args.length, args.rows, args.n, args.seed)
+    if kind:
+        raise SystemExit(f"--model {args.model}: expected a model name, random:<shape> or opbench:<heads>")
+    return captured_rows(args.model, args.length, args.rows, args.n, args.seed, args.threads)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="a model of sparq_llama.models, random:<shape> or opbench:<heads>")
+    ap.add_argument("--layers", type=int, default=6, help="with random:<shape>, the layers of the cut model")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--rows", type=int, default=16, help="consecutive decode rows at the end of each example")
     ap.add_argument("--n", type=int, default=2, help="examples")
@@ -109,7 +176,7 @@ def main() -> int:
 
     parts: dict[int, list[np.ndarray]] = {}
     t0 = time.time()
-    for il, q, k, first in captured_rows(args.model, args.length, args.rows, args.n, args.seed, args.threads):
+    for il, q, k, first in rows_of(args):
         parts.setdefault(il, []).append(row_counts(q, k, first, args.k2, window, blocks))
     everything = np.concatenate([c for cs in parts.values() for c in cs])
     summary = shares(everything, need, blocks)
@@ -123,7 +190,8 @@ def main() -> int:
               f"{s['exact_kept_share_median']:>7.3f} {s['exact_kept_share_p90']:>7.3f}")
     (append_run if args.append else write_record)(args.out, dict(
         provenance("block_bound"),
-        params=dict(model=args.model, length=args.length, rows=args.rows, n=args.n, seed=args.seed, k2=args.k2,
+        params=dict(model=args.model, **({"layers": args.layers} if args.model.startswith("random:") else {}),
+                    length=args.length, rows=args.rows, n=args.n, seed=args.seed, k2=args.k2,
                     window=window, index="q8", select="qsigma", blocks=blocks),
         n_steps=int(len(everything)), summary=summary, per_layer=per_layer))
     return 0

@@ -254,3 +254,24 @@ def test_block_bound_keeps_the_exact_top():
         kept, exact = bb.kept_cells(p, window, need, block)
         assert exact <= kept <= 400 and exact >= need and exact % block == 0
     assert bb.kept_cells(p, window, 60, block) == (400, 400)  # fewer whole blocks than need: nothing skipped
+
+
+def test_block_bound_rows_of_the_benchmarks(tmp_path):
+    # the rows the timings run on: the op bench's, where one head per KV head makes the bound the block maximum (exactly
+    # need blocks kept), and a random-weight model's roped Q and K per layer and KV head, as captured while it prefills
+    sys.path.insert(0, str(REPO / "bench"))
+    import block_bound as bb
+    need, window, block = 96, 32, 8
+    for il, q, k, first in bb.op_bench_rows("llama2-7b", 2048, 2, 1, seed=3):
+        assert q.shape == (2, 1, 128) and k.shape == (2048, 128) and first == 2046
+        counts = bb.row_counts(q, k, first, need + window, window, (block,))
+        assert (counts[:, 0, 1] == need * block + counts[:, 0, 0] % block).all()  # + the cells of the window's block
+    shape = random_gguf.SHAPES["tiny"]
+    G, d = shape.n_head // shape.n_head_kv, shape.n_embd // shape.n_head
+    got = list(bb.random_model_rows("tiny", 2, 512, 3, 1, 7, 2, models=tmp_path))
+    assert [(il, q.shape, k.shape, first) for il, q, k, first in got] == [
+        (il, (3, G, d), (512, d), 509) for il in range(2) for _ in range(shape.n_head_kv)]
+    assert all(np.isfinite(q).all() and np.isfinite(k).all() and k.std() > 0 for _, q, k, _ in got)
+    for _, q, k, first in got:  # kept_cells asserts the kept blocks hold the exact top
+        counts = bb.row_counts(q, k, first, 64, 16, (block,))
+        assert (counts[:, 0, 1] >= counts[:, 0, 2]).all()
