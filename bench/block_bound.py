@@ -42,10 +42,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from captured_rows import captured_rows
+from captured_rows import captured_rows, prefill_rows
 from carry_threshold import head_logits, log_norm
+from cuda_e2e import model_path
 from head_shapes import HEAD_SHAPES
 from record import RESULTS, append_run, provenance, write_record
+from sparq_llama.eval.engine import Engine, EngineConfig
 
 BLOCKS = (8, 16, 32)  # the record's block sizes
 
@@ -104,32 +106,10 @@ def random_model_rows(shape: str, layers: int, length: int, rows: int, n: int, s
                       models: Path = Path("/tmp/models")) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
     """Rows as captured_rows yields them, from a random-weight model of `shape` cut to `layers` layers (written to
     `models` on first use) prefilled with `n` sequences of random tokens."""
-    import dataclasses
-
-    from cuda_e2e import VOCAB
-    from sparq_llama.eval.agreement import QKCapture
-    from sparq_llama.eval.engine import Engine, EngineConfig
-    from sparq_llama.eval.random_gguf import SHAPES, write_model
-
-    model = models / f"random-{shape}-{layers}l-q8_0.gguf"
-    if not model.exists():
-        model.parent.mkdir(parents=True, exist_ok=True)
-        write_model(dataclasses.replace(SHAPES[shape], n_layer=layers), model, VOCAB)
-    engine = Engine(EngineConfig(str(model), n_ctx=length + 64, n_threads=threads))
+    engine = Engine(EngineConfig(str(model_path(models, shape, layers)), n_ctx=length + 64, n_threads=threads))
     rng = np.random.default_rng(seed)
     for _ in range(n):
-        tokens = [int(t) for t in rng.integers(0, engine.llm.n_vocab(), length)]
-        first = length - rows
-        cap = QKCapture(engine, n_ctx=length, keep_q_from=first)
-        try:
-            cap.prefill(tokens)
-            G = cap.n_head // cap.n_head_kv
-            for il in sorted(cap.k):
-                q, k = np.concatenate(cap.q[il]), np.concatenate(cap.k[il])
-                for h in range(cap.n_head_kv):
-                    yield il, q[:, h * G:(h + 1) * G], k[:, h], first
-        finally:
-            cap.close()
+        yield from prefill_rows(engine, [int(t) for t in rng.integers(0, engine.llm.n_vocab(), length)], rows)
 
 
 def op_bench_rows(heads: str, length: int, rows: int, n: int, seed: int

@@ -22,17 +22,21 @@ def captured_rows(model: str, length: int, rows: int, n: int, seed: int, threads
     examples = tasks.retrieval_examples(engine, lengths=(length,), depths=depths, n_per_cell=1, n_distractors=2,
                                         seed=seed)
     for ex in tqdm(examples, desc="examples"):
-        tokens = ex.context + ex.tail
-        first = len(tokens) - rows
-        cap = QKCapture(engine, n_ctx=len(tokens), keep_q_from=first)
-        try:
-            cap.prefill(tokens)
-            layers = sorted(cap.sparq_layers) or sorted(cap.k)
-            G = cap.n_head // cap.n_head_kv
-            for il in tqdm(layers, desc="layers", leave=False):
-                q = np.concatenate(cap.q[il])  # [rows, n_head, d]
-                k = np.concatenate(cap.k[il])  # [n, n_head_kv, d]
-                for h in range(cap.n_head_kv):
-                    yield il, q[:, h * G:(h + 1) * G], k[:, h], first
-        finally:
-            cap.close()
+        yield from prefill_rows(engine, ex.context + ex.tail, rows)
+
+
+def prefill_rows(engine: Engine, tokens: list[int], rows: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+    """The rows of one prefill of `tokens`, as captured_rows yields them (from row first = len(tokens) - rows)."""
+    first = len(tokens) - rows
+    cap = QKCapture(engine, n_ctx=len(tokens), keep_q_from=first)
+    try:
+        cap.prefill(tokens)
+        layers = sorted(cap.sparq_layers) or sorted(cap.k)
+        G = cap.n_head // cap.n_head_kv
+        for il in tqdm(layers, desc="layers", leave=False):
+            q = np.concatenate(cap.q[il])  # [rows, n_head, d]
+            k = np.concatenate(cap.k[il])  # [n, n_head_kv, d]
+            for h in range(cap.n_head_kv):
+                yield il, q[:, h * G:(h + 1) * G], k[:, h], first
+    finally:
+        cap.close()

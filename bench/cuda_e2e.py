@@ -25,6 +25,7 @@ speedup.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -42,12 +43,14 @@ SPARQ_ARGS = ["-k2", "128", "-sparq-min-kv", "0"]  # default index and k1; the k
 TARGETS = {("llama2-7b", 32768): 1.9, ("llama2-7b", 65536): 2.5, ("llama3-8b", 32768): 1.3, ("llama3-8b", 65536): 1.55}
 
 
-def model_path(models: Path, shape: str) -> Path:
-    """The random-weight Q8_0 model of `shape` in `models`, written on first use."""
-    path = models / f"random-{shape}-q8_0.gguf"
+def model_path(models: Path, shape: str, layers: int | None = None) -> Path:
+    """The random-weight Q8_0 model of `shape` in `models` (cut to its first `layers` layers where given), written on
+    first use."""
+    path = models / f"random-{shape}-{f'{layers}l-' if layers else ''}q8_0.gguf"
     if not path.exists():
         t0 = time.time()
-        write_model(SHAPES[shape], path, VOCAB)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_model(dataclasses.replace(SHAPES[shape], n_layer=layers) if layers else SHAPES[shape], path, VOCAB)
         print(f"made {path} in {time.time() - t0:.0f} s", flush=True)
     return path
 

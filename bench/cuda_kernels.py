@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import io
 import json
 import re
 import sys
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from cuda_e2e import SPARQ_ARGS, VOCAB, run_tool
+from cuda_e2e import SPARQ_ARGS, model_path, run_tool
 from record import RESULTS, provenance, write_record
-from sparq_llama.eval.random_gguf import SHAPES, write_model
+from sparq_llama.eval.random_gguf import SHAPES
 
 MODES = ("dense", "sparq")
 # kernels of the attention step: flash attention, the SparQ op's, the derived-state upkeep, RoPE and the cache writes
@@ -109,11 +107,7 @@ def measure(args: argparse.Namespace) -> None:
     args.keep_csv.mkdir(parents=True, exist_ok=True)
     commands = {}
     for shape in args.shapes:
-        model = args.models / f"random-{shape}-{args.layers}l-q8_0.gguf"
-        if not model.exists():
-            t0 = time.time()
-            write_model(dataclasses.replace(SHAPES[shape], n_layer=args.layers), model, VOCAB)
-            print(f"made {model} in {time.time() - t0:.0f} s", flush=True)
+        model = model_path(args.models, shape, args.layers)
         for mode in MODES:
             cmd = ncu_command(args.ncu, args.bin / "llama-bench", model, args.depth, mode)
             (args.keep_csv / f"{shape}_{mode}.csv").write_text(run_tool(cmd, timeout=1800))
