@@ -14,6 +14,9 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
               weight): the selection's cost alone;
     tiles     groups as above, the index quantized per tile of 4 components x 32 cells (one scale per tile, 4 int8
               values per cell side by side: a dp4a operand as stored), float query coefficients;
+    q8-q8     the default (q8_0 K^T, I1 by qsigma, k1 = d/2) scored as integer dot products: per head and block of 32
+              cells the query times each chosen component's scale rounded to int8 with one scale (the block's own),
+              as q4-q8 x2 below does with 4-bit values: what an integer kernel A computes on the default index;
     tiles-q8  tiles, and each head's query coefficients on I1 rounded to int8 with one scale per head: the scores are
               then integer dot products times two scales, as dp4a computes them;
     sigma-tiles-q8  tiles-q8 with the groups formed of components of similar spread rather than adjacent ones: the
@@ -65,7 +68,7 @@ from captured_rows import captured_rows
 from record import RESULTS, append_run, provenance, write_record
 from sparq_llama import ops
 from sparq_llama import reference as ref
-from sparq_llama.index import Q8_BLOCK, q4_0_quantize
+from sparq_llama.index import Q8_BLOCK, q4_0_quantize, q8_0_quantize
 
 GROUP = 4  # int8 values a dp4a multiplies and adds
 
@@ -80,11 +83,12 @@ class Variant:
     q4: str = ""                # 4-bit index: "rows" (scales per component and 32 cells), "cells" (per cell and 32
                                 # components), "tiles" (per tile); "" for the 8-bit ones above
     centred: bool = False       # the index holds the keys less their mean over the first CALIBRATION cells
-    block_query: bool = False   # q4 rows: int8 query coefficients per head and block of 32 cells (dp4a's operands)
+    block_query: bool = False   # int8 query coefficients per head and block of 32 cells (dp4a's operands)
 
 
 VARIANTS = {
     "default": Variant(),
+    "q8-q8": Variant(block_query=True),
     "groups": Variant(groups=True),
     "tiles": Variant(groups=True, tiles=True),
     "tiles-q8": Variant(groups=True, tiles=True, int8_query=True),
@@ -179,6 +183,21 @@ def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray, q4_0: bool = False) 
     return (dots * c.transpose(0, 2, 1)).reshape(qg.shape[0], -1)[:, :n]
 
 
+def q8_block_query_scores(qg: np.ndarray, keys: np.ndarray, i1: np.ndarray) -> np.ndarray:
+    """Every head's scores [G, n] over the q8 index's component rows I1 as integer dot products: per head and block
+    of 32 cells the products q_g,i * scale_i,b rounded to int8 with one scale c_g,b (their max / 127), score =
+    c_g,b * sum_i a_g,i,b * value_i,j."""
+    n = keys.shape[0]
+    kt = np.pad(keys.astype(np.float32).T, ((0, 0), (0, -n % Q8_BLOCK)))
+    scale, q = q8_0_quantize(kt[i1])                           # [k1, nb], [k1, nb, 32]
+    w = qg[:, i1, None] * scale.astype(np.float64)[None]       # [G, k1, nb]
+    c = np.abs(w).max(axis=1, keepdims=True) / 127.0           # [G, 1, nb]
+    c = np.where(c > 0, c, 1.0)
+    a = np.round(w / c)
+    dots = np.einsum("ibj,gib->gbj", q.astype(np.float64), a)  # [G, nb, 32]
+    return (dots * c.transpose(0, 2, 1)).reshape(qg.shape[0], -1)[:, :n]
+
+
 def int8_query(qg: np.ndarray, i1: np.ndarray) -> np.ndarray:
     """Each head's components on I1 rounded to int8 with one scale per head (max |q_g,i| / 127), read back."""
     sel = qg[:, i1]
@@ -209,7 +228,9 @@ def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int
         k_index = tile_index(keys, order) if v.tiles else ref._index_keys(keys, "q8")
     # the products from the int8 query where it is one; the temperature (rho) from the query as it is, as kernel Q
     q_products = int8_query(qg, i1) if v.int8_query else qg
-    if v.block_query:
+    if v.block_query and not v.q4:
+        products = q8_block_query_scores(qg, keys, i1)
+    elif v.block_query:
         assert len(i1) == keys.shape[1], "block_query scores every component"
         products = q4_block_query_scores(qg, keys, q4_0=v.q4 == "q4_0")
     else:
@@ -218,7 +239,7 @@ def variant_top(variant: str, qg: np.ndarray, keys: np.ndarray, k1: int, k2: int
     return ref._top_cells(ref._softmax(logits).sum(axis=0), np.arange(keys.shape[0], dtype=np.int64), k2)
 
 
-def agreements(q: np.ndarray, k: np.ndarray, first: int, k2: int) -> np.ndarray:
+def agreements(q: np.ndarray, k: np.ndarray, first: int, k2: int, variants: list[str]) -> np.ndarray:
     """Per row of one KV head (q [rows, G, d] from row `first`, k [n, d]) and variant, the agreement with the exact
     top-k2 over the row's visible cells: [rows, variants]."""
     d = k.shape[1]
@@ -228,7 +249,7 @@ def agreements(q: np.ndarray, k: np.ndarray, first: int, k2: int) -> np.ndarray:
         keys = k[: first + r + 1].astype(np.float64)
         qg = q[r].astype(np.float64)
         exact = set(ref.exact_top_cells(qg, keys, k2, scale=scale).tolist())
-        out.append([len(exact & set(variant_top(v, qg, keys, k1, k2, scale).tolist())) / k2 for v in VARIANTS])
+        out.append([len(exact & set(variant_top(v, qg, keys, k1, k2, scale).tolist())) / k2 for v in variants])
     return np.asarray(out)
 
 
@@ -241,17 +262,22 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=61)
     ap.add_argument("--k2", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of the variants")
     ap.add_argument("--out", type=Path, default=RESULTS / "int8_tiles.json")
     ap.add_argument("--append", action="store_true", help="add this run to --out's runs instead of replacing it")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
 
     per_layer: dict[int, list[np.ndarray]] = {}
     t0 = time.time()
     for il, q, k, first in captured_rows(args.model, args.length, args.rows, args.n, args.seed, args.threads):
-        per_layer.setdefault(il, []).append(agreements(q, k, first, args.k2))
+        per_layer.setdefault(il, []).append(agreements(q, k, first, args.k2, variants))
     every = np.concatenate([a for parts in per_layer.values() for a in parts])
-    summary = {v: float(every[:, i].mean()) for i, v in enumerate(VARIANTS)}
-    layers_out = {il: {v: float(np.concatenate(parts)[:, i].mean()) for i, v in enumerate(VARIANTS)}
+    summary = {v: float(every[:, i].mean()) for i, v in enumerate(variants)}
+    layers_out = {il: {v: float(np.concatenate(parts)[:, i].mean()) for i, v in enumerate(variants)}
                   for il, parts in per_layer.items()}
     print(f"{args.model}, {args.n} examples of {args.length} tokens, {args.rows} rows each, k2 {args.k2}: "
           f"{len(every)} rows x KV heads over {len(per_layer)} layers ({time.time() - t0:.0f} s)")
@@ -259,7 +285,7 @@ def main() -> int:
     (append_run if args.append else write_record)(args.out, dict(
         provenance("int8_tiles"),
         params=dict(model=args.model, length=args.length, rows=args.rows, n=args.n, seed=args.seed, k2=args.k2,
-                    k1="head_dim / 2", group=GROUP, select="qsigma", variants=list(VARIANTS)),
+                    k1="head_dim / 2", group=GROUP, select="qsigma", variants=variants),
         n_rows=int(len(every)), agreement=summary, per_layer=layers_out))
     return 0
 

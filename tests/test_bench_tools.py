@@ -218,6 +218,27 @@ def test_int8_tiles_four_bit_indexes():
     assert np.array_equal(top0, ref.exact_top_cells(qg, ops.kv_round(rows, "q4_0").T[:100], 16, scale=0.125))
 
 
+def test_int8_tiles_q8_index_as_integer_dot_products():
+    # bench/int8_tiles.py's q8-q8 variant: the q8 index's component rows I1 scored with int8 coefficients per head and
+    # block of 32 cells follow the float scores over those rows to within the coefficients' rounding
+    sys.path.insert(0, str(REPO / "bench"))
+    import int8_tiles as t
+    from sparq_llama.index import q8_0_quantize, q8_index_values
+
+    rng = np.random.default_rng(8)
+    keys = rng.standard_normal((90, 64)) * np.linspace(0.1, 4.0, 64)
+    qg = rng.standard_normal((3, 64))
+    i1 = np.sort(rng.permutation(64)[:32])
+    got = t.q8_block_query_scores(qg, keys, i1)
+    exact = qg[:, i1] @ q8_index_values(keys)[:, i1].T
+    scale, vals = q8_0_quantize(np.pad(keys.astype(np.float32).T, ((0, 0), (0, 6)))[i1])  # [32, 3], [32, 3, 32]
+    w_max = (np.abs(qg[:, i1])[:, :, None] * scale.astype(np.float64)[None]).max(axis=1)  # [G, blocks]
+    bound = (w_max / 127 / 2)[:, np.arange(90) // 32] * np.abs(vals.reshape(32, -1)[:, :90]).sum(axis=0)
+    assert got.shape == (3, 90)
+    assert np.all(np.abs(got - exact) <= bound + 1e-9) and np.abs(got - exact).max() > 0
+    assert t.variant_top("q8-q8", qg, keys, 32, 16, 0.125).shape == (16,)
+
+
 def test_int8_tiles_q4_0_blocks_are_ggml_q4_0():
     # bench/int8_tiles.py's q4_0 blocks read back as gguf's q4_0 quantizer gives them (the values the ggml type holds),
     # and the integer scores over them follow the float scores to within the coefficients' rounding
