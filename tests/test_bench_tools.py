@@ -134,6 +134,30 @@ def test_batched_bench_table_is_parsed(tmp_path):
     assert res.returncode != 0 and "no table" in res.stderr
 
 
+def test_batched_memory_estimate_follows_the_cache_type(tmp_path):
+    # bench/cuda_batched.py's fit check: per cell and layer K and V of the cache type plus the q8 index, on top of the
+    # weights and 2 GiB; the Llama-2 shape's 16 sequences of 8k cells need more than an 80 GiB card with f16 K and V
+    # and fit it with q8_0
+    sys.path.insert(0, str(REPO / "bench"))
+    import cuda_batched as cb
+    from sparq_llama.eval.random_gguf import SHAPES
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 1000)
+    n_ctx = 16 * (8192 + 32)
+    sh = SHAPES["llama2-7b"]
+    width = sh.n_layer * sh.n_head_kv * (sh.n_embd // sh.n_head)
+    for cache_type, per_value in (("f16", 2.0), ("q8_0", 34 / 32)):
+        want = 1000 + int(width * (2 * per_value + 34 / 32) * n_ctx) + 2 * cb.GIB
+        assert cb.needed_bytes("llama2-7b", model, n_ctx, cache_type) == want
+    weights = 7 * cb.GIB  # about the Q8_0 7B shape's file
+    assert cb.needed_bytes("llama2-7b", model, n_ctx, "f16") + weights > 80 * cb.GIB
+    assert cb.needed_bytes("llama2-7b", model, n_ctx, "q8_0") + weights < 80 * cb.GIB
+    res = run([sys.executable, str(REPO / "bench" / "cuda_batched.py"), "--bin", str(tmp_path), "--cache-type", "q4"],
+              timeout=120)
+    assert res.returncode == 2 and "--cache-type" in res.stderr
+
+
 def test_op_bench_takes_several_sequences():
     sparq_us, flash_us = ops.bench_attn(d=64, n_head=4, n_head_kv=2, n_kv=600, k1=16, k2=64, n_runs=2,
                                         n_threads=2, n_seq=3)
