@@ -42,7 +42,7 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
               per component, written with the index: the logits of a head shift alike, the ranking does not).
 At the default k1 = d/2, "x2" is every component: no choice of components (I1) at all.
 
-The first five read the default's k1 = d/2 int8 values per cell (with one f16 scale per 32 cells per component row, or
+The first six (default to sigma-tiles-q8) read the default's k1 = d/2 int8 values per cell (with one f16 scale per 32 cells per component row, or
 per tile: a quarter of the scales); the 4-bit ones the same bytes as d 4-bit values (with twice the default's scales
 for q4, the same for q4-cells). Per row (the last
 `rows` positions of a retrieval example, every earlier cell visible), layer and KV head: the agreement, |exact top-k2
