@@ -42,9 +42,9 @@ scales. The variants measured here are the index and selection a dp4a kernel nee
               per component, written with the index: the logits of a head shift alike, the ranking does not).
 At the default k1 = d/2, "x2" is every component: no choice of components (I1) at all.
 
-The first six (default to sigma-tiles-q8) read the default's k1 = d/2 int8 values per cell (with one f16 scale per 32 cells per component row, or
-per tile: a quarter of the scales); the 4-bit ones the same bytes as d 4-bit values (with twice the default's scales
-for q4, the same for q4-cells). Per row (the last
+The first six (default to sigma-tiles-q8) read the default's k1 = d/2 int8 values per cell (with one f16 scale per 32
+cells per component row, or per tile: a quarter of the scales); the 4-bit ones the same bytes as d 4-bit values (with
+twice the default's scales for q4, the same for q4-cells). Per row (the last
 `rows` positions of a retrieval example, every earlier cell visible), layer and KV head: the agreement, |exact top-k2
 & approximate top-k2| / k2, where exact ranks by sum_g softmax(sigma q_g . K) and approximate by SparQ's p_hat
 (the float64 reference's temperature: sigma / sqrt(rho), rho from the chosen components; no window or sinks, as
