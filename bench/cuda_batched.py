@@ -11,7 +11,8 @@ do not fit the GPU's memory is not run; its row says so (the Llama-2 shape's 16 
 f16 K and V, ~60 GiB with q8_0).
 
     python bench/cuda_batched.py --bin build/cuda/bin --models /tmp/models
-    python bench/cuda_batched.py --bin build/cuda/bin --batches 16 --cache-type q8_0 --out bench/results/cuda_batched_q8_0.json
+    python bench/cuda_batched.py --bin build/cuda/bin --batches 16 --cache-type q8_0 \
+        --out bench/results/cuda_batched_q8_0.json
     python bench/cuda_batched.py --from-log batched.log     # the table of a saved llama-batched-bench output, as JSON
 """
 from __future__ import annotations
@@ -85,8 +86,8 @@ def measure(bin_dir: Path, models: Path, batch_sizes: list[int], cache_type: str
                    if not memory or needed_bytes(shape, model, b * (pp + 32), cache_type) <= memory]
         for b in sorted(set(batch_sizes) - set(batches)):
             need = needed_bytes(shape, model, b * (pp + 32), cache_type)
-            rows.append(dict(model_shape=shape, prompt=pp, B=b, cache_type=cache_type, skipped=f"needs ~{need / GIB:.0f} GiB, the GPU has "
-                             f"{memory / GIB:.0f} GiB"))
+            rows.append(dict(model_shape=shape, prompt=pp, B=b, cache_type=cache_type,
+                             skipped=f"needs ~{need / GIB:.0f} GiB, the GPU has {memory / GIB:.0f} GiB"))
             print(f"{shape} pp {pp} B {b}: not run, {rows[-1]['skipped']}", flush=True)
         if not batches:
             continue
@@ -104,9 +105,9 @@ def measure(bin_dir: Path, models: Path, batch_sizes: list[int], cache_type: str
             raw[f"{shape}/{mode}"] = {"command": " ".join(cmd), "output": out}
         for b in batches:
             dense, sparq, floor = (next(r["s_tg"] for r in tables[m] if r["B"] == b) for m in ("dense", "sparq", "short"))
-            rows.append(dict(model_shape=shape, prompt=pp, B=b, cache_type=cache_type, dense_tg_tps=dense, sparq_tg_tps=sparq,
-                             speedup=sparq / dense, short_tg_tps=floor, not_attention_share=dense / floor,
-                             bound=floor / dense))
+            rows.append(dict(model_shape=shape, prompt=pp, B=b, cache_type=cache_type, dense_tg_tps=dense,
+                             sparq_tg_tps=sparq, speedup=sparq / dense, short_tg_tps=floor,
+                             not_attention_share=dense / floor, bound=floor / dense))
             print(f"{shape} pp {pp} B {b}: dense {dense:.1f} t/s, SparQ {sparq:.1f} t/s, {sparq / dense:.2f}x; "
                   f"{SHORT_PROMPT}-token prompts {floor:.1f} t/s: attention-free bound {floor / dense:.2f}x",
                   flush=True)

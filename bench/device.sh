@@ -41,7 +41,8 @@
 # cuda_op_<path>.json each and a table of all),
 # SELECT (selection paths the SparQ op tests run, default "auto cluster sweep bound": the test-only
 # switch SPARQ_CUDA_SELECT), SPARQ_TESTS_K (a pytest -k expression for the SparQ op tests), TEST_PARTS (which of the
-# test stage's parts run, default "sparq centroid model"), BASE_SELECT (for the base build, default "auto"), RUNS, SEQS, BATCHES, ROUNDS (op; BATCHES also batched), CACHE_TYPE (batched: K and V of that type, e.g. q8_0, into
+# test stage's parts run, default "sparq centroid model"), BASE_SELECT (for the base build, default "auto"), RUNS,
+# SEQS, BATCHES, ROUNDS (op; BATCHES also batched), CACHE_TYPE (batched: K and V of that type, e.g. q8_0, into
 # $OUT/cuda_batched_<type>.json),
 # CUDA_ARCH (default 90), OUT (default /tmp/out), DEPTHS (e2e). ccache is used where the machine has it, or where .device/debs
 # carries its Debian packages (unpacked into /tmp/cc; `apt-get download ccache libhiredis0.14`); cache in build/ccache.

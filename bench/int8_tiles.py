@@ -168,34 +168,33 @@ def q4_0_blocks(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(np.float32)[..., None], nib.astype(np.float32) - 8
 
 
-def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray, q4_0: bool = False) -> np.ndarray:
-    """Every head's scores [G, n] over a 4-bit index of K^T rows (q4_blocks "rows", or q4_0_blocks) as integer dot
-    products: per head and block of 32 cells the products q_g,i * scale_i,b rounded to int8 with one scale c_g,b
-    (their max / 127), score = c_g,b * sum_i a_g,i,b * value_i,j (what dp4a computes once a cell's values sit side by
-    side)."""
-    n = keys.shape[0]
-    scale, q = q4_0_blocks(keys) if q4_0 else q4_blocks(keys, "rows")  # [d, nb, 1], [d, nb, 32]
-    w = qg[:, :, None] * scale[None, :, :, 0]                  # [G, d, nb]
-    c = np.abs(w).max(axis=1, keepdims=True) / 127.0           # [G, 1, nb]
+def block_query_scores(qg: np.ndarray, scale: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Every head's scores [G, n] over index rows (scales [r, nb], values [r, nb, 32]) as integer dot products: per
+    head and block of 32 cells the products qg[g, i] * scale[i, b] (qg [G, r]: the rows' components) rounded to int8
+    with one scale c_g,b (their max / 127), score = c_g,b * sum_i a_g,i,b * value_i,j (what dp4a computes once a
+    cell's values sit side by side)."""
+    w = qg[:, :, None] * scale[None]                                 # [G, r, nb]
+    c = np.abs(w).max(axis=1, keepdims=True) / 127.0                 # [G, 1, nb]
     c = np.where(c > 0, c, 1.0)
     a = np.round(w / c)
-    dots = np.einsum("dbj,gdb->gbj", q.astype(np.float64), a)  # [G, nb, 32]
+    dots = np.einsum("ibj,gib->gbj", values.astype(np.float64), a)  # [G, nb, 32]
     return (dots * c.transpose(0, 2, 1)).reshape(qg.shape[0], -1)[:, :n]
+
+
+def q4_block_query_scores(qg: np.ndarray, keys: np.ndarray, q4_0: bool = False) -> np.ndarray:
+    """Every head's scores [G, n] over a 4-bit index of K^T rows (q4_blocks "rows", or q4_0_blocks) as integer dot
+    products (block_query_scores over every component)."""
+    scale, q = q4_0_blocks(keys) if q4_0 else q4_blocks(keys, "rows")  # [d, nb, 1], [d, nb, 32]
+    return block_query_scores(qg, scale[..., 0], q, keys.shape[0])
 
 
 def q8_block_query_scores(qg: np.ndarray, keys: np.ndarray, i1: np.ndarray) -> np.ndarray:
-    """Every head's scores [G, n] over the q8 index's component rows I1 as integer dot products: per head and block
-    of 32 cells the products q_g,i * scale_i,b rounded to int8 with one scale c_g,b (their max / 127), score =
-    c_g,b * sum_i a_g,i,b * value_i,j."""
+    """Every head's scores [G, n] over the q8 index's component rows I1 as integer dot products
+    (block_query_scores over those rows)."""
     n = keys.shape[0]
     kt = np.pad(keys.astype(np.float32).T, ((0, 0), (0, -n % Q8_BLOCK)))
-    scale, q = q8_0_quantize(kt[i1])                           # [k1, nb], [k1, nb, 32]
-    w = qg[:, i1, None] * scale.astype(np.float64)[None]       # [G, k1, nb]
-    c = np.abs(w).max(axis=1, keepdims=True) / 127.0           # [G, 1, nb]
-    c = np.where(c > 0, c, 1.0)
-    a = np.round(w / c)
-    dots = np.einsum("ibj,gib->gbj", q.astype(np.float64), a)  # [G, nb, 32]
-    return (dots * c.transpose(0, 2, 1)).reshape(qg.shape[0], -1)[:, :n]
+    scale, q = q8_0_quantize(kt[i1])                                   # [k1, nb], [k1, nb, 32]
+    return block_query_scores(qg[:, i1], scale.astype(np.float64), q, n)
 
 
 def int8_query(qg: np.ndarray, i1: np.ndarray) -> np.ndarray:
