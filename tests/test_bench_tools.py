@@ -320,3 +320,17 @@ def test_block_bound_rows_of_the_benchmarks(tmp_path):
     for _, q, k, first in got:  # kept_cells asserts the kept blocks hold the exact top
         counts = bb.row_counts(q, k, first, 64, 16, (block,))
         assert (counts[:, 0, 1] >= counts[:, 0, 2]).all()
+
+
+def test_kernel_a_loop_bench_variants_and_source():
+    # bench/cuda_kernel_a_loop.py: ring x rows variants the harness's loops can take, refused otherwise; the harness
+    # source names the macros the runner sets
+    sys.path.insert(0, str(REPO / "bench"))
+    import cuda_kernel_a_loop as loop
+
+    assert loop.parse_variants("4x8,6x8,3x16") == [(4, 8), (6, 8), (3, 16)]
+    for bad in ("4x6", "1x8", "4x128", "x8", "4"):
+        with pytest.raises(ValueError):
+            loop.parse_variants(bad)
+    source = loop.SOURCE.read_text()
+    assert all(m in source for m in ("RING_N", "ROWS_N", "COPY_ONLY"))

@@ -1,0 +1,365 @@
+// Kernel A's score loop over the q8 index alone, in a harness of its own (bench/cuda_kernel_a_loop.py builds and runs
+// it): the float loop of sparq-attn-score.cuh (int8 values converted to float, the block's scale folded into the query
+// coefficient, one FMA a value and head) against an alternative compiled in:
+//   -DCOPY_ONLY absent: integer dot products (per head and 32-cell block the coefficients q_i * s_i,b rounded to int8
+//     with one scale, as the q4 index does; each thread's 4 component rows x 8 cells transposed by byte permutes into
+//     8 words of 4 components, one dp4a a word and head; every row's block scale read first);
+//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor.
+// RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's). Same grid, warps, cells per thread and
+// asynchronous-copy ring as the real kernel; each writes the logits and each 8-cell block's maximum, nothing else.
+// Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
+// (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout.
+//
+//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY] [-DRING_N=4 -DROWS_N=8] -o loop cuda_kernel_a_loop.cu
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+    fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+constexpr int QK = 32, BLK = 34, CELLS = 8, WARPS = 8, THREADS = 32*WARPS, CHUNK = THREADS*CELLS;
+#ifndef ROWS_N
+#define ROWS_N 8
+#endif
+#ifndef RING_N
+#define RING_N 4
+#endif
+constexpr int ROWS = ROWS_N, RING = RING_N, WARP_BLOCKS = 32*CELLS/QK, WARP_BYTES = WARP_BLOCKS*BLK, PIECES = WARP_BYTES/16;
+constexpr int STAGE_ROW = WARP_BYTES + 16, D = 128;
+static_assert(WARP_BYTES % 16 == 0 && PIECES <= 32, "a warp's blocks are whole 16-byte pieces");
+
+struct Args {
+    const uint8_t * kt;   // [R][D][row_bytes]: per component row nb q8_0 blocks
+    int64_t row_bytes;
+    const uint32_t * i1;  // [R][k1]
+    const float * q;      // [R][G][k1]
+    float * logits;       // [R][G][n_kv]
+    float * bmax;         // [R][G][n_kv/8]
+    int n_kv, nb, k1;
+};
+
+__device__ __forceinline__ void copy16(void * dst, const void * src, int n) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ float i8f(uint32_t biased, int e) {
+    return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | (uint32_t) e)) - 8388736.0f;
+}
+
+// The ring of stages: stage t holds K^T rows i1[t*ROWS ..] of the warp's 8 blocks.
+struct Ring {
+    const uint8_t * src; const uint32_t * i1; int64_t row_bytes; int piece, lane, n_stages; uint8_t * stage;
+    __device__ void issue(int t) const {
+        if (t < n_stages && lane < PIECES) {
+#pragma unroll
+            for (int u = 0; u < ROWS; ++u) {
+                copy16(stage + ((t % RING)*ROWS + u)*STAGE_ROW + 16*lane, src + (uint64_t) i1[t*ROWS + u]*(uint32_t) row_bytes, piece);
+            }
+        }
+        commit();
+    }
+};
+
+template <int G, bool INT>
+__global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
+    extern __shared__ uint8_t smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = blockIdx.y, k1 = a.k1;
+    float * qs = (float *) smem;                                     // [G][k1]
+    uint32_t * i1s = (uint32_t *) (qs + G*k1);                        // [k1]
+    uint32_t * coef = i1s + k1;                                       // [WARPS][WARP_BLOCKS][G][k1/4] int8 x 4
+    uint8_t * stage = (uint8_t *) (coef + WARPS*WARP_BLOCKS*G*(k1/4)) + warp*RING*ROWS*STAGE_ROW;
+    for (int i = threadIdx.x; i < G*k1; i += THREADS) qs[i] = a.q[(int64_t) r*G*k1 + i];
+    for (int i = threadIdx.x; i < k1; i += THREADS) i1s[i] = a.i1[(int64_t) r*k1 + i];
+    __syncthreads();
+    const int64_t first_cell = (int64_t) blockIdx.x*CHUNK + warp*32*CELLS;
+    if (first_cell >= a.n_kv) return;
+    const int64_t first_block = first_cell / QK;
+    const int n_valid = (int) (a.nb - first_block < WARP_BLOCKS ? a.nb - first_block : WARP_BLOCKS);
+    const int piece = min(max(n_valid*BLK - 16*lane, 0), 16);
+    const uint8_t * rowbase = a.kt + (int64_t) r*D*a.row_bytes;
+    Ring ring{piece > 0 ? rowbase + first_block*BLK + 16*lane : rowbase, i1s, a.row_bytes, piece, lane, k1/ROWS, stage};
+    const int bl = lane / (QK/CELLS);
+    const int blk = BLK*bl, val = blk + 2 + CELLS*(lane % (QK/CELLS)), shift = 8*(val % 4);
+    for (int t = 0; t < RING - 1; ++t) ring.issue(t);
+
+    float out[G][CELLS];
+    float cscale[G];
+    if constexpr (INT) {
+#ifdef COPY_ONLY
+        uint32_t sink = 0;
+#pragma unroll 1
+        for (int t = 0; t < k1/ROWS; ++t) {
+            ring.issue(t + RING - 1);
+            wait_groups<RING - 1>();
+            __syncwarp();
+            sink += *(const uint32_t *) (stage + ((t % RING)*ROWS)*STAGE_ROW + (val & ~3));
+            __syncwarp();
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int c = 0; c < CELLS; ++c) out[g][c] = (float) sink;
+        cscale[0] = 0.0f;
+    } else if constexpr (false) {
+#endif
+        // the coefficients of the thread's block: the block's 4 threads a quarter of the components each
+        const int part = lane % 4, per = k1/4;
+        float w[G][16];
+        float m[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) m[g] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int i = part*per + j;
+            float s = 0.0f;
+            if (j < per && bl < n_valid) {
+                s = __half2float(*(const half *) (rowbase + (uint64_t) i1s[i]*(uint32_t) a.row_bytes + (first_block + bl)*BLK));
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                w[g][j] = j < per ? __fmul_rn(qs[g*k1 + i], s) : 0.0f;
+                m[g] = fmaxf(m[g], fabsf(w[g][j]));
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            m[g] = fmaxf(m[g], __shfl_xor_sync(0xffffffffu, m[g], 1));
+            m[g] = fmaxf(m[g], __shfl_xor_sync(0xffffffffu, m[g], 2));
+            const float inv = m[g] > 0.0f ? __fdiv_rn(127.0f, m[g]) : 0.0f;
+            cscale[g] = __fdiv_rn(m[g], 127.0f);
+            uint32_t * dst = coef + ((warp*WARP_BLOCKS + bl)*G + g)*(k1/4) + part*per/4;
+#pragma unroll
+            for (int j = 0; j < 16; j += 4) {
+                if (j < per) {
+                    uint32_t word = 0;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        word |= (uint32_t) (uint8_t) (int8_t) __float2int_rn(__fmul_rn(w[g][j + e], inv)) << (8*e);
+                    }
+                    dst[j/4] = word;
+                }
+            }
+        }
+        __syncwarp();
+        int acc[G][CELLS] = {};
+        const uint32_t * cw = coef + (warp*WARP_BLOCKS + bl)*G*(k1/4);
+#pragma unroll 1
+        for (int t = 0; t < k1/ROWS; ++t) {
+            ring.issue(t + RING - 1);
+            wait_groups<RING - 1>();
+            __syncwarp();
+#pragma unroll
+            for (int h = 0; h < ROWS/4; ++h) {
+                uint32_t lo[4], hi[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const uint32_t * wp = (const uint32_t *) (stage + ((t % RING)*ROWS + 4*h + u)*STAGE_ROW + (val & ~3));
+                    lo[u] = __funnelshift_r(wp[0], wp[1], shift);
+                    hi[u] = __funnelshift_r(wp[1], wp[2], shift);
+                }
+                uint32_t x[CELLS];
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    const uint32_t * v = p ? hi : lo;
+                    const uint32_t t0 = __byte_perm(v[0], v[1], 0x5140), t1 = __byte_perm(v[0], v[1], 0x7362);
+                    const uint32_t t2 = __byte_perm(v[2], v[3], 0x5140), t3 = __byte_perm(v[2], v[3], 0x7362);
+                    x[4*p + 0] = __byte_perm(t0, t2, 0x5410);
+                    x[4*p + 1] = __byte_perm(t0, t2, 0x7632);
+                    x[4*p + 2] = __byte_perm(t1, t3, 0x5410);
+                    x[4*p + 3] = __byte_perm(t1, t3, 0x7632);
+                }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const int c4 = (int) cw[g*(k1/4) + t*(ROWS/4) + h];
+#pragma unroll
+                    for (int c = 0; c < CELLS; ++c) acc[g][c] = __dp4a((int) x[c], c4, acc[g][c]);
+                }
+            }
+            __syncwarp();
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int c = 0; c < CELLS; ++c) out[g][c] = __fmul_rn(cscale[g], (float) acc[g][c]);
+    } else {
+        float acc[G][CELLS] = {};
+#pragma unroll 1
+        for (int t = 0; t < k1/ROWS; ++t) {
+            ring.issue(t + RING - 1);
+            wait_groups<RING - 1>();
+            __syncwarp();
+#pragma unroll
+            for (int u = 0; u < ROWS; ++u) {
+                const uint8_t * row = stage + ((t % RING)*ROWS + u)*STAGE_ROW;
+                const float xs = __half2float(*(const half *) (row + blk));
+                const uint32_t * wp = (const uint32_t *) (row + (val & ~3));
+                const uint32_t lo = __funnelshift_r(wp[0], wp[1], shift) ^ 0x80808080u;
+                const uint32_t hi = __funnelshift_r(wp[1], wp[2], shift) ^ 0x80808080u;
+                float xf[CELLS];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) { xf[e] = i8f(lo, e); xf[4 + e] = i8f(hi, e); }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float qv = __fmul_rn(qs[g*k1 + t*ROWS + u], xs);
+#pragma unroll
+                    for (int c = 0; c < CELLS; ++c) acc[g][c] += qv*xf[c];
+                }
+            }
+            __syncwarp();
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int c = 0; c < CELLS; ++c) out[g][c] = acc[g][c];
+    }
+    const int64_t j0 = first_cell + lane*CELLS;
+    if (j0 >= a.n_kv) return;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < CELLS; ++c) mx = fmaxf(mx, out[g][c]);
+        float * lrow = a.logits + ((int64_t) r*G + g)*a.n_kv + j0;
+        ((float4 *) lrow)[0] = make_float4(out[g][0], out[g][1], out[g][2], out[g][3]);
+        ((float4 *) lrow)[1] = make_float4(out[g][4], out[g][5], out[g][6], out[g][7]);
+        a.bmax[((int64_t) r*G + g)*(a.n_kv/CELLS) + j0/CELLS] = mx;
+    }
+}
+
+static size_t smem_bytes(int G, int k1) {
+    return (size_t) G*k1*4 + k1*4 + (size_t) WARPS*WARP_BLOCKS*G*(k1/4)*4 + (size_t) WARPS*RING*ROWS*STAGE_ROW;
+}
+
+template <int G, bool INT>
+static void launch(const Args & a, int R, cudaStream_t st) {
+    dim3 grid((a.n_kv + CHUNK - 1)/CHUNK, R);
+    scores<G, INT><<<grid, THREADS, smem_bytes(G, a.k1), st>>>(a);
+}
+
+static float h2f(uint16_t h) { __half x; memcpy(&x, &h, 2); return __half2float(x); }
+static uint16_t f2h(float f) { __half x = __float2half_rn(f); uint16_t h; memcpy(&h, &x, 2); return h; }
+
+template <int G>
+static void run(const char * name, int R, int n_kv, int runs) {
+    const int k1 = 64, nb = (n_kv + QK - 1)/QK;
+    const int64_t row_bytes = ((int64_t) nb*BLK + 15)/16*16;
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<uint8_t> kt((size_t) R*D*row_bytes, 0);
+    // values: heavy-ish tails per component (spreads 0.2..3), quantized per block as q8_0
+    for (int r = 0; r < R; ++r) for (int i = 0; i < D; ++i) {
+        const float spread = 0.2f + 2.8f*(float) ((i*37) % D)/D;
+        for (int b = 0; b < nb; ++b) {
+            float v[QK], amax = 0.0f;
+            for (int c = 0; c < QK; ++c) { v[c] = b*QK + c < n_kv ? spread*nd(rng) : 0.0f; amax = std::max(amax, std::fabs(v[c])); }
+            const float dsc = amax/127.0f, inv = dsc > 0 ? 1.0f/dsc : 0.0f;
+            uint8_t * blkp = &kt[((size_t) r*D + i)*row_bytes + (size_t) b*BLK];
+            const uint16_t hs = f2h(dsc); memcpy(blkp, &hs, 2);
+            for (int c = 0; c < QK; ++c) blkp[2 + c] = (uint8_t) (int8_t) std::lround(v[c]*inv);
+        }
+    }
+    std::vector<uint32_t> i1((size_t) R*k1);
+    for (int r = 0; r < R; ++r) {
+        std::vector<uint32_t> p(D); for (int i = 0; i < D; ++i) p[i] = i;
+        std::shuffle(p.begin(), p.end(), rng);
+        std::sort(p.begin(), p.begin() + k1);
+        for (int i = 0; i < k1; ++i) i1[(size_t) r*k1 + i] = p[i];
+    }
+    std::vector<float> q((size_t) R*G*k1);
+    for (auto & x : q) x = nd(rng)*(nd(rng) > 1.5f ? 4.0f : 1.0f);
+    uint8_t * d_kt; uint32_t * d_i1; float * d_q, * d_lf, * d_li, * d_bm; void * d_flush;
+    const size_t n_log = (size_t) R*G*n_kv, flush_bytes = 256u << 20;
+    CK(cudaMalloc(&d_kt, kt.size())); CK(cudaMalloc(&d_i1, i1.size()*4)); CK(cudaMalloc(&d_q, q.size()*4));
+    CK(cudaMalloc(&d_lf, n_log*4)); CK(cudaMalloc(&d_li, n_log*4)); CK(cudaMalloc(&d_bm, n_log/CELLS*4 + 64));
+    CK(cudaMalloc(&d_flush, flush_bytes));
+    CK(cudaMemcpy(d_kt, kt.data(), kt.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_i1, i1.data(), i1.size()*4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_q, q.data(), q.size()*4, cudaMemcpyHostToDevice));
+    CK(cudaFuncSetAttribute(scores<G, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_bytes(G, k1)));
+    CK(cudaFuncSetAttribute(scores<G, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_bytes(G, k1)));
+    Args af{d_kt, row_bytes, d_i1, d_q, d_lf, d_bm, n_kv, nb, k1};
+    Args ai = af; ai.logits = d_li;
+    launch<G, false>(af, R, 0); launch<G, true>(ai, R, 0);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> lf(n_log), li(n_log);
+    CK(cudaMemcpy(lf.data(), d_lf, n_log*4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(li.data(), d_li, n_log*4, cudaMemcpyDeviceToHost));
+    // host references: the float products (tolerance) and the integer scores (exact)
+    double max_rel_f = 0.0; int64_t int_mismatch = 0, checked = 0;
+    for (int r = 0; r < R; r += std::max(1, R/4)) for (int g = 0; g < G; ++g) for (int b = 0; b < nb; b += 37) {
+        float w[64], m = 0.0f;
+        for (int i = 0; i < k1; ++i) {
+            const float s = h2f(*(const uint16_t *) &kt[((size_t) r*D + i1[(size_t) r*k1 + i])*row_bytes + (size_t) b*BLK]);
+            w[i] = q[((size_t) r*G + g)*k1 + i]*s; m = std::max(m, std::fabs(w[i]));
+        }
+        const float inv = m > 0 ? 127.0f/m : 0.0f, C = m/127.0f;
+        for (int c = 0; c < QK && b*QK + c < n_kv; ++c) {
+            double fref = 0.0, scale = 0.0; int64_t dot = 0;
+            for (int i = 0; i < k1; ++i) {
+                const int8_t x = (int8_t) kt[((size_t) r*D + i1[(size_t) r*k1 + i])*row_bytes + (size_t) b*BLK + 2 + c];
+                fref += (double) w[i]*x; scale += std::fabs((double) w[i]*x);
+                dot += (int64_t) std::lrint(w[i]*inv)*x;
+            }
+            const size_t at = ((size_t) r*G + g)*n_kv + (size_t) b*QK + c;
+            max_rel_f = std::max(max_rel_f, std::fabs(lf[at] - fref)/(scale + 1e-30));
+            const float iref = C*(float) dot;
+            int_mismatch += memcmp(&iref, &li[at], 4) != 0;
+            ++checked;
+        }
+    }
+    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    auto time_one = [&](bool integer, bool cold) {
+        if (cold) CK(cudaMemsetAsync(d_flush, runs & 0xff, flush_bytes, 0));
+        CK(cudaEventRecord(e0, 0));
+        if (integer) launch<G, true>(ai, R, 0); else launch<G, false>(af, R, 0);
+        CK(cudaEventRecord(e1, 0)); CK(cudaEventSynchronize(e1));
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); return ms*1000.0f;
+    };
+    std::vector<float> tf_w, ti_w, tf_c, ti_c;
+    for (int k = 0; k < runs; ++k) {
+        tf_w.push_back(time_one(false, false)); ti_w.push_back(time_one(true, false));
+        tf_c.push_back(time_one(false, true)); ti_c.push_back(time_one(true, true));
+    }
+    auto med = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size()/2]; };
+    const double bytes = (double) R*nb*BLK*k1;
+#ifdef COPY_ONLY
+    const char * alt = "copy";
+#else
+    const char * alt = "int";
+#endif
+    printf("{\"heads\": \"%s\", \"rows\": %d, \"group\": %d, \"n_kv\": %d, \"k1\": %d, \"ring\": %d, "
+           "\"rows_per_stage\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, \"float_cold_us\": %.2f, "
+           "\"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, \"float_max_rel_err\": %.2e, "
+           "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d}\n",
+           name, R, G, n_kv, k1, RING, ROWS, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
+           (long long) int_mismatch, (long long) checked, runs);
+    fflush(stdout);
+    CK(cudaFree(d_kt)); CK(cudaFree(d_i1)); CK(cudaFree(d_q)); CK(cudaFree(d_lf)); CK(cudaFree(d_li)); CK(cudaFree(d_bm));
+    CK(cudaFree(d_flush));
+}
+
+// argv: runs per timing (default 30), then the cells per row (default 33024 and 131072)
+int main(int argc, char ** argv) {
+    const int runs = argc > 1 ? atoi(argv[1]) : 30;
+    std::vector<int> seqs;
+    for (int i = 2; i < argc; ++i) seqs.push_back(atoi(argv[i]));
+    if (seqs.empty()) seqs = {33024, 131072};
+    if (runs < 1) { fprintf(stderr, "runs must be >= 1\n"); return 2; }
+    for (int n : seqs) {
+        if (n < 1) { fprintf(stderr, "cells must be >= 1\n"); return 2; }
+        run<1>("llama2-7b", 32, n, runs);  // 32 KV heads, B = 1
+        run<4>("llama3-8b", 8, n, runs);   // 8 KV heads of 4 query heads
+    }
+    return 0;
+}

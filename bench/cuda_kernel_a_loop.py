@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Kernel A's score loop over the q8 index alone (bench/cuda_kernel_a_loop.cu) on a lent GPU: the float loop of the
+op's kernel against integer dot products (dp4a) and against the ring's copies alone, for several ring depths and rows
+per stage. Builds each variant with nvcc (in parallel), runs them one after another and writes
+bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines).
+
+    python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--runs 30] [--seqs 33024,131072]
+
+A variant RxW is a ring of R stages of W K^T rows a warp; each is built twice (integer and copy-only alternatives),
+and both runs time the float loop too, so every ratio is taken within one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from record import RESULTS, provenance, write_record
+
+SOURCE = Path(__file__).with_name("cuda_kernel_a_loop.cu")
+ALTS = ("int", "copy")
+
+
+def parse_variants(text: str) -> list[tuple[int, int]]:
+    """"4x8,6x8" -> [(4, 8), (6, 8)] (ring stages x rows per stage; rows a multiple of 4 dividing k1 = 64)."""
+    out = []
+    for item in text.split(","):
+        ring, _, rows = item.partition("x")
+        if not (ring.isdigit() and rows.isdigit()) or int(ring) < 2 or int(rows) % 4 or 64 % int(rows):
+            raise ValueError(f"variant {item!r}: expected RINGxROWS, RING >= 2, ROWS a multiple of 4 dividing 64")
+        out.append((int(ring), int(rows)))
+    return out
+
+
+def build(nvcc: str, arch: str, ring: int, rows: int, alt: str, out_dir: Path) -> Path:
+    exe = out_dir / f"loop_{ring}x{rows}_{alt}"
+    cmd = [nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-cudart", "static", f"-DRING_N={ring}", f"-DROWS_N={rows}",
+           *(["-DCOPY_ONLY"] if alt == "copy" else []), "-o", str(exe), str(SOURCE)]
+    subprocess.run(cmd, check=True)
+    return exe
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="4x8,6x8,3x16")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--seqs", default="33024,131072")
+    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cuda_kernel_a_loop.json")
+    args = ap.parse_args()
+    try:
+        variants = parse_variants(args.variants)
+        seqs = [int(s) for s in args.seqs.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    if args.runs < 1 or any(s < 1 for s in seqs):
+        ap.error("--runs and --seqs must be positive")
+    rec: dict[str, Any] = provenance("cuda_kernel_a_loop")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = [(ring, w, alt) for ring, w in variants for alt in ALTS]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            exes = list(pool.map(lambda j: build(args.nvcc, args.arch, *j, Path(tmp)), jobs))
+        for exe in exes:
+            res = subprocess.run([str(exe), str(args.runs), *map(str, seqs)], check=True, capture_output=True,
+                                 text=True)
+            for line in res.stdout.splitlines():
+                row = json.loads(line)
+                rows.append(row)
+                print(f"{row['heads']:10s} {row['n_kv']:6d} ring {row['ring']}x{row['rows_per_stage']:2d}: float "
+                      f"{row['float_cold_us']:6.1f} us cold, {row['alt']} {row['alt_cold_us']:6.1f} "
+                      f"({row['alt_cold_us'] / row['float_cold_us']:.2f}x), float "
+                      f"{row['index_bytes'] / row['float_cold_us'] / 1e6:.2f} TB/s", flush=True)
+    rec["rows"] = rows
+    write_record(args.out, rec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
