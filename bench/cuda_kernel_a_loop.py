@@ -6,8 +6,9 @@ bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's
 
     python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--runs 30] [--seqs 33024,131072]
 
-A variant RxW is a ring of R stages of W K^T rows a warp; each is built twice (integer and copy-only alternatives),
-and both runs time the float loop too, so every ratio is taken within one process.
+A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per alternative (integer dot products,
+the ring's copies alone, the copies alone as bulk copies), and every run times the float loop too, so every ratio
+is taken within one process.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 from record import RESULTS, provenance, write_record
 
 SOURCE = Path(__file__).with_name("cuda_kernel_a_loop.cu")
-ALTS = ("int", "copy")
+ALTS = {"int": [], "copy": ["-DCOPY_ONLY"], "bulk": ["-DCOPY_ONLY", "-DBULK_COPY"]}
 
 
 def parse_variants(text: str) -> list[tuple[int, int]]:
@@ -40,7 +41,7 @@ def parse_variants(text: str) -> list[tuple[int, int]]:
 def build(nvcc: str, arch: str, ring: int, rows: int, alt: str, out_dir: Path) -> Path:
     exe = out_dir / f"loop_{ring}x{rows}_{alt}"
     cmd = [nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-cudart", "static", f"-DRING_N={ring}", f"-DROWS_N={rows}",
-           *(["-DCOPY_ONLY"] if alt == "copy" else []), "-o", str(exe), str(SOURCE)]
+           *ALTS[alt], "-o", str(exe), str(SOURCE)]
     subprocess.run(cmd, check=True)
     return exe
 
@@ -48,8 +49,10 @@ def build(nvcc: str, arch: str, ring: int, rows: int, alt: str, out_dir: Path) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default="4x8,6x8,3x16")
+    ap.add_argument("--alts", default=",".join(ALTS), help=f"alternatives to the float loop, of {', '.join(ALTS)}")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seqs", default="33024,131072")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds a variant may run")
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--out", type=Path, default=RESULTS / "cuda_kernel_a_loop.json")
@@ -59,17 +62,28 @@ def main() -> int:
         seqs = [int(s) for s in args.seqs.split(",")]
     except ValueError as e:
         ap.error(str(e))
+    alts = args.alts.split(",")
+    if any(a not in ALTS for a in alts):
+        ap.error(f"--alts: expected a comma-separated subset of {', '.join(ALTS)}, got {args.alts!r}")
     if args.runs < 1 or any(s < 1 for s in seqs):
         ap.error("--runs and --seqs must be positive")
     rec: dict[str, Any] = provenance("cuda_kernel_a_loop")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(ring, w, alt) for ring, w in variants for alt in ALTS]
+        jobs = [(ring, w, alt) for ring, w in variants for alt in alts]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             exes = list(pool.map(lambda j: build(args.nvcc, args.arch, *j, Path(tmp)), jobs))
-        for exe in exes:
-            res = subprocess.run([str(exe), str(args.runs), *map(str, seqs)], check=True, capture_output=True,
-                                 text=True)
+        for (ring, w, alt), exe in zip(jobs, exes):
+            try:
+                res = subprocess.run([str(exe), str(args.runs), *map(str, seqs)], capture_output=True, text=True,
+                                     timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                res = None
+            if res is None or res.returncode != 0:
+                why = "timed out" if res is None else f"exit {res.returncode}: {res.stderr.strip()[-300:]}"
+                rows.append({"ring": ring, "rows_per_stage": w, "alt": alt, "error": why})
+                print(f"ring {ring}x{w} {alt}: {why}", flush=True)
+                continue
             for line in res.stdout.splitlines():
                 row = json.loads(line)
                 rows.append(row)
