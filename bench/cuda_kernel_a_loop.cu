@@ -5,6 +5,8 @@
 //     with one scale, as the q4 index does; each thread's 4 component rows x 8 cells transposed by byte permutes into
 //     8 words of 4 components, one dp4a a word and head; every row's block scale read first);
 //   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor;
+//   -DCOPY_ONLY -DCHUNK_MAJOR: the copies alone from an index laid out chunk-major (each block's 64 rows of its
+//     2048 cells contiguous, 2176 bytes a row, rather than each row's whole length contiguous): DRAM locality;
 //   -DCOPY_ONLY -DBULK_COPY: the same through bulk copies (cp.async.bulk, the tensor memory accelerator: one
 //     instruction a row of the warp's 8 blocks, completion counted by an mbarrier per stage) instead of 17 lanes'
 //     16-byte cp.async each.
@@ -98,7 +100,16 @@ __global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
     const int n_valid = (int) (a.nb - first_block < WARP_BLOCKS ? a.nb - first_block : WARP_BLOCKS);
     const int piece = min(max(n_valid*BLK - 16*lane, 0), 16);
     const uint8_t * rowbase = a.kt + (int64_t) r*D*a.row_bytes;
+#if defined(COPY_ONLY) && defined(CHUNK_MAJOR)
+    // the alternative reads [R][n_chunks][D][CHUNK/QK blocks]: this block's rows are one contiguous run
+    constexpr int64_t CHUNK_ROW = CHUNK/QK*BLK;
+    const uint8_t * cm_base = a.kt + ((int64_t) r*gridDim.x + blockIdx.x)*D*CHUNK_ROW + warp*WARP_BYTES;
+    Ring ring = INT ? Ring{piece > 0 ? cm_base + 16*lane : cm_base, i1s, CHUNK_ROW, piece, lane, k1/ROWS, stage}
+                    : Ring{piece > 0 ? rowbase + first_block*BLK + 16*lane : rowbase, i1s, a.row_bytes, piece, lane,
+                           k1/ROWS, stage};
+#else
     Ring ring{piece > 0 ? rowbase + first_block*BLK + 16*lane : rowbase, i1s, a.row_bytes, piece, lane, k1/ROWS, stage};
+#endif
     const int bl = lane / (QK/CELLS);
     const int blk = BLK*bl, val = blk + 2 + CELLS*(lane % (QK/CELLS)), shift = 8*(val % 4);
     if (!(INT && ALT_BULK)) {
@@ -342,7 +353,9 @@ static void run(const char * name, int R, int n_kv, int runs) {
     for (auto & x : q) x = nd(rng)*(nd(rng) > 1.5f ? 4.0f : 1.0f);
     uint8_t * d_kt; uint32_t * d_i1; float * d_q, * d_lf, * d_li, * d_bm; void * d_flush;
     const size_t n_log = (size_t) R*G*n_kv, flush_bytes = 256u << 20;
-    CK(cudaMalloc(&d_kt, kt.size())); CK(cudaMalloc(&d_i1, i1.size()*4)); CK(cudaMalloc(&d_q, q.size()*4));
+    const size_t chunk_major_bytes = (size_t) R*((n_kv + CHUNK - 1)/CHUNK)*D*(CHUNK/QK*BLK);  // its alternative's
+    CK(cudaMalloc(&d_kt, std::max(kt.size(), chunk_major_bytes)));
+    CK(cudaMemset(d_kt, 0, std::max(kt.size(), chunk_major_bytes))); CK(cudaMalloc(&d_i1, i1.size()*4)); CK(cudaMalloc(&d_q, q.size()*4));
     CK(cudaMalloc(&d_lf, n_log*4)); CK(cudaMalloc(&d_li, n_log*4)); CK(cudaMalloc(&d_bm, n_log/CELLS*4 + 64));
     CK(cudaMalloc(&d_flush, flush_bytes));
     CK(cudaMemcpy(d_kt, kt.data(), kt.size(), cudaMemcpyHostToDevice));
@@ -397,6 +410,8 @@ static void run(const char * name, int R, int n_kv, int runs) {
     const double bytes = (double) R*nb*BLK*k1;
 #if defined(COPY_ONLY) && defined(BULK_COPY)
     const char * alt = "bulk";
+#elif defined(COPY_ONLY) && defined(CHUNK_MAJOR)
+    const char * alt = "chunk-major";
 #elif defined(COPY_ONLY)
     const char * alt = "copy";
 #else
