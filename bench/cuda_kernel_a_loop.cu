@@ -4,12 +4,7 @@
 //   -DCOPY_ONLY absent: integer dot products (per head and 32-cell block the coefficients q_i * s_i,b rounded to int8
 //     with one scale, as the q4 index does; each thread's 4 component rows x 8 cells transposed by byte permutes into
 //     8 words of 4 components, one dp4a a word and head; every row's block scale read first);
-//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor;
-//   -DCOPY_ONLY -DCHUNK_MAJOR: the copies alone from an index laid out chunk-major (each block's 64 rows of its
-//     2048 cells contiguous, 2176 bytes a row, rather than each row's whole length contiguous): DRAM locality;
-//   -DCOPY_ONLY -DBULK_COPY: the same through bulk copies (cp.async.bulk, the tensor memory accelerator: one
-//     instruction a row of the warp's 8 blocks, completion counted by an mbarrier per stage) instead of 17 lanes'
-//     16-byte cp.async each.
+//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor.
 // RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's). Same grid, warps, cells per thread and
 // asynchronous-copy ring as the real kernel; each writes the logits and each 8-cell block's maximum, nothing else.
 // Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
@@ -76,13 +71,6 @@ struct Ring {
     }
 };
 
-#if defined(COPY_ONLY) && defined(BULK_COPY)
-constexpr bool ALT_BULK = true;
-#else
-constexpr bool ALT_BULK = false;
-#endif
-constexpr int BARS_BYTES = WARPS*RING*8;  // the bulk copies' mbarriers, one a stage of each warp's ring
-
 template <int G, bool INT>
 __global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
     extern __shared__ uint8_t smem[];
@@ -100,74 +88,14 @@ __global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
     const int n_valid = (int) (a.nb - first_block < WARP_BLOCKS ? a.nb - first_block : WARP_BLOCKS);
     const int piece = min(max(n_valid*BLK - 16*lane, 0), 16);
     const uint8_t * rowbase = a.kt + (int64_t) r*D*a.row_bytes;
-#if defined(COPY_ONLY) && defined(CHUNK_MAJOR)
-    // the alternative reads [R][n_chunks][D][CHUNK/QK blocks]: this block's rows are one contiguous run
-    constexpr int64_t CHUNK_ROW = CHUNK/QK*BLK;
-    const uint8_t * cm_base = a.kt + ((int64_t) r*gridDim.x + blockIdx.x)*D*CHUNK_ROW + warp*WARP_BYTES;
-    Ring ring = INT ? Ring{piece > 0 ? cm_base + 16*lane : cm_base, i1s, CHUNK_ROW, piece, lane, k1/ROWS, stage}
-                    : Ring{piece > 0 ? rowbase + first_block*BLK + 16*lane : rowbase, i1s, a.row_bytes, piece, lane,
-                           k1/ROWS, stage};
-#else
     Ring ring{piece > 0 ? rowbase + first_block*BLK + 16*lane : rowbase, i1s, a.row_bytes, piece, lane, k1/ROWS, stage};
-#endif
     const int bl = lane / (QK/CELLS);
     const int blk = BLK*bl, val = blk + 2 + CELLS*(lane % (QK/CELLS)), shift = 8*(val % 4);
-    if (!(INT && ALT_BULK)) {
-        for (int t = 0; t < RING - 1; ++t) ring.issue(t);
-    }
+    for (int t = 0; t < RING - 1; ++t) ring.issue(t);
 
     float out[G][CELLS];
     float cscale[G];
-    if constexpr (INT && ALT_BULK) {
-        uint8_t * stages_end = (uint8_t *) (coef + WARPS*WARP_BLOCKS*G*(k1/4)) + WARPS*RING*ROWS*STAGE_ROW;
-        const unsigned bar0 = (unsigned) __cvta_generic_to_shared(stages_end) + 8*RING*warp;
-        const unsigned bytes = (unsigned) ((n_valid*BLK + 15) & ~15);
-        const uint8_t * src0 = rowbase + first_block*BLK;
-        const int n_stages = k1/ROWS;
-        if (lane == 0) {
-            for (int st = 0; st < RING; ++st) {
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8*st) : "memory");
-            }
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncwarp();
-        const auto bulk_issue = [&](int t) {
-            if (lane != 0 || t >= n_stages) return;
-            const unsigned bar = bar0 + 8*(t % RING);
-            uint64_t state;
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
-                         : "=l"(state) : "r"(bar), "r"(bytes*ROWS) : "memory");
-            for (int u = 0; u < ROWS; ++u) {
-                const unsigned dst = (unsigned) __cvta_generic_to_shared(stage + ((t % RING)*ROWS + u)*STAGE_ROW);
-                const uint8_t * src = src0 + (uint64_t) i1s[t*ROWS + u]*(uint32_t) a.row_bytes;
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-            }
-        };
-        const auto bulk_wait = [&](int t) {
-            const unsigned bar = bar0 + 8*(t % RING), parity = (unsigned) (t / RING) & 1u;
-            uint32_t done = 0;
-            while (!done) {
-                asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                             " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-            }
-        };
-        for (int t = 0; t < RING - 1; ++t) bulk_issue(t);
-        uint32_t sink = 0;
-#pragma unroll 1
-        for (int t = 0; t < n_stages; ++t) {
-            bulk_issue(t + RING - 1);
-            bulk_wait(t);
-            sink += *(const uint32_t *) (stage + ((t % RING)*ROWS)*STAGE_ROW + (val & ~3));
-            __syncwarp();
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int c = 0; c < CELLS; ++c) out[g][c] = (float) sink;
-        cscale[0] = 0.0f;
-    } else if constexpr (INT) {
+    if constexpr (INT) {
 #ifdef COPY_ONLY
         uint32_t sink = 0;
 #pragma unroll 1
@@ -310,8 +238,7 @@ __global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
 }
 
 static size_t smem_bytes(int G, int k1) {
-    return (size_t) G*k1*4 + k1*4 + (size_t) WARPS*WARP_BLOCKS*G*(k1/4)*4 + (size_t) WARPS*RING*ROWS*STAGE_ROW +
-           BARS_BYTES;
+    return (size_t) G*k1*4 + k1*4 + (size_t) WARPS*WARP_BLOCKS*G*(k1/4)*4 + (size_t) WARPS*RING*ROWS*STAGE_ROW;
 }
 
 template <int G, bool INT>
@@ -353,9 +280,7 @@ static void run(const char * name, int R, int n_kv, int runs) {
     for (auto & x : q) x = nd(rng)*(nd(rng) > 1.5f ? 4.0f : 1.0f);
     uint8_t * d_kt; uint32_t * d_i1; float * d_q, * d_lf, * d_li, * d_bm; void * d_flush;
     const size_t n_log = (size_t) R*G*n_kv, flush_bytes = 256u << 20;
-    const size_t chunk_major_bytes = (size_t) R*((n_kv + CHUNK - 1)/CHUNK)*D*(CHUNK/QK*BLK);  // its alternative's
-    CK(cudaMalloc(&d_kt, std::max(kt.size(), chunk_major_bytes)));
-    CK(cudaMemset(d_kt, 0, std::max(kt.size(), chunk_major_bytes))); CK(cudaMalloc(&d_i1, i1.size()*4)); CK(cudaMalloc(&d_q, q.size()*4));
+    CK(cudaMalloc(&d_kt, kt.size())); CK(cudaMalloc(&d_i1, i1.size()*4)); CK(cudaMalloc(&d_q, q.size()*4));
     CK(cudaMalloc(&d_lf, n_log*4)); CK(cudaMalloc(&d_li, n_log*4)); CK(cudaMalloc(&d_bm, n_log/CELLS*4 + 64));
     CK(cudaMalloc(&d_flush, flush_bytes));
     CK(cudaMemcpy(d_kt, kt.data(), kt.size(), cudaMemcpyHostToDevice));
@@ -408,11 +333,7 @@ static void run(const char * name, int R, int n_kv, int runs) {
     }
     auto med = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size()/2]; };
     const double bytes = (double) R*nb*BLK*k1;
-#if defined(COPY_ONLY) && defined(BULK_COPY)
-    const char * alt = "bulk";
-#elif defined(COPY_ONLY) && defined(CHUNK_MAJOR)
-    const char * alt = "chunk-major";
-#elif defined(COPY_ONLY)
+#ifdef COPY_ONLY
     const char * alt = "copy";
 #else
     const char * alt = "int";

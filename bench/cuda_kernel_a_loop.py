@@ -7,7 +7,7 @@ bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's
     python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--runs 30] [--seqs 33024,131072]
 
 A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per alternative (integer dot products,
-the ring's copies alone, the copies alone as bulk copies, the copies alone from a chunk-major layout), and every run times the float loop too, so every ratio
+the ring's copies alone), and every run times the float loop too, so every ratio
 is taken within one process.
 """
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Any
 from record import RESULTS, provenance, write_record
 
 SOURCE = Path(__file__).with_name("cuda_kernel_a_loop.cu")
-ALTS = {"int": [], "copy": ["-DCOPY_ONLY"], "bulk": ["-DCOPY_ONLY", "-DBULK_COPY"],
-        "chunk-major": ["-DCOPY_ONLY", "-DCHUNK_MAJOR"]}
+ALTS = {"int": [], "copy": ["-DCOPY_ONLY"]}
 
 
 def parse_variants(text: str) -> list[tuple[int, int]]:
