@@ -41,7 +41,8 @@
 # cuda_op_<path>.json each and a table of all),
 # SELECT (selection paths the SparQ op tests run, default "auto cluster sweep bound": the test-only
 # switch SPARQ_CUDA_SELECT), SPARQ_TESTS_K (a pytest -k expression for the SparQ op tests), TEST_PARTS (which of the
-# test stage's parts run, default "sparq centroid model"), BASE_SELECT (for the base build, default "auto"), RUNS,
+# test stage's parts run, default "sparq centroid model"; sanitize takes its sparq and centroid), SANITIZE_SELECT (the
+# selection paths sanitize runs, default "cluster sweep bound"), BASE_SELECT (for the base build, default "auto"), RUNS,
 # SEQS, BATCHES, ROUNDS (op; BATCHES also batched), CACHE_TYPE (batched: K and V of that type, e.g. q8_0, into
 # $OUT/cuda_batched_<type>.json),
 # CUDA_ARCH (default 90), OUT (default /tmp/out), DEPTHS (e2e). ccache is used where the machine has it, or where .device/debs
@@ -59,6 +60,7 @@ BUILD=$REPO/build/cuda
 BASE_SRC=$REPO/build/base-src
 BASE_BUILD=$BASE_SRC/build/cuda   # same depth below its tree as build/cuda: ccache (base dir $REPO) shares the upstream objects
 SELECT=${SELECT:-auto cluster sweep bound}
+SANITIZE_SELECT=${SANITIZE_SELECT:-cluster sweep bound}
 TEST_PARTS=${TEST_PARTS:-sparq centroid model}
 BASE_SELECT=${BASE_SELECT:-auto}
 export PYTHONUNBUFFERED=1 DEVICE_SH_STAGES="$*"
@@ -219,7 +221,8 @@ CENTROID_RACECHECK="(matches_reference_and_cpu and (1-0.1 or 6-0.3)) or (selecte
 
 stage_sanitize() {
     local rc=0 path tool
-    for path in cluster sweep bound; do
+    for path in $SANITIZE_SELECT; do
+        [[ " $TEST_PARTS " == *" sparq "* ]] || break
         check "memcheck_sparq_$path" "$REPO" "$BUILD" "$SPARQ_COMMIT" SPARQ_CUDA_SELECT=$path -- timeout 300 \
             compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
             tests/test_op_sparq_attn_cuda.py -k "$SPARQ_MEMCHECK" || rc=1
@@ -227,6 +230,7 @@ stage_sanitize() {
             compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
             tests/test_op_sparq_attn_cuda.py -k "$SPARQ_RACECHECK" || rc=1
     done
+    [[ " $TEST_PARTS " == *" centroid "* ]] || return $rc
     check memcheck_centroid "$REPO" "$BUILD" "$SPARQ_COMMIT" -- timeout 300 \
         compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
         tests/test_op_centroid_attn_cuda.py -k "$CENTROID_MEMCHECK" || rc=1
