@@ -33,7 +33,8 @@ constexpr int QK = 32, BLK = 34, CELLS = 8, WARPS = 8, THREADS = 32*WARPS, CHUNK
 #ifndef RING_N
 #define RING_N 4
 #endif
-constexpr int ROWS = ROWS_N, RING = RING_N, WARP_BLOCKS = 32*CELLS/QK, WARP_BYTES = WARP_BLOCKS*BLK, PIECES = WARP_BYTES/16;
+constexpr int ROWS = ROWS_N, RING = RING_N;  // a warp's ring: RING stages of ROWS K^T rows
+constexpr int WARP_BLOCKS = 32*CELLS/QK, WARP_BYTES = WARP_BLOCKS*BLK, PIECES = WARP_BYTES/16;
 constexpr int STAGE_ROW = WARP_BYTES + 16, D = 128;
 static_assert(WARP_BYTES % 16 == 0 && PIECES <= 32, "a warp's blocks are whole 16-byte pieces");
 
@@ -52,7 +53,9 @@ __device__ __forceinline__ void copy16(void * dst, const void * src, int n) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(src), "r"(n) : "memory");
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+template <int N> __device__ __forceinline__ void wait_groups() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
 __device__ __forceinline__ float i8f(uint32_t biased, int e) {
     return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | (uint32_t) e)) - 8388736.0f;
 }
@@ -64,7 +67,8 @@ struct Ring {
         if (t < n_stages && lane < PIECES) {
 #pragma unroll
             for (int u = 0; u < ROWS; ++u) {
-                copy16(stage + ((t % RING)*ROWS + u)*STAGE_ROW + 16*lane, src + (uint64_t) i1[t*ROWS + u]*(uint32_t) row_bytes, piece);
+                const uint8_t * row = src + (uint64_t) i1[t*ROWS + u]*(uint32_t) row_bytes;
+                copy16(stage + ((t % RING)*ROWS + u)*STAGE_ROW + 16*lane, row, piece);
             }
         }
         commit();
@@ -124,7 +128,8 @@ __global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
             const int i = part*per + j;
             float s = 0.0f;
             if (j < per && bl < n_valid) {
-                s = __half2float(*(const half *) (rowbase + (uint64_t) i1s[i]*(uint32_t) a.row_bytes + (first_block + bl)*BLK));
+                const uint8_t * row = rowbase + (uint64_t) i1s[i]*(uint32_t) a.row_bytes;
+                s = __half2float(*(const half *) (row + (first_block + bl)*BLK));
             }
 #pragma unroll
             for (int g = 0; g < G; ++g) {
@@ -164,7 +169,8 @@ __global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
                 uint32_t lo[4], hi[4];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
-                    const uint32_t * wp = (const uint32_t *) (stage + ((t % RING)*ROWS + 4*h + u)*STAGE_ROW + (val & ~3));
+                    const uint8_t * row = stage + ((t % RING)*ROWS + 4*h + u)*STAGE_ROW;
+                    const uint32_t * wp = (const uint32_t *) (row + (val & ~3));
                     lo[u] = __funnelshift_r(wp[0], wp[1], shift);
                     hi[u] = __funnelshift_r(wp[1], wp[2], shift);
                 }
@@ -262,7 +268,10 @@ static void run(const char * name, int R, int n_kv, int runs) {
         const float spread = 0.2f + 2.8f*(float) ((i*37) % D)/D;
         for (int b = 0; b < nb; ++b) {
             float v[QK], amax = 0.0f;
-            for (int c = 0; c < QK; ++c) { v[c] = b*QK + c < n_kv ? spread*nd(rng) : 0.0f; amax = std::max(amax, std::fabs(v[c])); }
+            for (int c = 0; c < QK; ++c) {
+                v[c] = b*QK + c < n_kv ? spread*nd(rng) : 0.0f;
+                amax = std::max(amax, std::fabs(v[c]));
+            }
             const float dsc = amax/127.0f, inv = dsc > 0 ? 1.0f/dsc : 0.0f;
             uint8_t * blkp = &kt[((size_t) r*D + i)*row_bytes + (size_t) b*BLK];
             const uint16_t hs = f2h(dsc); memcpy(blkp, &hs, 2);
@@ -300,7 +309,8 @@ static void run(const char * name, int R, int n_kv, int runs) {
     for (int r = 0; r < R; r += std::max(1, R/4)) for (int g = 0; g < G; ++g) for (int b = 0; b < nb; b += 37) {
         float w[64], m = 0.0f;
         for (int i = 0; i < k1; ++i) {
-            const float s = h2f(*(const uint16_t *) &kt[((size_t) r*D + i1[(size_t) r*k1 + i])*row_bytes + (size_t) b*BLK]);
+            const size_t row = (size_t) r*D + i1[(size_t) r*k1 + i];
+            const float s = h2f(*(const uint16_t *) &kt[row*row_bytes + (size_t) b*BLK]);
             w[i] = q[((size_t) r*G + g)*k1 + i]*s; m = std::max(m, std::fabs(w[i]));
         }
         const float inv = m > 0 ? 127.0f/m : 0.0f, C = m/127.0f;
@@ -345,7 +355,9 @@ static void run(const char * name, int R, int n_kv, int runs) {
            name, R, G, n_kv, k1, RING, ROWS, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
            (long long) int_mismatch, (long long) checked, runs);
     fflush(stdout);
-    CK(cudaFree(d_kt)); CK(cudaFree(d_i1)); CK(cudaFree(d_q)); CK(cudaFree(d_lf)); CK(cudaFree(d_li)); CK(cudaFree(d_bm));
+    for (void * p : {(void *) d_kt, (void *) d_i1, (void *) d_q, (void *) d_lf, (void *) d_li, (void *) d_bm}) {
+        CK(cudaFree(p));
+    }
     CK(cudaFree(d_flush));
 }
 
