@@ -5,12 +5,14 @@
 //     with one scale, as the q4 index does; each thread's 4 component rows x 8 cells transposed by byte permutes into
 //     8 words of 4 components, one dp4a a word and head; every row's block scale read first);
 //   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor.
-// RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's). Same grid, warps, cells per thread and
+// RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's), WARPS_N warps a block (default 4, the kernel's;
+// a block's chunk is 256 cells a warp, 16 warps an SM's register budget). Same grid, warps, cells per thread and
 // asynchronous-copy ring as the real kernel; each writes the logits and each 8-cell block's maximum, nothing else.
 // Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
 // (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout.
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY] [-DRING_N=4 -DROWS_N=8] -o loop cuda_kernel_a_loop.cu
+//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4] -o loop \
+//       cuda_kernel_a_loop.cu
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -26,7 +28,11 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
     fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
 
-constexpr int QK = 32, BLK = 34, CELLS = 8, WARPS = 8, THREADS = 32*WARPS, CHUNK = THREADS*CELLS;
+#ifndef WARPS_N
+#define WARPS_N 4
+#endif
+constexpr int QK = 32, BLK = 34, CELLS = 8, WARPS = WARPS_N, THREADS = 32*WARPS, CHUNK = THREADS*CELLS;
+static_assert(16 % WARPS == 0, "16 warps an SM are whole blocks");
 #ifndef ROWS_N
 #define ROWS_N 8
 #endif
@@ -76,7 +82,7 @@ struct Ring {
 };
 
 template <int G, bool INT>
-__global__ void __launch_bounds__(THREADS, 2) scores(Args a) {
+__global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     extern __shared__ uint8_t smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = blockIdx.y, k1 = a.k1;
     float * qs = (float *) smem;                                     // [G][k1]
@@ -349,10 +355,10 @@ static void run(const char * name, int R, int n_kv, int runs) {
     const char * alt = "int";
 #endif
     printf("{\"heads\": \"%s\", \"rows\": %d, \"group\": %d, \"n_kv\": %d, \"k1\": %d, \"ring\": %d, "
-           "\"rows_per_stage\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, \"float_cold_us\": %.2f, "
+           "\"rows_per_stage\": %d, \"warps\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, \"float_cold_us\": %.2f, "
            "\"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, \"float_max_rel_err\": %.2e, "
            "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d}\n",
-           name, R, G, n_kv, k1, RING, ROWS, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
+           name, R, G, n_kv, k1, RING, ROWS, WARPS, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
            (long long) int_mismatch, (long long) checked, runs);
     fflush(stdout);
     for (void * p : {(void *) d_kt, (void *) d_i1, (void *) d_q, (void *) d_lf, (void *) d_li, (void *) d_bm}) {

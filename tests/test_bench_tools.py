@@ -333,4 +333,4 @@ def test_kernel_a_loop_bench_variants_and_source():
         with pytest.raises(ValueError):
             loop.parse_variants(bad)
     source = loop.SOURCE.read_text()
-    assert all(m in source for m in ("RING_N", "ROWS_N", "COPY_ONLY"))
+    assert all(m in source for m in ("RING_N", "ROWS_N", "WARPS_N", "COPY_ONLY"))

@@ -34,12 +34,17 @@ namespace {
 
 using namespace attn_cuda;  // pdl_wait, to_f32, load8, load8_row
 
-constexpr int      A_THREADS   = 256;
+// Kernel A's blocks are 4 warps, a chunk 1024 cells: with Llama-3 heads a model's 32k cache (33024 cells, 8 rows)
+// made 136 blocks of 8 warps for 132 SMs, and the 4 SMs that ran two took the kernel's time; 264 blocks of 4 warps
+// spread evenly (its loop alone, H100: 22.6 -> 16.8 us cold at 33024 cells; Llama-2 heads 43.6 -> 43.0, and at
+// 131072 cells 47.7 -> 46.8 and 120.9 -> 120.1: bench/results/cuda_kernel_a_loop.json).
+constexpr int      A_THREADS   = 128;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
 constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
 constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
+constexpr int      Q_THREADS   = 256;                    // kernels Q and P: one block per row
 constexpr int      B_THREADS   = 256;
-constexpr int      B_CELLS     = 8;                      // cells per thread in kernel B's sweep (lane + 32u)
+constexpr int      B_CELLS     = 4;                      // cells per thread in kernel B's sweep (lane + 32u): A's chunk
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
 constexpr int      MAX_HEAD_DIM = 1024;
@@ -47,6 +52,7 @@ constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
 constexpr int      N_CTR       = 8;                      // per-row counters (see counter)
 static_assert(A_THREADS % WARP_SIZE == 0 && A_WARPS <= WARP_SIZE, "block reductions: the warps' results fit one warp");
+static_assert(Q_THREADS % WARP_SIZE == 0 && Q_THREADS / WARP_SIZE <= WARP_SIZE, "block reductions as for kernel A");
 static_assert(B_THREADS % WARP_SIZE == 0 && B_THREADS / WARP_SIZE <= WARP_SIZE, "block reductions as for kernel A");
 
 // Programmatic dependent launch (Hopper; pdl_wait in attn-cuda-common.cuh): each kernel is launched dependent on its

@@ -214,14 +214,14 @@ static __device__ void key_sigma(const sparq_args & a, const row_coords & c, flo
 }
 
 // Kernel Q's shared memory, in this order: for select qsigma without kstat the pass over K's partial sums
-// [3][A_THREADS] doubles; absum and rank [d] each; for select qsigma sigma [d]; with the fast path the row's queries
+// [3][Q_THREADS] doubles; absum and rank [d] each; for select qsigma sigma [d]; with the fast path the row's queries
 // [G][d] (the fast path runs where absum, rank and the queries fit in Q_SMEM_MAX bytes; row_query elsewhere).
 constexpr size_t Q_SMEM_MAX = 32 << 10;
 __host__ __device__ inline bool query_fast(int64_t d, int64_t G) {
     return sizeof(float) * (G + 2)*d <= Q_SMEM_MAX;
 }
 __host__ __device__ inline size_t query_red_doubles(const sparq_args & a) {
-    return a.p.select == GGML_SPARQ_SELECT_QSIGMA && !a.kstat ? 3*A_THREADS : 0;
+    return a.p.select == GGML_SPARQ_SELECT_QSIGMA && !a.kstat ? 3*Q_THREADS : 0;
 }
 __host__ inline size_t query_smem(const sparq_args & a) {
     const bool qsigma = a.p.select == GGML_SPARQ_SELECT_QSIGMA;
@@ -234,7 +234,7 @@ __host__ inline size_t query_smem(const sparq_args & a) {
 // its code (ptxas, sm_90a: select q's instance 40 registers and 8 bytes of spill; one instance serving both took 48
 // registers and 40 bytes of spill).
 template <bool QSIGMA>
-__global__ void __launch_bounds__(A_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
+__global__ void __launch_bounds__(Q_THREADS) sparq_query(const sparq_args a, const sparq_scratch s, int64_t r0) {
     extern __shared__ double smq_d[];  // layout: query_smem
     __shared__ int i1[MAX_HEAD_DIM];
     __shared__ float fac[MAX_G];

@@ -9,19 +9,22 @@
 
 namespace {
 
-// Kernel A: K^T rows in flight per thread (16 bytes of each for f16/bf16) and blocks per SM (the register
-// budget: 64K / (256 * blocks) per thread; a_min_blocks below). For K^T, two blocks of 16 rows in flight beat
-// three of 8 (H100, Llama-2 heads: 36.4 vs 39.2 us at 32k, 58.6 vs 65.3 at 64k): half the DRAM round trips per
-// block, and 2 blocks per SM make 1.94 waves of the 32k grid (16 x 32 blocks) where 3 made 1.29, whose last 0.29
-// wave ran ~12 us alone at a fraction of the bandwidth. With 3-4 heads per pass (GQA, G = 4) 8 rows in flight fit
+// Kernel A: K^T rows in flight per thread (16 bytes of each for f16/bf16) and warps per SM (the register
+// budget: 64K / (32 * warps) per thread; a_min_blocks below). For K^T, 16 warps of 16 rows in flight beat 24 warps
+// of 8 (H100, Llama-2 heads: 36.4 vs 39.2 us at 32k, 58.6 vs 65.3 at 64k): half the DRAM round trips per
+// block, and 16 warps per SM made 1.94 waves of the 32k grid where 24 made 1.29, whose last 0.29 wave ran ~12 us
+// alone at a fraction of the bandwidth. With 3-4 heads per pass (GQA, G = 4) 8 rows in flight fit
 // 128 registers without spill but make Llama-3's kernel A slower (26.7 vs 24.7 us at 33024 cells, 31.1 vs 27.4 at
 // 65792), so 4 stay.
 template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
     return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
-// Kernel A's blocks per SM: 2 for K^T (above) and for 4-8 heads per pass; the gather and exact scores of 1-2
-// heads keep 3 (no rows in flight to trade for it: more blocks hide their per-cell round trips).
-template <int POL, int NG> constexpr int a_min_blocks() { return POL == SC_KT || POL == SC_Q4 || NG > 2 ? 2 : 3; }
+// Kernel A's blocks per SM: 16 warps for K^T (above) and for 4-8 heads per pass; the gather and exact scores of 1-2
+// heads keep 24 (no rows in flight to trade for it: more warps hide their per-cell round trips).
+template <int POL, int NG> constexpr int a_min_blocks() {
+    return (POL == SC_KT || POL == SC_Q4 || NG > 2 ? 16 : 24) / A_WARPS;
+}
+static_assert(16 % A_WARPS == 0 && 24 % A_WARPS == 0, "kernel A's warps per SM are whole blocks");
 
 // Kernel A's K^T loads: each row is read once per decode step, so they skip L1 and leave L2 first
 // (evict-first policy), which keeps the logits that kernels P and B read next in L2. Plain loads before sm_80.

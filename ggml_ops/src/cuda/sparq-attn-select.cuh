@@ -366,7 +366,7 @@ static __device__ void prepare_row(const sparq_args & a, const sparq_scratch & s
 // Kernel P, one block per row: merges kernel A's chunk statistics and sets the row's candidate threshold. A
 // kernel of its own (not kernel A's last block) so that kernel A carries none of its shared memory and runs
 // more blocks per SM.
-__global__ void __launch_bounds__(A_THREADS) sparq_prepare(const sparq_args a, const sparq_scratch s, int64_t r0) {
+__global__ void __launch_bounds__(Q_THREADS) sparq_prepare(const sparq_args a, const sparq_scratch s, int64_t r0) {
     SPARQ_TL_SCOPE(TL_P);
     pdl_wait();
     SPARQ_TL_WAITED();

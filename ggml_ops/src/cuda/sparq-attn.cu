@@ -374,7 +374,7 @@ static void launch_all(int pol, int ng, int vpt, dim3 grid_a, size_t smem_a, int
         launch_pbs<8>(nw, stream, a, s, r0);
     } else {
         const dim3 rows((unsigned) nw), grid_b((unsigned) a.n_chunks_b, (unsigned) nw);
-        ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, A_THREADS, 0, stream), a, s, r0);
+        ggml_cuda_kernel_launch(sparq_prepare, ggml_cuda_kernel_launch_params(rows, Q_THREADS, 0, stream), a, s, r0);
         ggml_cuda_kernel_launch(sparq_sweep, ggml_cuda_kernel_launch_params(grid_b, B_THREADS, sizeof(uint64_t)*B_CHUNK, stream),
                                 a, s, r0);
         ensure_smem<sparq_select>(smem_s);
@@ -387,11 +387,11 @@ static bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 // Kernel A's heads per pass (its instances: 1, 2, 4, 8) for a group of G query heads
 static int heads_per_pass(int64_t G) { return G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1; }
 // Kernel A's head groups (blocks per chunk) for n_blocks = chunks x rows: the largest divisor of G whose grid stays
-// within one wave of A_WAVE_PER_SM blocks per SM. With few rows (GQA heads, short rows) one block per chunk and row
-// leaves kernel A latency bound: H200, Llama-3 heads at 32k (128 blocks, q4 index): 7.8 warps per SM issuing 0.26 a
-// cycle. The sibling blocks of a chunk are adjacent in the grid, so they read its K^T or index rows at about the
+// within one wave of A_WAVE_PER_SM blocks (16 warps) per SM. With few rows (GQA heads, short rows) one block per chunk
+// and row leaves kernel A latency bound: H200, Llama-3 heads at 32k (128 blocks of 8 warps, q4 index): 7.8 warps per
+// SM issuing 0.26 a cycle. The sibling blocks of a chunk are adjacent in the grid, so they read its K^T or index rows at about the
 // same time and L2 serves all but the first read.
-constexpr int A_WAVE_PER_SM = 2;
+constexpr int A_WAVE_PER_SM = 16 / A_WARPS;
 static int a_head_groups(int64_t n_blocks, int64_t G, int n_sm) {
     int groups = 1;
     for (int64_t hg = 2; hg <= G; ++hg) {
@@ -600,11 +600,11 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         if ((pol == SC_KT || pol == SC_GATHER) && a.p.select == GGML_SPARQ_SELECT_QSIGMA) {
             ensure_smem<sparq_query<true>>(smem_q);
             ggml_cuda_kernel_launch(sparq_query<true>,
-                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
+                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), Q_THREADS, smem_q, stream), a, s, r0);
         } else if (pol == SC_KT || pol == SC_GATHER) {
             ensure_smem<sparq_query<false>>(smem_q);
             ggml_cuda_kernel_launch(sparq_query<false>,
-                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), A_THREADS, smem_q, stream), a, s, r0);
+                                    ggml_cuda_kernel_launch_params(dim3((unsigned) nw), Q_THREADS, smem_q, stream), a, s, r0);
         }
         launch_all(pol, ng, vpt, grid_a, smem_a, nw, smem_s, sel, stream, a, s, r0);
 #ifdef SPARQ_CUDA_INSTRUMENT
