@@ -36,15 +36,16 @@ using namespace attn_cuda;  // pdl_wait, to_f32, load8, load8_row
 
 // Kernel A's blocks are 4 warps, a chunk 1024 cells: with Llama-3 heads a model's 32k cache (33024 cells, 8 rows)
 // made 136 blocks of 8 warps for 132 SMs, and the 4 SMs that ran two took the kernel's time; 264 blocks of 4 warps
-// spread evenly (its loop alone, H100: 22.6 -> 16.8 us cold at 33024 cells; Llama-2 heads 43.6 -> 43.0, and at
-// 131072 cells 47.7 -> 46.8 and 120.9 -> 120.1: bench/results/cuda_kernel_a_loop.json).
+// spread evenly (its loop alone, H100: 22.8 -> 16.8 us cold at 33024 cells; with Llama-2 heads, and at 131072
+// cells, within 0.5 us: bench/results/cuda_kernel_a_loop.json; llama-bench, Llama-3 shape at 32k: 0.94x -> 0.99x
+// dense, cuda_e2e.json). Kernel B's sweep takes kernel A's chunks (A_CHUNK == B_CHUNK), hence its 4 cells a thread.
 constexpr int      A_THREADS   = 128;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
 constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
 constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
 constexpr int      Q_THREADS   = 256;                    // kernels Q and P: one block per row
 constexpr int      B_THREADS   = 256;
-constexpr int      B_CELLS     = 4;                      // cells per thread in kernel B's sweep (lane + 32u): A's chunk
+constexpr int      B_CELLS     = 4;                      // cells per thread in kernel B's sweep (lane + 32u)
 constexpr int64_t  B_CHUNK     = B_THREADS * B_CELLS;
 constexpr int      MAX_G       = 64;                     // query heads per KV head (row statistics in shared memory)
 constexpr int      MAX_HEAD_DIM = 1024;
