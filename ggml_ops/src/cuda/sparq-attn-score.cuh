@@ -19,8 +19,8 @@ namespace {
 template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
     return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
-// Kernel A's blocks per SM: 16 warps for K^T (above) and for 4-8 heads per pass; the gather and exact scores of 1-2
-// heads keep 24 (no rows in flight to trade for it: more warps hide their per-cell round trips).
+// Kernel A's blocks per SM, counted in warps: 16 for K^T (above) and for 4-8 heads per pass; the gather and exact
+// scores of 1-2 heads keep 24 (no rows in flight to trade for it: more warps hide their per-cell round trips).
 template <int POL, int NG> constexpr int a_min_blocks() {
     return (POL == SC_KT || POL == SC_Q4 || NG > 2 ? 16 : 24) / A_WARPS;
 }
