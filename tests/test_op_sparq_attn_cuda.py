@@ -101,22 +101,22 @@ def test_q4_index_long_rows_match_reference_and_cpu(kv_dtype, group):
 
 @pytest.mark.parametrize("group", [1, 4])
 def test_q4_index_rows_beyond_one_wave_match_reference_and_cpu(group):
-    """40 rows of 5 chunks: 200 blocks of kernel A, more than one wave on any current GPU (the other q4 cases fit in
-    one)."""
+    """40 rows of 17 chunks: 680 blocks of kernel A, more than one wave (16 warps an SM) on any current GPU (the other
+    q4 cases fit in one)."""
     rng = np.random.default_rng(77 + group)
-    q, k, v = make_case(rng, n_head_kv=40, group=group, n_q=1, n_kv=8300, d=128, d_v=64, ns=1)
-    mask = make_mask(rng, "holes", 1, 8300)
+    q, k, v = make_case(rng, n_head_kv=40, group=group, n_q=1, n_kv=16400, d=128, d_v=64, ns=1)
+    mask = make_mask(rng, "holes", 1, 16400)
     got, cpu, want = both_backends(q, k, v, mask, "f16", k1=128, k2=64, index="q4", layout="kt")
     assert_close(got, want, "f16", f"q4 index, 40 rows, group {group}")
     assert_close(got, cpu, "f16", f"q4 index, 40 rows, group {group}")
 
 
 @pytest.mark.parametrize("index", ["q4", "q8", "exact"])
-@pytest.mark.parametrize("n_head_kv", [1, 10, 20, 27])
+@pytest.mark.parametrize("n_head_kv", [1, 10, 20, 30])
 def test_gqa_rows_split_over_head_groups_match_reference_and_cpu(n_head_kv, index):
-    """Groups of 6 heads on rows of 5 chunks: with 5, 50, 100 and 135 blocks of chunks and rows, kernel A splits each
-    chunk's heads over 6, 3, 2 and 1 blocks on a 132-SM GPU (its grid within one wave of two blocks an SM), so passes
-    of 1 head, of 2, of 4 holding 3 (one past the group), and of 8 holding 6."""
+    """Groups of 6 heads on rows of 9 chunks: with 9, 90, 180 and 270 blocks of chunks and rows, kernel A splits each
+    chunk's heads over 6, 3, 2 and 1 blocks on a 132-SM GPU (its grid within one wave of 16 warps an SM: 528 blocks of
+    4 warps), so passes of 1 head, of 2, of 4 holding 3 (one past the group), and of 8 holding 6."""
     rng = np.random.default_rng(300 + n_head_kv)
     q, k, v = make_case(rng, n_head_kv=n_head_kv, group=6, n_q=1, n_kv=9000, d=64, d_v=64, ns=1)
     mask = make_mask(rng, "holes", 1, 9000)
