@@ -3,7 +3,8 @@
 
 Llama-2-7B heads (32 q / 32 kv, d = 128; `--heads llama3-8b`: 32 q / 8 kv), f16 KV, the default index and selection
 (q8 + qsigma; `--index f16 --select q`: the paper's), k1 = the index's default (1/8 of dense bytes: d/2 for q8, d/4 for
-f16), k2 = 128, S in {4k, 16k, 32k, 64k, 128k}, B in {1, 16} sequences (streams of S cells each). Median of N interleaved runs per op. Reports time, the
+f16), k2 = 128, S in {4k, 8448, 32k, 33024, 65792, 128k} (8448, 33024 and 65792: llama-bench's caches at depth 8k,
+32k and 64k), B in {1, 16} sequences (streams of S cells each). Median of N interleaved runs per op. Reports time, the
 bandwidth each op achieves on the paper's transfer model, the speedup and the speedup the model predicts.
 
     python bench/cuda_op.py [--runs 50] [--out bench/results/cuda_op.json]
@@ -45,7 +46,7 @@ def measure(s: int, b: int, k1: int, k2: int, runs: int, index: str, select: str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=50)
-    ap.add_argument("--seqs", default="4096,16384,32768,65536,131072")
+    ap.add_argument("--seqs", default="4096,8448,32768,33024,65792,131072")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--k1", type=int, default=0, help="0: the index's default, 1/8 of dense bytes")
     ap.add_argument("--index", choices=INDEXES, default=DEFAULT_INDEX)

@@ -248,7 +248,7 @@ stage_op() {
                 suffix=$([ "$name" = base ] && echo _base)$([ "${OP_SELECT:-auto}" != auto ] && echo "_$path")
                 suffix=$suffix$([ "$round" -gt 1 ] && echo "_r$round")
                 with_build "$tree" "$build" "$commit" env SPARQ_CUDA_SELECT="$path" python3 bench/cuda_op.py \
-                    --runs "${RUNS:-50}" --seqs "${SEQS:-4096,16384,32768,65536,131072}" --batches "${BATCHES:-1,16}" \
+                    --runs "${RUNS:-50}" --seqs "${SEQS:-4096,8448,32768,33024,65792,131072}" --batches "${BATCHES:-1,16}" \
                     ${OP_ARGS:-} --out "$OUT/cuda_op$suffix.json" 2>&1 | tee "$OUT/cuda_op$suffix.log" | grep -v "^wrote"
                 files+=("$OUT/cuda_op$suffix.json")
             done
