@@ -43,6 +43,7 @@ constexpr int      A_THREADS   = 128;
 constexpr int      A_CELLS     = 8;                      // cells per thread: one 16-byte load of f16 K^T
 constexpr int64_t  A_CHUNK     = A_THREADS * A_CELLS;
 constexpr int      A_WARPS     = A_THREADS / WARP_SIZE;
+constexpr int      A_SM_WARPS  = 16;                     // kernel A's warps an SM: a_min_blocks, a_head_groups' wave
 constexpr int      Q_THREADS   = 256;                    // kernels Q and P: one block per row
 constexpr int      B_THREADS   = 256;
 constexpr int      B_CELLS     = 4;                      // cells per thread in kernel B's sweep (lane + 32u)
@@ -53,6 +54,7 @@ constexpr uint16_t F16_NEG_INF = 0xFC00;
 constexpr int64_t  WAVE_BYTES  = int64_t(256) << 20;     // scratch budget of one wave of rows
 constexpr int      N_CTR       = 8;                      // per-row counters (see counter)
 static_assert(A_THREADS % WARP_SIZE == 0 && A_WARPS <= WARP_SIZE, "block reductions: the warps' results fit one warp");
+static_assert(A_SM_WARPS % A_WARPS == 0 && (3*A_SM_WARPS/2) % A_WARPS == 0, "kernel A's warps an SM are whole blocks");
 static_assert(Q_THREADS % WARP_SIZE == 0 && Q_THREADS / WARP_SIZE <= WARP_SIZE, "block reductions as for kernel A");
 static_assert(B_THREADS % WARP_SIZE == 0 && B_THREADS / WARP_SIZE <= WARP_SIZE, "block reductions as for kernel A");
 

@@ -19,12 +19,12 @@ namespace {
 template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
     return (NG <= 2 ? 16 : 4) / (sizeof(T) == 4 ? 2 : 1);
 }
-// Kernel A's blocks per SM, counted in warps: 16 for K^T (above) and for 4-8 heads per pass; the gather and exact
-// scores of 1-2 heads keep 24 (no rows in flight to trade for it: more warps hide their per-cell round trips).
+// Kernel A's blocks per SM, counted in warps: A_SM_WARPS (16) for K^T (above) and for 4-8 heads per pass; the gather
+// and exact scores of 1-2 heads keep 24 (no rows in flight to trade for it: more warps hide their per-cell round
+// trips).
 template <int POL, int NG> constexpr int a_min_blocks() {
-    return (POL == SC_KT || POL == SC_Q4 || NG > 2 ? 16 : 24) / A_WARPS;
+    return (POL == SC_KT || POL == SC_Q4 || NG > 2 ? A_SM_WARPS : 3*A_SM_WARPS/2) / A_WARPS;
 }
-static_assert(16 % A_WARPS == 0 && 24 % A_WARPS == 0, "kernel A's warps per SM are whole blocks");
 
 // Kernel A's K^T loads: each row is read once per decode step, so they skip L1 and leave L2 first
 // (evict-first policy), which keeps the logits that kernels P and B read next in L2. Plain loads before sm_80.

@@ -387,11 +387,11 @@ static bool aligned16(const void * p) { return ((uintptr_t) p & 15) == 0; }
 // Kernel A's heads per pass (its instances: 1, 2, 4, 8) for a group of G query heads
 static int heads_per_pass(int64_t G) { return G >= 8 ? 8 : G >= 4 ? (G == 4 ? 4 : 8) : G >= 2 ? (G == 2 ? 2 : 4) : 1; }
 // Kernel A's head groups (blocks per chunk) for n_blocks = chunks x rows: the largest divisor of G whose grid stays
-// within one wave of A_WAVE_PER_SM blocks (16 warps) per SM. With few rows (GQA heads, short rows) one block per chunk
-// and row leaves kernel A latency bound: H200, Llama-3 heads at 32k (128 blocks of 8 warps, q4 index): 7.8 warps per
-// SM issuing 0.26 a cycle. The sibling blocks of a chunk are adjacent in the grid, so they read its K^T or index rows
-// at about the same time and L2 serves all but the first read.
-constexpr int A_WAVE_PER_SM = 16 / A_WARPS;
+// within one wave of A_WAVE_PER_SM blocks (A_SM_WARPS warps) per SM. With few rows (GQA heads, short rows) one block
+// per chunk and row leaves kernel A latency bound: H200, Llama-3 heads at 32k (128 blocks of 8 warps, q4 index): 7.8
+// warps per SM issuing 0.26 a cycle. The sibling blocks of a chunk are adjacent in the grid, so they read its K^T or
+// index rows at about the same time and L2 serves all but the first read.
+constexpr int A_WAVE_PER_SM = A_SM_WARPS / A_WARPS;
 static int a_head_groups(int64_t n_blocks, int64_t G, int n_sm) {
     int groups = 1;
     for (int64_t hg = 2; hg <= G; ++hg) {
