@@ -40,7 +40,8 @@ static_assert(A_CELLS == 8, "a block's cells are one thread's of kernel A, and t
 // documented, and U(b) and s(j) take different logits through it (relative error ~2^-21 per term).
 constexpr float BS_T_MARGIN = 1.0f - 1.0f/1024;
 
-constexpr int BS_BATCH = 4;  // blocks or cells of a thread whose loads are in flight together
+constexpr int BS_BATCH = 8;  // blocks or cells of a thread whose loads are in flight together, per head
+constexpr int BS_HEADS = 4;  // heads whose loads are in flight together: 8 rows of 4 heads leave the latency exposed
 
 // U(b) and L(b) of the blocks b0 + u*BS_THREADS (u < BS_BATCH; those past n_bb are not read), the terms in
 // group_scores' order and formula
@@ -51,17 +52,26 @@ __device__ __forceinline__ void bs_bounds(const float * bmax, int64_t n_bb_a, in
         up[u] = 0.0f;
         lo[u] = 0.0f;
     }
-    for (int64_t g = 0; g < G; ++g) {
-        float x[BS_BATCH];
+    for (int64_t g0 = 0; g0 < G; g0 += BS_HEADS) {
+        float x[BS_HEADS][BS_BATCH];
 #pragma unroll
-        for (int u = 0; u < BS_BATCH; ++u) {
-            x[u] = b0 + u*BS_THREADS < n_bb ? bmax[g*n_bb_a + b0 + u*BS_THREADS] : -INFINITY;
+        for (int h = 0; h < BS_HEADS; ++h) {
+#pragma unroll
+            for (int u = 0; u < BS_BATCH; ++u) {
+                const int64_t b = b0 + u*BS_THREADS;
+                x[h][u] = g0 + h < G && b < n_bb ? bmax[(g0 + h)*n_bb_a + b] : -INFINITY;
+            }
         }
 #pragma unroll
-        for (int u = 0; u < BS_BATCH; ++u) {
-            const float t = __expf(x[u] - rst[g]) * rst[G + g];
-            up[u] += t;
-            lo[u] = fmaxf(lo[u], t);
+        for (int h = 0; h < BS_HEADS; ++h) {
+            if (g0 + h < G) {
+#pragma unroll
+                for (int u = 0; u < BS_BATCH; ++u) {
+                    const float t = __expf(x[h][u] - rst[g0 + h]) * rst[G + g0 + h];
+                    up[u] += t;
+                    lo[u] = fmaxf(lo[u], t);
+                }
+            }
         }
     }
 }
@@ -248,7 +258,7 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
             in_row[u] = cells[u] < n_kv;
         }
         float score[BS_BATCH];  // every head's logits loaded whatever the cell's status; kept for candidates only
-        group_scores(lrow, n_kv, G, rst, cells, in_row, score);
+        group_scores<BS_BATCH, BS_HEADS>(lrow, n_kv, G, rst, cells, in_row, score);
 #pragma unroll
         for (int u = 0; u < BS_BATCH; ++u) {
             const int i = i0 + u*BS_THREADS;

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(PBS_THREADS, 3) sparq_pbs(const sparq_args a, 
     for (int v = 0; v < PBS_VEC; ++v) {
         raw_l[v] = 4*v < cpt ? pbs_logits4(a, lrow, n_kv, j0 + 4*v) : make_uint4(0, 0, 0, 0);
     }
-    const row_merge rm = merge_chunk_stats(a, s, w, rst, rank == 0, redl);
+    const row_merge rm = merge_chunk_stats<false>(a, s, w, rst, rank == 0, redl);
     SPARQ_TIMING_MARK(1);
     const int64_t kind = rm.n_vis == 0 ? ROW_EMPTY : rm.n_vis <= k2 ? ROW_DENSE : ROW_SPARSE;
     const int64_t w_lo = rm.p_max - a.window, s_hi = rm.p_min + a.sinks;  // window: pos > w_lo; sinks: pos < s_hi

@@ -180,9 +180,10 @@ __device__ bucket_state bucket_find(int64_t n, uint32_t need, uint32_t lo, int s
 }
 
 // Group scores of N cells j[u]: the sum over the group's heads of the approximate probability
-// exp(l - M_g) / Z_g (rstat = [M_g..., 1/Z_g...]); 0 where cand[u] is false. The logit loads of the N cells
-// are issued together. The one formula for the sample, the sweep and the fallback, so their keys agree.
-template <int N>
+// exp(l - M_g) / Z_g (rstat = [M_g..., 1/Z_g...]); 0 where cand[u] is false. The logit loads of the N cells of HB
+// heads are issued together (HB > 1 where few rows leave the loads' latency exposed); the terms are added in head
+// order whatever HB. The one formula for the sample, the sweep, the fallback and the bound, so their keys agree.
+template <int N, int HB = 1>
 __device__ __forceinline__ void group_scores(const float * lrow, int64_t n_kv, int64_t G, const float * rstat,
                                              const int64_t (&j)[N], const bool (&cand)[N], float (&c)[N],
                                              int64_t g_first = 0) {  // g_first > 0: c holds the heads before it
@@ -192,15 +193,23 @@ __device__ __forceinline__ void group_scores(const float * lrow, int64_t n_kv, i
             c[u] = 0.0f;
         }
     }
-    for (int64_t g = g_first; g < G; ++g) {
-        float lv[N];
+    for (int64_t g0 = g_first; g0 < G; g0 += HB) {
+        float lv[HB][N];
 #pragma unroll
-        for (int u = 0; u < N; ++u) {
-            lv[u] = cand[u] ? lrow[g*n_kv + j[u]] : -INFINITY;
+        for (int h = 0; h < HB; ++h) {
+#pragma unroll
+            for (int u = 0; u < N; ++u) {
+                lv[h][u] = cand[u] && g0 + h < G ? lrow[(g0 + h)*n_kv + j[u]] : -INFINITY;
+            }
         }
 #pragma unroll
-        for (int u = 0; u < N; ++u) {
-            c[u] += __expf(lv[u] - rstat[g]) * rstat[G + g];
+        for (int h = 0; h < HB; ++h) {
+            if (g0 + h < G) {
+#pragma unroll
+                for (int u = 0; u < N; ++u) {
+                    c[u] += __expf(lv[h][u] - rstat[g0 + h]) * rstat[G + g0 + h];
+                }
+            }
         }
     }
 }
@@ -220,28 +229,55 @@ __device__ inline sample_plan plan_sample(int64_t n_kv, int64_t n_top, int64_t c
     return { stride, (n_kv + stride - 1) / stride, target / stride };
 }
 
-// Kernel A's chunk statistics of row w merged (kernel P; every block of kernel PBS, the same loop so the same bits):
-// per head the softmax max M_g and 1/Z_g into rst [2G] (and into scratch where write_global; a warp per head, lanes
-// across chunks, one round of loads), and the visible cells and their position range, in every thread. Ends with
-// a barrier (rst complete).
+// Kernel A's chunk statistics of row w merged (kernels P and BS; every block of kernel PBS: the same loop, so the same
+// bits): per head the softmax max M_g and 1/Z_g into rst [2G] (and into scratch where write_global; a warp per head,
+// lanes across chunks), and the visible cells and their position range, in every thread. Ends with a barrier (rst
+// complete). WIDE: a lane's first 4 chunks (one round of loads to 128 chunks, 131072 cells) and the thread's first
+// chunk's visibility loaded together; kernel PBS, bound by its registers, takes the narrow form (one chunk, no early
+// load).
 struct row_merge {
     int64_t n_vis, p_min, p_max;
 };
+template <bool WIDE = true>
 static __device__ row_merge merge_chunk_stats(const sparq_args & a, const sparq_scratch & s, int64_t w, float * rst,
                                        bool write_global, int64_t * redl) {
     const int64_t G = a.group, nA = a.n_chunks_a;
+    constexpr int NL = WIDE ? 4 : 1;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     float * rstat = s.rstat + w*2*G;
+    // this thread's first chunk's visible cells and position range, loaded with the heads' statistics below
+    int32_t cv0[3] = { 0, 0, 0 };
+    if (WIDE && threadIdx.x < nA) {
+        const int32_t * cv = s.cvis + (w*nA + threadIdx.x)*3;
+        cv0[0] = cv[0];
+        cv0[1] = cv[1];
+        cv0[2] = cv[2];
+    }
     for (int64_t g = warp; g < G; g += blockDim.x / WARP_SIZE) {
         const float * cm = s.cmax + (w*G + g)*nA;
         const float * cs = s.csum + (w*G + g)*nA;
+        float cmv[NL], csv[NL];
+#pragma unroll
+        for (int e = 0; e < NL; ++e) {
+            const int64_t ch = lane + e*WARP_SIZE;
+            cmv[e] = ch < nA ? cm[ch] : -INFINITY;
+            csv[e] = ch < nA ? cs[ch] : 0.0f;
+        }
         float mx = -INFINITY;
-        for (int64_t ch = lane; ch < nA; ch += WARP_SIZE) {
+#pragma unroll
+        for (int e = 0; e < NL; ++e) {
+            mx = fmaxf(mx, cmv[e]);
+        }
+        for (int64_t ch = lane + NL*WARP_SIZE; ch < nA; ch += WARP_SIZE) {
             mx = fmaxf(mx, cm[ch]);
         }
         mx = warp_reduce(mx, op_max());
-        double total = 0.0;
-        for (int64_t ch = lane; ch < nA; ch += WARP_SIZE) {
+        double total = 0.0;  // a lane's chunks in ascending order
+#pragma unroll
+        for (int e = 0; e < NL; ++e) {
+            total += cmv[e] == -INFINITY ? 0.0 : csv[e] * exp((double) cmv[e] - mx);
+        }
+        for (int64_t ch = lane + NL*WARP_SIZE; ch < nA; ch += WARP_SIZE) {
             total += cm[ch] == -INFINITY ? 0.0 : cs[ch] * exp((double) cm[ch] - mx);
         }
         total = warp_reduce(total, op_add());
@@ -257,11 +293,17 @@ static __device__ row_merge merge_chunk_stats(const sparq_args & a, const sparq_
     }
     row_merge rm = { 0, INT64_MAX, INT64_MIN };
     for (int64_t ch = threadIdx.x; ch < nA; ch += blockDim.x) {
-        const int32_t * cv = s.cvis + (w*nA + ch)*3;
-        if (cv[0] > 0) {
-            rm.n_vis += cv[0];
-            rm.p_min = min(rm.p_min, (int64_t) cv[1]);
-            rm.p_max = max(rm.p_max, (int64_t) cv[2]);
+        int32_t n = cv0[0], p0 = cv0[1], p1 = cv0[2];
+        if (!WIDE || ch != threadIdx.x) {
+            const int32_t * cv = s.cvis + (w*nA + ch)*3;
+            n = cv[0];
+            p0 = cv[1];
+            p1 = cv[2];
+        }
+        if (n > 0) {
+            rm.n_vis += n;
+            rm.p_min = min(rm.p_min, (int64_t) p0);
+            rm.p_max = max(rm.p_max, (int64_t) p1);
         }
     }
     block_sum_min_max(rm.n_vis, rm.p_min, rm.p_max, redl);  // its barriers publish rst

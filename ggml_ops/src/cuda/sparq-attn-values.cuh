@@ -64,8 +64,20 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         }
         return;
     }
-    for (int64_t i = tid; i < n_sel; i += blockDim.x) {
+    // I2 loaded with the row's kind and size (its entries past n_sel are not read), and the mean-value mix's inputs
+    // with them: one round trip before the K rows
+    for (int64_t i = tid; i < k2; i += blockDim.x) {
         i2[i] = s.i2[w*k2 + i];
+    }
+    const bool mix = a.p.mean_on && tid < V_SLICE && dim0 + tid < d_v;
+    float mix_alpha = 0.0f, mix_vsum = 0.0f, mix_n = 0.0f;
+    if (mix) {
+        mix_alpha = s.alpha[w*G + g];  // written by the selection for sparse rows only; read for those only
+        if (a.vsum) {
+            const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
+            mix_vsum = vs[dim0 + tid];
+            mix_n = vs[d_v];
+        }
     }
     const int tpr = threads_per_row(d), slots = blockDim.x / tpr, slot = tid / tpr, lr = tid % tpr;
     const float * qg = q_row(a, c.h*G + g, c);
@@ -205,12 +217,11 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
         for (int q = 0; q < V_GROUPS; ++q) {
             y += part[q][tid];
         }
-        if (kind == ROW_SPARSE && a.p.mean_on) {
+        if (kind == ROW_SPARSE && mix) {
             const int64_t dim = dim0 + tid;
             float vmean;
             if (a.vsum) {
-                const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
-                vmean = vs[d_v] > 0.0f ? vs[dim] / vs[d_v] : 0.0f;
+                vmean = mix_n > 0.0f ? mix_vsum / mix_n : 0.0f;
             } else {
                 const uint16_t * m = mask_row(a, c);
                 float vsum = 0.0f;
@@ -225,8 +236,7 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
                 }
                 vmean = vsum / (float) ri[RI_N_VIS];
             }
-            const float al = s.alpha[w*G + g];
-            y = al*y + (1.0f - al)*vmean;
+            y = mix_alpha*y + (1.0f - mix_alpha)*vmean;
         }
         out[dim0 + tid] = y;
     }
