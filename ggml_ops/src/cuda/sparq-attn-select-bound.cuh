@@ -40,8 +40,8 @@ static_assert(A_CELLS == 8, "a block's cells are one thread's of kernel A, and t
 // documented, and U(b) and s(j) take different logits through it (relative error ~2^-21 per term).
 constexpr float BS_T_MARGIN = 1.0f - 1.0f/1024;
 
-constexpr int BS_BATCH = 8;  // blocks or cells of a thread whose loads are in flight together, per head
-constexpr int BS_HEADS = 4;  // heads whose loads are in flight together: 8 rows of 4 heads leave the latency exposed
+constexpr int BS_BATCH = 4;  // blocks or cells of a thread whose loads are in flight together, per head
+constexpr int BS_HEADS = 4;  // heads whose block maxima are loaded together (the bounds)
 
 // U(b) and L(b) of the blocks b0 + u*BS_THREADS (u < BS_BATCH; those past n_bb are not read), the terms in
 // group_scores' order and formula
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(BS_THREADS) sparq_bound_select(const sparq_arg
             in_row[u] = cells[u] < n_kv;
         }
         float score[BS_BATCH];  // every head's logits loaded whatever the cell's status; kept for candidates only
-        group_scores<BS_BATCH, BS_HEADS>(lrow, n_kv, G, rst, cells, in_row, score);
+        group_scores(lrow, n_kv, G, rst, cells, in_row, score);
 #pragma unroll
         for (int u = 0; u < BS_BATCH; ++u) {
             const int i = i0 + u*BS_THREADS;

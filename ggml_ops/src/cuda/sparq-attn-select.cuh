@@ -180,10 +180,9 @@ __device__ bucket_state bucket_find(int64_t n, uint32_t need, uint32_t lo, int s
 }
 
 // Group scores of N cells j[u]: the sum over the group's heads of the approximate probability
-// exp(l - M_g) / Z_g (rstat = [M_g..., 1/Z_g...]); 0 where cand[u] is false. The logit loads of the N cells of HB
-// heads are issued together (HB > 1 where few rows leave the loads' latency exposed); the terms are added in head
-// order whatever HB. The one formula for the sample, the sweep, the fallback and the bound, so their keys agree.
-template <int N, int HB = 1>
+// exp(l - M_g) / Z_g (rstat = [M_g..., 1/Z_g...]); 0 where cand[u] is false. The logit loads of the N cells
+// are issued together. The one formula for the sample, the sweep and the fallback, so their keys agree.
+template <int N>
 __device__ __forceinline__ void group_scores(const float * lrow, int64_t n_kv, int64_t G, const float * rstat,
                                              const int64_t (&j)[N], const bool (&cand)[N], float (&c)[N],
                                              int64_t g_first = 0) {  // g_first > 0: c holds the heads before it
@@ -193,23 +192,15 @@ __device__ __forceinline__ void group_scores(const float * lrow, int64_t n_kv, i
             c[u] = 0.0f;
         }
     }
-    for (int64_t g0 = g_first; g0 < G; g0 += HB) {
-        float lv[HB][N];
+    for (int64_t g = g_first; g < G; ++g) {
+        float lv[N];
 #pragma unroll
-        for (int h = 0; h < HB; ++h) {
-#pragma unroll
-            for (int u = 0; u < N; ++u) {
-                lv[h][u] = cand[u] && g0 + h < G ? lrow[(g0 + h)*n_kv + j[u]] : -INFINITY;
-            }
+        for (int u = 0; u < N; ++u) {
+            lv[u] = cand[u] ? lrow[g*n_kv + j[u]] : -INFINITY;
         }
 #pragma unroll
-        for (int h = 0; h < HB; ++h) {
-            if (g0 + h < G) {
-#pragma unroll
-                for (int u = 0; u < N; ++u) {
-                    c[u] += __expf(lv[h][u] - rstat[g0 + h]) * rstat[G + g0 + h];
-                }
-            }
+        for (int u = 0; u < N; ++u) {
+            c[u] += __expf(lv[u] - rstat[g]) * rstat[G + g];
         }
     }
 }
