@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(V_THREADS, 2) sparq_logits_values(const sparq_
     const bool mix = a.p.mean_on && tid < V_SLICE && dim0 + tid < d_v;
     float mix_alpha = 0.0f, mix_vsum = 0.0f, mix_n = 0.0f;
     if (mix) {
-        mix_alpha = s.alpha[w*G + g];  // written by the selection for sparse rows only; read for those only
+        mix_alpha = s.alpha[w*G + g];  // written by the selection for sparse rows only, used for those only
         if (a.vsum) {
             const float * vs = (const float *) (a.vsum + c.h*a.vs_nb1 + c.t*a.vs_nb2 + c.st*a.vs_nb3);
             mix_vsum = vs[dim0 + tid];
