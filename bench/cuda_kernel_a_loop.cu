@@ -4,14 +4,19 @@
 //   -DCOPY_ONLY absent: integer dot products (per head and 32-cell block the coefficients q_i * s_i,b rounded to int8
 //     with one scale, as the q4 index does; each thread's 4 component rows x 8 cells transposed by byte permutes into
 //     8 words of 4 components, one dp4a a word and head; every row's block scale read first);
-//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor.
+//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor;
+//   -DSTREAM=1: the same bytes read as one contiguous stream by plain 16-byte loads (16 a lane in flight), a warp's
+//     share (64 rows x 272 bytes) on the kernel's grid: the card's read rate for these bytes with the kernel's blocks;
+//   -DSTREAM=2: the same stream on one wave of blocks (16 warps an SM) that loop over the warps' shares: without the
+//     kernel's waves of short-lived blocks.
 // RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's), WARPS_N warps a block (default 4, the kernel's;
 // a block's chunk is 256 cells a warp, 16 warps an SM's register budget). Same grid, warps, cells per thread and
 // asynchronous-copy ring as the real kernel; each writes the logits and each 8-cell block's maximum, nothing else.
 // Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
 // (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout.
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4] -o loop \
+//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY | -DSTREAM=1 | -DSTREAM=2] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4]
+//       [-DTILES_N=1] -o loop \
 //       cuda_kernel_a_loop.cu
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -40,6 +45,13 @@ static_assert(16 % WARPS == 0, "16 warps an SM are whole blocks");
 #define RING_N 4
 #endif
 constexpr int ROWS = ROWS_N, RING = RING_N;  // a warp's ring: RING stages of ROWS K^T rows
+#ifndef TILES_N
+#define TILES_N 1
+#endif
+// A warp's tiles of 256 cells, one chunk apart (a block takes TILES whole chunks of a row, the grid TILES times fewer
+// blocks), its ring running on from one tile's last rows into the next tile's first: the float loop and the copies
+constexpr int TILES = TILES_N;
+static_assert(TILES >= 1, "at least one tile a warp");
 constexpr int WARP_BLOCKS = 32*CELLS/QK, WARP_BYTES = WARP_BLOCKS*BLK, PIECES = WARP_BYTES/16;
 constexpr int STAGE_ROW = WARP_BYTES + 16, D = 128;
 static_assert(WARP_BYTES % 16 == 0 && PIECES <= 32, "a warp's blocks are whole 16-byte pieces");
@@ -66,20 +78,43 @@ __device__ __forceinline__ float i8f(uint32_t biased, int e) {
     return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | (uint32_t) e)) - 8388736.0f;
 }
 
-// The ring of stages: stage t holds K^T rows i1[t*ROWS ..] of the warp's 8 blocks.
+// The ring of stages: stage t holds K^T rows i1[(t % per_tile)*ROWS ..] of the 8 blocks of the warp's tile
+// t / per_tile (the tile's blocks past the row's end zero-filled).
 struct Ring {
-    const uint8_t * src; const uint32_t * i1; int64_t row_bytes; int piece, lane, n_stages; uint8_t * stage;
+    const uint8_t * rowbase; const uint32_t * i1; int64_t row_bytes, first_block, nb; int lane, n_stages, per_tile;
+    uint8_t * stage;
     __device__ void issue(int t) const {
         if (t < n_stages && lane < PIECES) {
+            const int k = TILES > 1 ? t / per_tile : 0, st = TILES > 1 ? t % per_tile : t;
+            const int64_t fb = first_block + (int64_t) k*(CHUNK/QK);
+            const int n_valid = (int) (nb - fb < WARP_BLOCKS ? nb - fb : WARP_BLOCKS);
+            const int piece = min(max(n_valid*BLK - 16*lane, 0), 16);
+            const uint8_t * src = piece > 0 ? rowbase + fb*BLK + 16*lane : rowbase;
 #pragma unroll
             for (int u = 0; u < ROWS; ++u) {
-                const uint8_t * row = src + (uint64_t) i1[t*ROWS + u]*(uint32_t) row_bytes;
+                const uint8_t * row = src + (uint64_t) i1[st*ROWS + u]*(uint32_t) row_bytes;
                 copy16(stage + ((t % RING)*ROWS + u)*STAGE_ROW + 16*lane, row, piece);
             }
         }
         commit();
     }
 };
+
+// A tile's outputs: the logits of the thread's 8 cells from j0 and their maximum, per head
+template <int G>
+__device__ __forceinline__ void write_tile(const Args & a, int r, int64_t j0, const float (&out)[G][CELLS]) {
+    if (j0 >= a.n_kv) return;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < CELLS; ++c) mx = fmaxf(mx, out[g][c]);
+        float * lrow = a.logits + ((int64_t) r*G + g)*a.n_kv + j0;
+        ((float4 *) lrow)[0] = make_float4(out[g][0], out[g][1], out[g][2], out[g][3]);
+        ((float4 *) lrow)[1] = make_float4(out[g][4], out[g][5], out[g][6], out[g][7]);
+        a.bmax[((int64_t) r*G + g)*(a.n_kv/CELLS) + j0/CELLS] = mx;
+    }
+}
 
 template <int G, bool INT>
 __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
@@ -92,13 +127,16 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     for (int i = threadIdx.x; i < G*k1; i += THREADS) qs[i] = a.q[(int64_t) r*G*k1 + i];
     for (int i = threadIdx.x; i < k1; i += THREADS) i1s[i] = a.i1[(int64_t) r*k1 + i];
     __syncthreads();
-    const int64_t first_cell = (int64_t) blockIdx.x*CHUNK + warp*32*CELLS;
+    const int64_t first_cell = (int64_t) blockIdx.x*CHUNK*TILES + warp*32*CELLS;
     if (first_cell >= a.n_kv) return;
+    int n_tiles = 1;  // the warp's tiles with cells in the row
+    while (n_tiles < TILES && first_cell + (int64_t) n_tiles*CHUNK < a.n_kv) ++n_tiles;
     const int64_t first_block = first_cell / QK;
     const int n_valid = (int) (a.nb - first_block < WARP_BLOCKS ? a.nb - first_block : WARP_BLOCKS);
-    const int piece = min(max(n_valid*BLK - 16*lane, 0), 16);
     const uint8_t * rowbase = a.kt + (int64_t) r*D*a.row_bytes;
-    Ring ring{piece > 0 ? rowbase + first_block*BLK + 16*lane : rowbase, i1s, a.row_bytes, piece, lane, k1/ROWS, stage};
+    const int per_tile = k1/ROWS, n_t = n_tiles*per_tile;
+    const Ring ring{rowbase, i1s, a.row_bytes, first_block, a.nb, lane, n_t, per_tile, stage};
+    const int64_t j0 = first_cell + lane*CELLS;
     const int bl = lane / (QK/CELLS);
     const int blk = BLK*bl, val = blk + 2 + CELLS*(lane % (QK/CELLS)), shift = 8*(val % 4);
     for (int t = 0; t < RING - 1; ++t) ring.issue(t);
@@ -109,12 +147,19 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
 #ifdef COPY_ONLY
         uint32_t sink = 0;
 #pragma unroll 1
-        for (int t = 0; t < k1/ROWS; ++t) {
+        for (int t = 0; t < n_t; ++t) {
             ring.issue(t + RING - 1);
             wait_groups<RING - 1>();
             __syncwarp();
             sink += *(const uint32_t *) (stage + ((t % RING)*ROWS)*STAGE_ROW + (val & ~3));
             __syncwarp();
+            if (TILES > 1 && t % per_tile == per_tile - 1 && t < n_t - 1) {
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+#pragma unroll
+                    for (int c = 0; c < CELLS; ++c) out[g][c] = (float) sink;
+                write_tile<G>(a, r, j0 + (int64_t) (t / per_tile)*CHUNK, out);
+            }
         }
 #pragma unroll
         for (int g = 0; g < G; ++g)
@@ -123,6 +168,7 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
         cscale[0] = 0.0f;
     } else if constexpr (false) {
 #endif
+        static_assert(TILES == 1 || !INT, "the integer loop takes one tile a warp");
         // the coefficients of the thread's block: the block's 4 threads a quarter of the components each
         const int part = lane % 4, per = k1/4;
         float w[G][16];
@@ -207,10 +253,11 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     } else {
         float acc[G][CELLS] = {};
 #pragma unroll 1
-        for (int t = 0; t < k1/ROWS; ++t) {
+        for (int t = 0; t < n_t; ++t) {
             ring.issue(t + RING - 1);
             wait_groups<RING - 1>();
             __syncwarp();
+            const int st = TILES > 1 ? t % per_tile : t;
 #pragma unroll
             for (int u = 0; u < ROWS; ++u) {
                 const uint8_t * row = stage + ((t % RING)*ROWS + u)*STAGE_ROW;
@@ -223,31 +270,53 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
                 for (int e = 0; e < 4; ++e) { xf[e] = i8f(lo, e); xf[4 + e] = i8f(hi, e); }
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
-                    const float qv = __fmul_rn(qs[g*k1 + t*ROWS + u], xs);
+                    const float qv = __fmul_rn(qs[g*k1 + st*ROWS + u], xs);
 #pragma unroll
                     for (int c = 0; c < CELLS; ++c) acc[g][c] += qv*xf[c];
                 }
             }
             __syncwarp();
+            if (TILES > 1 && st == per_tile - 1 && t < n_t - 1) {
+                write_tile<G>(a, r, j0 + (int64_t) (t / per_tile)*CHUNK, acc);
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+#pragma unroll
+                    for (int c = 0; c < CELLS; ++c) acc[g][c] = 0.0f;
+            }
         }
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
             for (int c = 0; c < CELLS; ++c) out[g][c] = acc[g][c];
     }
-    const int64_t j0 = first_cell + lane*CELLS;
-    if (j0 >= a.n_kv) return;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < CELLS; ++c) mx = fmaxf(mx, out[g][c]);
-        float * lrow = a.logits + ((int64_t) r*G + g)*a.n_kv + j0;
-        ((float4 *) lrow)[0] = make_float4(out[g][0], out[g][1], out[g][2], out[g][3]);
-        ((float4 *) lrow)[1] = make_float4(out[g][4], out[g][5], out[g][6], out[g][7]);
-        a.bmax[((int64_t) r*G + g)*(a.n_kv/CELLS) + j0/CELLS] = mx;
-    }
+    write_tile<G>(a, r, j0 + (int64_t) (n_tiles - 1)*CHUNK, out);
 }
+
+#ifdef STREAM
+// The index's bytes as n_shares contiguous shares of a warp's bytes (WARP_BYTES per row, k1 rows), each read by one warp
+// with 16-byte loads, STREAM_LOADS a lane in flight; one word a thread written so that the loads are not dropped.
+constexpr int STREAM_LOADS = 16;
+__global__ void __launch_bounds__(THREADS) stream_read(const uint4 * src, int64_t n_shares, int64_t share_words,
+                                                       uint32_t * sink) {
+    const int lane = threadIdx.x % 32;
+    const int64_t n_warps = (int64_t) gridDim.x*WARPS;
+    uint32_t acc = 0;
+    for (int64_t sh = (int64_t) blockIdx.x*WARPS + threadIdx.x/32; sh < n_shares; sh += n_warps) {
+        const uint4 * p = src + sh*share_words;
+        for (int64_t w0 = 0; w0 < share_words; w0 += 32*STREAM_LOADS) {
+            uint4 v[STREAM_LOADS];
+#pragma unroll
+            for (int u = 0; u < STREAM_LOADS; ++u) {
+                const int64_t i = w0 + u*32 + lane;
+                v[u] = i < share_words ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < STREAM_LOADS; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+    }
+    sink[(int64_t) blockIdx.x*THREADS + threadIdx.x] = acc;
+}
+#endif
 
 static size_t smem_bytes(int G, int k1) {
     return (size_t) G*k1*4 + k1*4 + (size_t) WARPS*WARP_BLOCKS*G*(k1/4)*4 + (size_t) WARPS*RING*ROWS*STAGE_ROW;
@@ -255,7 +324,19 @@ static size_t smem_bytes(int G, int k1) {
 
 template <int G, bool INT>
 static void launch(const Args & a, int R, cudaStream_t st) {
-    dim3 grid((a.n_kv + CHUNK - 1)/CHUNK, R);
+    dim3 grid((a.n_kv + CHUNK*TILES - 1)/(CHUNK*TILES), R);
+#ifdef STREAM
+    if (INT) {  // the alternative: the stream (its sink is the integer loop's logits, unread)
+        static int n_sm = 0;
+        if (n_sm == 0) CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
+        const int64_t n_shares = (int64_t) R*((a.n_kv + 32*CELLS - 1)/(32*CELLS)), share_words = WARP_BYTES*a.k1/16;
+        const int64_t blocks = STREAM == 1 ? (int64_t) grid.x*grid.y : std::min<int64_t>((n_shares + WARPS - 1)/WARPS,
+                                                                                         (int64_t) n_sm*(16/WARPS));
+        stream_read<<<(unsigned) blocks, THREADS, 0, st>>>((const uint4 *) a.kt, n_shares, share_words,
+                                                         (uint32_t *) a.logits);
+        return;
+    }
+#endif
     scores<G, INT><<<grid, THREADS, smem_bytes(G, a.k1), st>>>(a);
 }
 
@@ -349,16 +430,18 @@ static void run(const char * name, int R, int n_kv, int runs) {
     }
     auto med = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size()/2]; };
     const double bytes = (double) R*nb*BLK*k1;
-#ifdef COPY_ONLY
+#if defined(COPY_ONLY)
     const char * alt = "copy";
+#elif defined(STREAM)
+    const char * alt = STREAM == 1 ? "stream" : "stream_wave";
 #else
     const char * alt = "int";
 #endif
     printf("{\"heads\": \"%s\", \"rows\": %d, \"group\": %d, \"n_kv\": %d, \"k1\": %d, \"ring\": %d, "
-           "\"rows_per_stage\": %d, \"warps\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, \"float_cold_us\": %.2f, "
+           "\"rows_per_stage\": %d, \"warps\": %d, \"tiles\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, \"float_cold_us\": %.2f, "
            "\"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, \"float_max_rel_err\": %.2e, "
            "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d}\n",
-           name, R, G, n_kv, k1, RING, ROWS, WARPS, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
+           name, R, G, n_kv, k1, RING, ROWS, WARPS, TILES, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
            (long long) int_mismatch, (long long) checked, runs);
     fflush(stdout);
     for (void * p : {(void *) d_kt, (void *) d_i1, (void *) d_q, (void *) d_lf, (void *) d_li, (void *) d_bm}) {

@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Kernel A's score loop over the q8 index alone (bench/cuda_kernel_a_loop.cu) on a lent GPU: the float loop of the
-op's kernel against integer dot products (dp4a) and against the ring's copies alone, for several ring depths, rows
+op's kernel against integer dot products (dp4a), against the ring's copies alone, and against the same bytes read as
+one contiguous stream of plain loads (on the kernel's grid, or on one wave of blocks), for several ring depths, rows
 per stage and warps a block. Builds each variant with nvcc (in parallel), runs them one after another and writes
 bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines).
 
-    python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--runs 30] [--seqs 33024,131072]
+    python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--tiles 1,2] [--runs 30]
+        [--seqs 33024,131072]
 
 A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block and
-alternative (integer dot products, the ring's copies alone), and every run times the float loop too, so every ratio
-is taken within one process. A row's float_max_rel_err checks the float loop against the host's float64 products;
-int_mismatches (of `checked` cells) checks the integer loop bit for bit, and means nothing for the copies alone.
+alternative (integer dot products, the ring's copies alone, the streams), and every run times the float loop too, so every ratio
+is taken within one process. --tiles gives a warp's tiles of 256 cells (a block's chunks, its ring running on from one
+into the next; the grid that many times fewer blocks): the copies are built with each (the float loop in the same
+binary with the same tiles), the other alternatives with one. A row's float_max_rel_err checks the float loop against the host's float64 products;
+int_mismatches (of `checked` cells) checks the integer loop bit for bit, and means nothing for the copies and the streams.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from typing import Any
 from record import RESULTS, provenance, write_record
 
 SOURCE = Path(__file__).with_name("cuda_kernel_a_loop.cu")
-ALTS = {"int": [], "copy": ["-DCOPY_ONLY"]}
+ALTS = {"int": [], "copy": ["-DCOPY_ONLY"], "stream": ["-DSTREAM=1"], "stream_wave": ["-DSTREAM=2"]}
 
 
 def parse_variants(text: str) -> list[tuple[int, int]]:
@@ -39,10 +43,10 @@ def parse_variants(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, alt: str, out_dir: Path) -> Path:
-    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_{alt}"
+def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, tiles: int, alt: str, out_dir: Path) -> Path:
+    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_{alt}"
     cmd = [nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-cudart", "static", f"-DRING_N={ring}", f"-DROWS_N={rows}",
-           f"-DWARPS_N={warps}",
+           f"-DWARPS_N={warps}", f"-DTILES_N={tiles}",
            *ALTS[alt], "-o", str(exe), str(SOURCE)]
     subprocess.run(cmd, check=True)
     return exe
@@ -53,6 +57,7 @@ def main() -> int:
     ap.add_argument("--variants", default="4x8,6x8,3x16")
     ap.add_argument("--alts", default=",".join(ALTS), help=f"alternatives to the float loop, of {', '.join(ALTS)}")
     ap.add_argument("--warps", default="4", help="warps a block (its chunk: 256 cells a warp), comma-separated")
+    ap.add_argument("--tiles", default="1", help="a warp's tiles (the copies' builds), comma-separated")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seqs", default="33024,131072")
     ap.add_argument("--timeout", type=float, default=120, help="seconds a variant may run")
@@ -64,6 +69,7 @@ def main() -> int:
         variants = parse_variants(args.variants)
         seqs = [int(s) for s in args.seqs.split(",")]
         warps = [int(w) for w in args.warps.split(",")]
+        tiles = [int(t) for t in args.tiles.split(",")]
     except ValueError as e:
         ap.error(str(e))
     alts = args.alts.split(",")
@@ -71,15 +77,18 @@ def main() -> int:
         ap.error(f"--alts: expected a comma-separated subset of {', '.join(ALTS)}, got {args.alts!r}")
     if any(w not in (1, 2, 4, 8, 16) for w in warps):
         ap.error(f"--warps: each of 1, 2, 4, 8, 16, got {args.warps!r}")
+    if any(t < 1 for t in tiles):
+        ap.error(f"--tiles: positive, got {args.tiles!r}")
     if args.runs < 1 or any(s < 1 for s in seqs):
         ap.error("--runs and --seqs must be positive")
     rec: dict[str, Any] = provenance("cuda_kernel_a_loop")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(ring, w, n_warps, alt) for ring, w in variants for n_warps in warps for alt in alts]
+        jobs = [(ring, w, n_warps, t, alt) for ring, w in variants for n_warps in warps for alt in alts
+                for t in (tiles if alt == "copy" else [1])]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             exes = list(pool.map(lambda j: build(args.nvcc, args.arch, *j, Path(tmp)), jobs))
-        for (ring, w, n_warps, alt), exe in zip(jobs, exes):
+        for (ring, w, n_warps, t, alt), exe in zip(jobs, exes):
             try:
                 res = subprocess.run([str(exe), str(args.runs), *map(str, seqs)], capture_output=True, text=True,
                                      timeout=args.timeout)
@@ -87,14 +96,14 @@ def main() -> int:
                 res = None
             if res is None or res.returncode != 0:
                 why = "timed out" if res is None else f"exit {res.returncode}: {res.stderr.strip()[-300:]}"
-                rows.append({"ring": ring, "rows_per_stage": w, "warps": n_warps, "alt": alt, "error": why})
-                print(f"ring {ring}x{w} w{n_warps} {alt}: {why}", flush=True)
+                rows.append({"ring": ring, "rows_per_stage": w, "warps": n_warps, "tiles": t, "alt": alt, "error": why})
+                print(f"ring {ring}x{w} w{n_warps} t{t} {alt}: {why}", flush=True)
                 continue
             for line in res.stdout.splitlines():
                 row = json.loads(line)
                 rows.append(row)
                 print(f"{row['heads']:10s} {row['n_kv']:6d} ring {row['ring']}x{row['rows_per_stage']:2d} "
-                      f"w{row['warps']}: float "
+                      f"w{row['warps']} t{row['tiles']}: float "
                       f"{row['float_cold_us']:6.1f} us cold, {row['alt']} {row['alt_cold_us']:6.1f} "
                       f"({row['alt_cold_us'] / row['float_cold_us']:.2f}x), float "
                       f"{row['index_bytes'] / row['float_cold_us'] / 1e6:.2f} TB/s", flush=True)
