@@ -4,7 +4,10 @@
 //   -DCOPY_ONLY absent: integer dot products (per head and 32-cell block the coefficients q_i * s_i,b rounded to int8
 //     with one scale, as the q4 index does; each thread's 4 component rows x 8 cells transposed by byte permutes into
 //     8 words of 4 components, one dp4a a word and head; every row's block scale read first);
-//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor;
+//   -DCOPY_ONLY: the ring's copies alone (one word of each stage read): the loop's memory floor; with -DCOPY_CONTIG
+//     each warp's rows taken from one contiguous share of the index's bytes instead of the gathered K^T rows (the
+//     copies' form, not their pattern), with -DCOPY_LDG the same pieces read by 16-byte loads into registers, 16 rows
+//     a lane in flight, instead of the asynchronous copies (their pattern, not their form);
 //   -DSTREAM=1: the same bytes read as one contiguous stream by plain 16-byte loads (16 a lane in flight), a warp's
 //     share (64 rows x 272 bytes) on the kernel's grid: the card's read rate for these bytes with the kernel's blocks;
 //   -DSTREAM=2: the same stream on one wave of blocks (16 warps an SM) that loop over the warps' shares: without the
@@ -15,8 +18,8 @@
 // Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
 // (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout.
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY | -DSTREAM=1 | -DSTREAM=2] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4]
-//       [-DTILES_N=1] -o loop \
+//   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY [-DCOPY_CONTIG] [-DCOPY_LDG] | -DSTREAM=1 | -DSTREAM=2]
+//       [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4 -DTILES_N=1] -o loop \
 //       cuda_kernel_a_loop.cu
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -52,6 +55,18 @@ constexpr int ROWS = ROWS_N, RING = RING_N;  // a warp's ring: RING stages of RO
 // blocks), its ring running on from one tile's last rows into the next tile's first: the float loop and the copies
 constexpr int TILES = TILES_N;
 static_assert(TILES >= 1, "at least one tile a warp");
+#ifdef COPY_ONLY
+#ifdef COPY_LDG
+constexpr bool COPY_LDG_ON = true;
+#else
+constexpr bool COPY_LDG_ON = false;
+#endif
+#ifdef COPY_CONTIG
+constexpr bool COPY_CONTIG_ON = true;
+#else
+constexpr bool COPY_CONTIG_ON = false;
+#endif
+#endif
 constexpr int WARP_BLOCKS = 32*CELLS/QK, WARP_BYTES = WARP_BLOCKS*BLK, PIECES = WARP_BYTES/16;
 constexpr int STAGE_ROW = WARP_BYTES + 16, D = 128;
 static_assert(WARP_BYTES % 16 == 0 && PIECES <= 32, "a warp's blocks are whole 16-byte pieces");
@@ -78,21 +93,46 @@ __device__ __forceinline__ float i8f(uint32_t biased, int e) {
     return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | (uint32_t) e)) - 8388736.0f;
 }
 
+#ifdef COPY_LDG
+constexpr bool COPY_LDG_BUILD = true;
+#else
+constexpr bool COPY_LDG_BUILD = false;
+#endif
+// Whether an instance holds the integer loop's coefficients in shared memory (the float loop, the copies and the
+// streams do not: their blocks per SM as the op's kernel A)
+__host__ __device__ constexpr bool uses_coef(bool integer) {
+#if defined(COPY_ONLY) || defined(STREAM)
+    return false && integer;
+#else
+    return integer;
+#endif
+}
+
 // The ring of stages: stage t holds K^T rows i1[(t % per_tile)*ROWS ..] of the 8 blocks of the warp's tile
 // t / per_tile (the tile's blocks past the row's end zero-filled).
 struct Ring {
     const uint8_t * rowbase; const uint32_t * i1; int64_t row_bytes, first_block, nb; int lane, n_stages, per_tile;
     uint8_t * stage;
+    const uint8_t * contig;  // COPY_CONTIG: the warp's share
+    // the lane's piece of row st*ROWS + u of tile k (its valid bytes in piece)
+    __device__ const uint8_t * row_piece(int k, int st, int u, int & piece) const {
+        const int64_t fb = first_block + (int64_t) k*(CHUNK/QK);
+        const int n_valid = (int) (nb - fb < WARP_BLOCKS ? nb - fb : WARP_BLOCKS);
+        piece = min(max(n_valid*BLK - 16*lane, 0), 16);
+#ifdef COPY_CONTIG
+        return contig + (int64_t) (st*ROWS + u)*WARP_BYTES + 16*lane;
+#else
+        const uint8_t * src = piece > 0 ? rowbase + fb*BLK + 16*lane : rowbase;
+        return src + (uint64_t) i1[st*ROWS + u]*(uint32_t) row_bytes;
+#endif
+    }
     __device__ void issue(int t) const {
         if (t < n_stages && lane < PIECES) {
             const int k = TILES > 1 ? t / per_tile : 0, st = TILES > 1 ? t % per_tile : t;
-            const int64_t fb = first_block + (int64_t) k*(CHUNK/QK);
-            const int n_valid = (int) (nb - fb < WARP_BLOCKS ? nb - fb : WARP_BLOCKS);
-            const int piece = min(max(n_valid*BLK - 16*lane, 0), 16);
-            const uint8_t * src = piece > 0 ? rowbase + fb*BLK + 16*lane : rowbase;
 #pragma unroll
             for (int u = 0; u < ROWS; ++u) {
-                const uint8_t * row = src + (uint64_t) i1[st*ROWS + u]*(uint32_t) row_bytes;
+                int piece;
+                const uint8_t * row = row_piece(k, st, u, piece);
                 copy16(stage + ((t % RING)*ROWS + u)*STAGE_ROW + 16*lane, row, piece);
             }
         }
@@ -123,7 +163,7 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     float * qs = (float *) smem;                                     // [G][k1]
     uint32_t * i1s = (uint32_t *) (qs + G*k1);                        // [k1]
     uint32_t * coef = i1s + k1;                                       // [WARPS][WARP_BLOCKS][G][k1/4] int8 x 4
-    uint8_t * stage = (uint8_t *) (coef + WARPS*WARP_BLOCKS*G*(k1/4)) + warp*RING*ROWS*STAGE_ROW;
+    uint8_t * stage = (uint8_t *) (coef + (uses_coef(INT) ? WARPS*WARP_BLOCKS*G*(k1/4) : 0)) + warp*RING*ROWS*STAGE_ROW;
     for (int i = threadIdx.x; i < G*k1; i += THREADS) qs[i] = a.q[(int64_t) r*G*k1 + i];
     for (int i = threadIdx.x; i < k1; i += THREADS) i1s[i] = a.i1[(int64_t) r*k1 + i];
     __syncthreads();
@@ -135,19 +175,36 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     const int n_valid = (int) (a.nb - first_block < WARP_BLOCKS ? a.nb - first_block : WARP_BLOCKS);
     const uint8_t * rowbase = a.kt + (int64_t) r*D*a.row_bytes;
     const int per_tile = k1/ROWS, n_t = n_tiles*per_tile;
-    const Ring ring{rowbase, i1s, a.row_bytes, first_block, a.nb, lane, n_t, per_tile, stage};
+    const int64_t share = ((int64_t) blockIdx.y*gridDim.x + blockIdx.x)*WARPS + warp;  // COPY_CONTIG
+    const Ring ring{rowbase, i1s, a.row_bytes, first_block, a.nb, lane, n_t, per_tile, stage,
+                    a.kt + share*k1*WARP_BYTES};
     const int64_t j0 = first_cell + lane*CELLS;
     const int bl = lane / (QK/CELLS);
     const int blk = BLK*bl, val = blk + 2 + CELLS*(lane % (QK/CELLS)), shift = 8*(val % 4);
-    for (int t = 0; t < RING - 1; ++t) ring.issue(t);
+    if (!(INT && COPY_LDG_BUILD)) for (int t = 0; t < RING - 1; ++t) ring.issue(t);  // the loads have no ring
 
     float out[G][CELLS];
     float cscale[G];
     if constexpr (INT) {
 #ifdef COPY_ONLY
         uint32_t sink = 0;
+#ifdef COPY_LDG
+        static_assert(TILES == 1, "the loads take one tile a warp");
+        constexpr int LDG_ROWS = 16;
+        for (int r0 = 0; r0 < k1; r0 += LDG_ROWS) {
+            uint4 v[LDG_ROWS];
+#pragma unroll
+            for (int u = 0; u < LDG_ROWS; ++u) {
+                int piece;
+                const uint8_t * row = ring.row_piece(0, 0, r0 + u, piece);
+                v[u] = lane < PIECES && piece > 0 ? __ldcg((const uint4 *) row) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < LDG_ROWS; ++u) sink += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+#endif
 #pragma unroll 1
-        for (int t = 0; t < n_t; ++t) {
+        for (int t = 0; t < (COPY_LDG_ON ? 0 : n_t); ++t) {
             ring.issue(t + RING - 1);
             wait_groups<RING - 1>();
             __syncwarp();
@@ -293,22 +350,34 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
 }
 
 #ifdef STREAM
-// The index's bytes as n_shares contiguous shares of a warp's bytes (WARP_BYTES per row, k1 rows), each read by one warp
-// with 16-byte loads, STREAM_LOADS a lane in flight; one word a thread written so that the loads are not dropped.
-constexpr int STREAM_LOADS = 16;
+// The index's bytes as n_shares contiguous shares of a warp's bytes (WARP_BYTES per row, k1 rows), each read by one
+// warp with 16-byte loads, STREAM_LOADS a lane in flight; one word a thread written so that the loads are not dropped.
+#ifndef STREAM_LOADS_N
+#define STREAM_LOADS_N 16
+#endif
+constexpr int STREAM_LOADS = STREAM_LOADS_N;
+// lanes a load (each load of the warp STREAM_LANES*16 contiguous bytes), and the stream's start in 16-byte words
+#ifndef STREAM_LANES_N
+#define STREAM_LANES_N 32
+#endif
+#ifndef STREAM_SKEW_N
+#define STREAM_SKEW_N 0
+#endif
+constexpr int STREAM_LANES = STREAM_LANES_N, STREAM_SKEW = STREAM_SKEW_N;
+static_assert(STREAM_LANES >= 1 && STREAM_LANES <= 32 && STREAM_SKEW >= 0, "lanes of a warp, a forward skew");
 __global__ void __launch_bounds__(THREADS) stream_read(const uint4 * src, int64_t n_shares, int64_t share_words,
                                                        uint32_t * sink) {
     const int lane = threadIdx.x % 32;
     const int64_t n_warps = (int64_t) gridDim.x*WARPS;
     uint32_t acc = 0;
     for (int64_t sh = (int64_t) blockIdx.x*WARPS + threadIdx.x/32; sh < n_shares; sh += n_warps) {
-        const uint4 * p = src + sh*share_words;
-        for (int64_t w0 = 0; w0 < share_words; w0 += 32*STREAM_LOADS) {
+        const uint4 * p = src + STREAM_SKEW + sh*share_words;
+        for (int64_t w0 = 0; w0 < share_words; w0 += STREAM_LANES*STREAM_LOADS) {
             uint4 v[STREAM_LOADS];
 #pragma unroll
             for (int u = 0; u < STREAM_LOADS; ++u) {
-                const int64_t i = w0 + u*32 + lane;
-                v[u] = i < share_words ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
+                const int64_t i = w0 + u*STREAM_LANES + lane;
+                v[u] = lane < STREAM_LANES && i < share_words ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < STREAM_LOADS; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
@@ -318,8 +387,9 @@ __global__ void __launch_bounds__(THREADS) stream_read(const uint4 * src, int64_
 }
 #endif
 
-static size_t smem_bytes(int G, int k1) {
-    return (size_t) G*k1*4 + k1*4 + (size_t) WARPS*WARP_BLOCKS*G*(k1/4)*4 + (size_t) WARPS*RING*ROWS*STAGE_ROW;
+static size_t smem_bytes(int G, int k1, bool integer) {
+    return (size_t) G*k1*4 + k1*4 + (uses_coef(integer) ? (size_t) WARPS*WARP_BLOCKS*G*(k1/4)*4 : 0) +
+           (size_t) WARPS*RING*ROWS*STAGE_ROW;
 }
 
 template <int G, bool INT>
@@ -337,7 +407,7 @@ static void launch(const Args & a, int R, cudaStream_t st) {
         return;
     }
 #endif
-    scores<G, INT><<<grid, THREADS, smem_bytes(G, a.k1), st>>>(a);
+    scores<G, INT><<<grid, THREADS, smem_bytes(G, a.k1, INT), st>>>(a);
 }
 
 static float h2f(uint16_t h) { __half x; memcpy(&x, &h, 2); return __half2float(x); }
@@ -382,8 +452,9 @@ static void run(const char * name, int R, int n_kv, int runs) {
     CK(cudaMemcpy(d_kt, kt.data(), kt.size(), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_i1, i1.data(), i1.size()*4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_q, q.data(), q.size()*4, cudaMemcpyHostToDevice));
-    CK(cudaFuncSetAttribute(scores<G, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_bytes(G, k1)));
-    CK(cudaFuncSetAttribute(scores<G, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_bytes(G, k1)));
+    const auto smem_attr = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    CK(cudaFuncSetAttribute(scores<G, false>, smem_attr, (int) smem_bytes(G, k1, false)));
+    CK(cudaFuncSetAttribute(scores<G, true>, smem_attr, (int) smem_bytes(G, k1, true)));
     Args af{d_kt, row_bytes, d_i1, d_q, d_lf, d_bm, n_kv, nb, k1};
     Args ai = af; ai.logits = d_li;
     launch<G, false>(af, R, 0); launch<G, true>(ai, R, 0);
@@ -431,18 +502,22 @@ static void run(const char * name, int R, int n_kv, int runs) {
     auto med = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size()/2]; };
     const double bytes = (double) R*nb*BLK*k1;
 #if defined(COPY_ONLY)
-    const char * alt = "copy";
+    const char * alt = COPY_LDG_ON ? (COPY_CONTIG_ON ? "ldg_contig" : "ldg")
+                                   : (COPY_CONTIG_ON ? "copy_contig" : "copy");
 #elif defined(STREAM)
-    const char * alt = STREAM == 1 ? "stream" : "stream_wave";
+    char alt[64];  // the stream's form: grid, loads a lane in flight, lanes a load, skew in 16-byte words
+    snprintf(alt, sizeof alt, "%s_loads%d_lanes%d_skew%d", STREAM == 1 ? "stream" : "stream_wave", STREAM_LOADS,
+             STREAM_LANES, STREAM_SKEW);
 #else
     const char * alt = "int";
 #endif
     printf("{\"heads\": \"%s\", \"rows\": %d, \"group\": %d, \"n_kv\": %d, \"k1\": %d, \"ring\": %d, "
-           "\"rows_per_stage\": %d, \"warps\": %d, \"tiles\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, \"float_cold_us\": %.2f, "
-           "\"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, \"float_max_rel_err\": %.2e, "
+           "\"rows_per_stage\": %d, \"warps\": %d, \"tiles\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, "
+           "\"float_cold_us\": %.2f, \"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, "
+           "\"float_max_rel_err\": %.2e, "
            "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d}\n",
-           name, R, G, n_kv, k1, RING, ROWS, WARPS, TILES, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes, max_rel_f,
-           (long long) int_mismatch, (long long) checked, runs);
+           name, R, G, n_kv, k1, RING, ROWS, WARPS, TILES, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes,
+           max_rel_f, (long long) int_mismatch, (long long) checked, runs);
     fflush(stdout);
     for (void * p : {(void *) d_kt, (void *) d_i1, (void *) d_q, (void *) d_lf, (void *) d_li, (void *) d_bm}) {
         CK(cudaFree(p));

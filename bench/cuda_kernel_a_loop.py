@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """Kernel A's score loop over the q8 index alone (bench/cuda_kernel_a_loop.cu) on a lent GPU: the float loop of the
-op's kernel against integer dot products (dp4a), against the ring's copies alone, and against the same bytes read as
-one contiguous stream of plain loads (on the kernel's grid, or on one wave of blocks), for several ring depths, rows
-per stage and warps a block. Builds each variant with nvcc (in parallel), runs them one after another and writes
+op's kernel against integer dot products (dp4a), against the ring's copies alone (of the gathered K^T rows or of
+contiguous shares, by asynchronous copies or by loads into registers), and against the same bytes read as one
+contiguous stream of plain loads (on the kernel's grid or on one wave of blocks; loads in flight, lanes a load and
+the start's alignment set), for several ring depths, rows per stage and warps a block. Builds each variant with nvcc
+(in parallel), runs them one after another and writes
 bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines).
 
     python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--tiles 1,2] [--runs 30]
-        [--seqs 33024,131072]
+        [--alts copy,ldg,stream,stream/lanes17] [--seqs 33024,131072]
 
 A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block and
-alternative (integer dot products, the ring's copies alone, the streams), and every run times the float loop too, so every ratio
-is taken within one process. --tiles gives a warp's tiles of 256 cells (a block's chunks, its ring running on from one
-into the next; the grid that many times fewer blocks): the copies are built with each (the float loop in the same
-binary with the same tiles), the other alternatives with one. A row's float_max_rel_err checks the float loop against the host's float64 products;
-int_mismatches (of `checked` cells) checks the integer loop bit for bit, and means nothing for the copies and the streams.
+alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a
+warp's tiles of 256 cells (a block's chunks, its ring running on from one into the next; the grid that many times
+fewer blocks): the copies are built with each (the float loop in the same binary with the same tiles), the other
+alternatives with one. A row's float_max_rel_err checks the float loop against the host's float64 products (in the
+_contig builds the float loop reads the contiguous shares too: timing only, its check fails); int_mismatches (of
+`checked` cells) checks the integer loop bit for bit, and means nothing for the copies and the streams.
 """
 from __future__ import annotations
 
@@ -29,7 +32,25 @@ from typing import Any
 from record import RESULTS, provenance, write_record
 
 SOURCE = Path(__file__).with_name("cuda_kernel_a_loop.cu")
-ALTS = {"int": [], "copy": ["-DCOPY_ONLY"], "stream": ["-DSTREAM=1"], "stream_wave": ["-DSTREAM=2"]}
+ALTS = {"int": [], "copy": ["-DCOPY_ONLY"], "copy_contig": ["-DCOPY_ONLY", "-DCOPY_CONTIG"],
+        "ldg": ["-DCOPY_ONLY", "-DCOPY_LDG"], "ldg_contig": ["-DCOPY_ONLY", "-DCOPY_LDG", "-DCOPY_CONTIG"],
+        "stream": ["-DSTREAM=1"], "stream_wave": ["-DSTREAM=2"]}
+STREAM_PARAMS = {"loads": "STREAM_LOADS_N", "lanes": "STREAM_LANES_N", "skew": "STREAM_SKEW_N"}
+
+
+def alt_flags(alt: str) -> list[str]:
+    """An alternative's nvcc flags: a name of ALTS, a stream's followed by /loadsN, /lanesN or /skewN (16-byte loads a
+    lane in flight, lanes a load, the stream's start in 16-byte words)."""
+    base, *params = alt.split("/")
+    if base not in ALTS:
+        raise ValueError(f"alternative {alt!r}: expected one of {', '.join(ALTS)}")
+    flags = list(ALTS[base])
+    for p in params:
+        key = p.rstrip("0123456789")
+        if not base.startswith("stream") or key not in STREAM_PARAMS or key == p:
+            raise ValueError(f"alternative {alt!r}: a stream's parameters are {', '.join(STREAM_PARAMS)} with a number")
+        flags.append(f"-D{STREAM_PARAMS[key]}={p[len(key):]}")
+    return flags
 
 
 def parse_variants(text: str) -> list[tuple[int, int]]:
@@ -44,10 +65,10 @@ def parse_variants(text: str) -> list[tuple[int, int]]:
 
 
 def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, tiles: int, alt: str, out_dir: Path) -> Path:
-    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_{alt}"
+    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_{alt.replace('/', '_')}"
     cmd = [nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-cudart", "static", f"-DRING_N={ring}", f"-DROWS_N={rows}",
            f"-DWARPS_N={warps}", f"-DTILES_N={tiles}",
-           *ALTS[alt], "-o", str(exe), str(SOURCE)]
+           *alt_flags(alt), "-o", str(exe), str(SOURCE)]
     subprocess.run(cmd, check=True)
     return exe
 
@@ -73,8 +94,11 @@ def main() -> int:
     except ValueError as e:
         ap.error(str(e))
     alts = args.alts.split(",")
-    if any(a not in ALTS for a in alts):
-        ap.error(f"--alts: expected a comma-separated subset of {', '.join(ALTS)}, got {args.alts!r}")
+    try:
+        for a in alts:
+            alt_flags(a)
+    except ValueError as e:
+        ap.error(f"--alts: {e}")
     if any(w not in (1, 2, 4, 8, 16) for w in warps):
         ap.error(f"--warps: each of 1, 2, 4, 8, 16, got {args.warps!r}")
     if any(t < 1 for t in tiles):
