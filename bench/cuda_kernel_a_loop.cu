@@ -55,7 +55,6 @@ constexpr int ROWS = ROWS_N, RING = RING_N;  // a warp's ring: RING stages of RO
 // blocks), its ring running on from one tile's last rows into the next tile's first: the float loop and the copies
 constexpr int TILES = TILES_N;
 static_assert(TILES >= 1, "at least one tile a warp");
-#ifdef COPY_ONLY
 #ifdef COPY_LDG
 constexpr bool COPY_LDG_ON = true;
 #else
@@ -65,7 +64,6 @@ constexpr bool COPY_LDG_ON = false;
 constexpr bool COPY_CONTIG_ON = true;
 #else
 constexpr bool COPY_CONTIG_ON = false;
-#endif
 #endif
 constexpr int WARP_BLOCKS = 32*CELLS/QK, WARP_BYTES = WARP_BLOCKS*BLK, PIECES = WARP_BYTES/16;
 constexpr int STAGE_ROW = WARP_BYTES + 16, D = 128;
@@ -93,16 +91,12 @@ __device__ __forceinline__ float i8f(uint32_t biased, int e) {
     return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | (uint32_t) e)) - 8388736.0f;
 }
 
-#ifdef COPY_LDG
-constexpr bool COPY_LDG_BUILD = true;
-#else
-constexpr bool COPY_LDG_BUILD = false;
-#endif
 // Whether an instance holds the integer loop's coefficients in shared memory (the float loop, the copies and the
 // streams do not: their blocks per SM as the op's kernel A)
 __host__ __device__ constexpr bool uses_coef(bool integer) {
 #if defined(COPY_ONLY) || defined(STREAM)
-    return false && integer;
+    static_cast<void>(integer);
+    return false;
 #else
     return integer;
 #endif
@@ -119,12 +113,11 @@ struct Ring {
         const int64_t fb = first_block + (int64_t) k*(CHUNK/QK);
         const int n_valid = (int) (nb - fb < WARP_BLOCKS ? nb - fb : WARP_BLOCKS);
         piece = min(max(n_valid*BLK - 16*lane, 0), 16);
-#ifdef COPY_CONTIG
-        return contig + (int64_t) (st*ROWS + u)*WARP_BYTES + 16*lane;
-#else
+        if constexpr (COPY_CONTIG_ON) {
+            return contig + (int64_t) (st*ROWS + u)*WARP_BYTES + 16*lane;
+        }
         const uint8_t * src = piece > 0 ? rowbase + fb*BLK + 16*lane : rowbase;
         return src + (uint64_t) i1[st*ROWS + u]*(uint32_t) row_bytes;
-#endif
     }
     __device__ void issue(int t) const {
         if (t < n_stages && lane < PIECES) {
@@ -181,7 +174,7 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     const int64_t j0 = first_cell + lane*CELLS;
     const int bl = lane / (QK/CELLS);
     const int blk = BLK*bl, val = blk + 2 + CELLS*(lane % (QK/CELLS)), shift = 8*(val % 4);
-    if (!(INT && COPY_LDG_BUILD)) for (int t = 0; t < RING - 1; ++t) ring.issue(t);  // the loads have no ring
+    if (!(INT && COPY_LDG_ON)) for (int t = 0; t < RING - 1; ++t) ring.issue(t);  // the loads have no ring
 
     float out[G][CELLS];
     float cscale[G];
