@@ -323,8 +323,8 @@ def test_block_bound_rows_of_the_benchmarks(tmp_path):
 
 
 def test_kernel_a_loop_bench_variants_and_source():
-    # bench/cuda_kernel_a_loop.py: ring x rows variants the harness's loops can take, refused otherwise; the harness
-    # source names the macros the runner sets
+    # bench/cuda_kernel_a_loop.py: ring x rows variants the harness's loops can take, refused otherwise; an
+    # alternative's flags, a stream's parameters on streams only; the harness source names every macro the runner sets
     sys.path.insert(0, str(REPO / "bench"))
     import cuda_kernel_a_loop as loop
 
@@ -332,5 +332,13 @@ def test_kernel_a_loop_bench_variants_and_source():
     for bad in ("4x6", "1x8", "4x128", "x8", "4"):
         with pytest.raises(ValueError):
             loop.parse_variants(bad)
+    assert loop.alt_flags("stream/lanes17/skew1") == ["-DSTREAM=1", "-DSTREAM_LANES_N=17", "-DSTREAM_SKEW_N=1"]
+    assert loop.alt_flags("stream_wave/loads8") == ["-DSTREAM=2", "-DSTREAM_LOADS_N=8"]
+    assert loop.alt_flags("ldg_contig") == ["-DCOPY_ONLY", "-DCOPY_LDG", "-DCOPY_CONTIG"]
+    for bad in ("copy/lanes3", "stream/foo2", "stream/lanes", "stream/8", "nothing"):
+        with pytest.raises(ValueError):
+            loop.alt_flags(bad)
     source = loop.SOURCE.read_text()
-    assert all(m in source for m in ("RING_N", "ROWS_N", "WARPS_N", "COPY_ONLY"))
+    macros = {"RING_N", "ROWS_N", "WARPS_N", "TILES_N", *loop.STREAM_PARAMS.values()}
+    macros |= {f.removeprefix("-D").split("=")[0] for flags in loop.ALTS.values() for f in flags}
+    assert all(m in source for m in macros), sorted(m for m in macros if m not in source)
