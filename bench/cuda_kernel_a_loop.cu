@@ -181,40 +181,41 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
     if constexpr (INT) {
 #ifdef COPY_ONLY
         uint32_t sink = 0;
-#ifdef COPY_LDG
-        static_assert(TILES == 1, "the loads take one tile a warp");
-        constexpr int LDG_ROWS = 16;
-        for (int r0 = 0; r0 < k1; r0 += LDG_ROWS) {
-            uint4 v[LDG_ROWS];
+        auto fill = [&] {  // the outputs hold the sink, so that no load is dropped
 #pragma unroll
-            for (int u = 0; u < LDG_ROWS; ++u) {
-                int piece;
-                const uint8_t * row = ring.row_piece(0, 0, r0 + u, piece);
-                v[u] = lane < PIECES && piece > 0 ? __ldcg((const uint4 *) row) : make_uint4(0, 0, 0, 0);
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int c = 0; c < CELLS; ++c) out[g][c] = (float) sink;
+        };
+        static_assert(!COPY_LDG_ON || TILES == 1, "the loads take one tile a warp");
+        if constexpr (COPY_LDG_ON) {
+            constexpr int LDG_ROWS = 16;
+            for (int r0 = 0; r0 < k1; r0 += LDG_ROWS) {
+                uint4 v[LDG_ROWS];
+#pragma unroll
+                for (int u = 0; u < LDG_ROWS; ++u) {
+                    int piece;
+                    const uint8_t * row = ring.row_piece(0, 0, r0 + u, piece);
+                    v[u] = lane < PIECES && piece > 0 ? __ldcg((const uint4 *) row) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < LDG_ROWS; ++u) sink += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
             }
-#pragma unroll
-            for (int u = 0; u < LDG_ROWS; ++u) sink += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-        }
-#endif
+        } else {
 #pragma unroll 1
-        for (int t = 0; t < (COPY_LDG_ON ? 0 : n_t); ++t) {
-            ring.issue(t + RING - 1);
-            wait_groups<RING - 1>();
-            __syncwarp();
-            sink += *(const uint32_t *) (stage + ((t % RING)*ROWS)*STAGE_ROW + (val & ~3));
-            __syncwarp();
-            if (TILES > 1 && t % per_tile == per_tile - 1 && t < n_t - 1) {
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-#pragma unroll
-                    for (int c = 0; c < CELLS; ++c) out[g][c] = (float) sink;
-                write_tile<G>(a, r, j0 + (int64_t) (t / per_tile)*CHUNK, out);
+            for (int t = 0; t < n_t; ++t) {
+                ring.issue(t + RING - 1);
+                wait_groups<RING - 1>();
+                __syncwarp();
+                sink += *(const uint32_t *) (stage + ((t % RING)*ROWS)*STAGE_ROW + (val & ~3));
+                __syncwarp();
+                if (TILES > 1 && t % per_tile == per_tile - 1 && t < n_t - 1) {
+                    fill();
+                    write_tile<G>(a, r, j0 + (int64_t) (t / per_tile)*CHUNK, out);
+                }
             }
         }
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int c = 0; c < CELLS; ++c) out[g][c] = (float) sink;
+        fill();
         cscale[0] = 0.0f;
     } else if constexpr (false) {
 #endif

@@ -14,7 +14,7 @@ A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per
 alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a
 warp's tiles of 256 cells (a block's chunks, its ring running on from one into the next; the grid that many times
 fewer blocks): the copies are built with each (the float loop in the same binary with the same tiles), the other
-alternatives with one. A row's float_max_rel_err checks the float loop against the host's float64 products (in the
+alternatives with one; more than one tile without the copies is refused. A row's float_max_rel_err checks the float loop against the host's float64 products (in the
 _contig builds the float loop reads the contiguous shares too: timing only, its check fails); int_mismatches (of
 `checked` cells) checks the integer loop bit for bit, and means nothing for the copies and the streams.
 """
@@ -103,6 +103,8 @@ def main() -> int:
         ap.error(f"--warps: each of 1, 2, 4, 8, 16, got {args.warps!r}")
     if any(t < 1 for t in tiles):
         ap.error(f"--tiles: positive, got {args.tiles!r}")
+    if tiles != [1] and "copy" not in alts:
+        ap.error("--tiles: only the copies' builds take tiles; add copy to --alts")
     if args.runs < 1 or any(s < 1 for s in seqs):
         ap.error("--runs and --seqs must be positive")
     rec: dict[str, Any] = provenance("cuda_kernel_a_loop")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -342,3 +343,7 @@ def test_kernel_a_loop_bench_variants_and_source():
     macros = {"RING_N", "ROWS_N", "WARPS_N", "TILES_N", *loop.STREAM_PARAMS.values()}
     macros |= {f.removeprefix("-D").split("=")[0] for flags in loop.ALTS.values() for f in flags}
     assert all(m in source for m in macros), sorted(m for m in macros if m not in source)
+    # tiles are the copies' option: asked for without the copies, the runner refuses before building anything
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "cuda_kernel_a_loop.py"), "--tiles", "1,2", "--alts",
+                           "stream", "--nvcc", "/nonexistent/nvcc"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "only the copies' builds take tiles" in proc.stderr
