@@ -11,12 +11,13 @@ bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's
         [--alts copy,ldg,stream,stream/lanes17] [--seqs 33024,131072]
 
 A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block and
-alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a
-warp's tiles of 256 cells (a block's chunks, its ring running on from one into the next; the grid that many times
-fewer blocks): the copies are built with each (the float loop in the same binary with the same tiles), the other
-alternatives with one; more than one tile without the copies is refused. A row's float_max_rel_err checks the float loop against the host's float64 products (in the
-_contig builds the float loop reads the contiguous shares too: timing only, its check fails); int_mismatches (of
-`checked` cells) checks the integer loop bit for bit, and means nothing for the copies and the streams.
+alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a warp's
+tiles of 256 cells (a block's chunks, its ring running on from one into the next; the grid that many times fewer
+blocks): the copies are built with each (the float loop in the same binary with the same tiles), the other alternatives
+with one; more than one tile without the copies is refused. A row's float_max_rel_err checks the float loop against the
+host's float64 products (in the _contig builds the float loop reads the contiguous shares too: timing only, its check
+fails); int_mismatches (of `checked` cells) checks the integer loop bit for bit, and means nothing for the copies and
+the streams.
 """
 from __future__ import annotations
 
