@@ -79,9 +79,28 @@ struct Args {
     int n_kv, nb, k1;
 };
 
+// The L2 policy of the index's reads: EVICT_FIRST_N 1 evict-first (the copies' .L2::cache_hint with a policy made in
+// the same statement, the loads' .cs), 0 none (the loads' .cg); -1 (default) each alternative's own: none for the
+// ring's copies and the loads into registers, evict-first for the stream
+#ifndef EVICT_FIRST_N
+#define EVICT_FIRST_N -1
+#endif
+constexpr int EVICT_FIRST = EVICT_FIRST_N;
+static_assert(EVICT_FIRST >= -1 && EVICT_FIRST <= 1, "-1, 0 or 1");
 __device__ __forceinline__ void copy16(void * dst, const void * src, int n) {
     const unsigned s = (unsigned) __cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(src), "r"(n) : "memory");
+    if constexpr (EVICT_FIRST == 1) {
+        asm volatile("{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n\t"
+                     "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, pol;\n\t}"
+                     :: "r"(s), "l"(src), "r"(n) : "memory");
+    } else {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(src), "r"(n) : "memory");
+    }
+}
+// a 16-byte load of the index for the loads and the stream: evict-first where asked (by default for the stream only)
+template <bool EF_DEFAULT>
+__device__ __forceinline__ uint4 load16(const uint4 * p) {
+    return (EVICT_FIRST == -1 ? EF_DEFAULT : EVICT_FIRST == 1) ? __ldcs(p) : __ldcg(p);
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wait_groups() {
@@ -196,7 +215,7 @@ __global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
                 for (int u = 0; u < LDG_ROWS; ++u) {
                     int piece;
                     const uint8_t * row = ring.row_piece(0, 0, r0 + u, piece);
-                    v[u] = lane < PIECES && piece > 0 ? __ldcg((const uint4 *) row) : make_uint4(0, 0, 0, 0);
+                    v[u] = lane < PIECES && piece > 0 ? load16<false>((const uint4 *) row) : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int u = 0; u < LDG_ROWS; ++u) sink += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
@@ -357,7 +376,12 @@ constexpr int STREAM_LOADS = STREAM_LOADS_N;
 #ifndef STREAM_SKEW_N
 #define STREAM_SKEW_N 0
 #endif
-constexpr int STREAM_LANES = STREAM_LANES_N, STREAM_SKEW = STREAM_SKEW_N;
+// the stream's blocks an SM held to STREAM_OCC_N by its shared memory (0: as many as its registers allow)
+#ifndef STREAM_OCC_N
+#define STREAM_OCC_N 0
+#endif
+constexpr int STREAM_LANES = STREAM_LANES_N, STREAM_SKEW = STREAM_SKEW_N, STREAM_OCC = STREAM_OCC_N;
+static_assert(STREAM_OCC >= 0, "blocks an SM");
 static_assert(STREAM_LANES >= 1 && STREAM_LANES <= 32 && STREAM_SKEW >= 0, "lanes of a warp, a forward skew");
 __global__ void __launch_bounds__(THREADS) stream_read(const uint4 * src, int64_t n_shares, int64_t share_words,
                                                        uint32_t * sink) {
@@ -371,7 +395,7 @@ __global__ void __launch_bounds__(THREADS) stream_read(const uint4 * src, int64_
 #pragma unroll
             for (int u = 0; u < STREAM_LOADS; ++u) {
                 const int64_t i = w0 + u*STREAM_LANES + lane;
-                v[u] = lane < STREAM_LANES && i < share_words ? __ldcs(p + i) : make_uint4(0, 0, 0, 0);
+                v[u] = lane < STREAM_LANES && i < share_words ? load16<true>(p + i) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < STREAM_LOADS; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
@@ -386,6 +410,35 @@ static size_t smem_bytes(int G, int k1, bool integer) {
            (size_t) WARPS*RING*ROWS*STAGE_ROW;
 }
 
+#ifdef STREAM
+// dynamic shared memory that lets STREAM_OCC blocks of the stream on an SM and not one more (1 KiB a block reserved)
+static size_t stream_smem() {
+    constexpr int occ = STREAM_OCC > 0 ? STREAM_OCC : 1;
+    if constexpr (STREAM_OCC == 0) return 0;
+    static int sm_bytes = 0;
+    if (sm_bytes == 0) {
+        CK(cudaDeviceGetAttribute(&sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+        CK(cudaFuncSetAttribute(stream_read, cudaFuncAttributeMaxDynamicSharedMemorySize, sm_bytes/occ - 1024));
+    }
+    return (size_t) (sm_bytes/occ - 1024);
+}
+#endif
+
+// blocks an SM of the float loop (INT false) or of the alternative
+template <int G, bool INT>
+static int blocks_per_sm(int k1) {
+    int n = 0;
+#ifdef STREAM
+    if constexpr (INT) {
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, stream_read, THREADS, stream_smem()));
+    } else
+#endif
+    {
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, scores<G, INT>, THREADS, smem_bytes(G, k1, INT)));
+    }
+    return n;
+}
+
 template <int G, bool INT>
 static void launch(const Args & a, int R, cudaStream_t st) {
     dim3 grid((a.n_kv + CHUNK*TILES - 1)/(CHUNK*TILES), R);
@@ -396,8 +449,8 @@ static void launch(const Args & a, int R, cudaStream_t st) {
         const int64_t n_shares = (int64_t) R*((a.n_kv + 32*CELLS - 1)/(32*CELLS)), share_words = WARP_BYTES*a.k1/16;
         const int64_t blocks = STREAM == 1 ? (int64_t) grid.x*grid.y : std::min<int64_t>((n_shares + WARPS - 1)/WARPS,
                                                                                          (int64_t) n_sm*(16/WARPS));
-        stream_read<<<(unsigned) blocks, THREADS, 0, st>>>((const uint4 *) a.kt, n_shares, share_words,
-                                                         (uint32_t *) a.logits);
+        stream_read<<<(unsigned) blocks, THREADS, stream_smem(), st>>>((const uint4 *) a.kt, n_shares, share_words,
+                                                                     (uint32_t *) a.logits);
         return;
     }
 #endif
@@ -500,8 +553,8 @@ static void run(const char * name, int R, int n_kv, int runs) {
                                    : (COPY_CONTIG_ON ? "copy_contig" : "copy");
 #elif defined(STREAM)
     char alt[64];  // the stream's form: grid, loads a lane in flight, lanes a load, skew in 16-byte words
-    snprintf(alt, sizeof alt, "%s_loads%d_lanes%d_skew%d", STREAM == 1 ? "stream" : "stream_wave", STREAM_LOADS,
-             STREAM_LANES, STREAM_SKEW);
+    snprintf(alt, sizeof alt, "%s_loads%d_lanes%d_skew%d_occ%d", STREAM == 1 ? "stream" : "stream_wave",
+             STREAM_LOADS, STREAM_LANES, STREAM_SKEW, STREAM_OCC);
 #else
     const char * alt = "int";
 #endif
@@ -509,9 +562,11 @@ static void run(const char * name, int R, int n_kv, int runs) {
            "\"rows_per_stage\": %d, \"warps\": %d, \"tiles\": %d, \"alt\": \"%s\", \"float_warm_us\": %.2f, "
            "\"float_cold_us\": %.2f, \"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, "
            "\"float_max_rel_err\": %.2e, "
-           "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d}\n",
+           "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d, \"evict_first\": %d, "
+           "\"float_blocks_per_sm\": %d, \"alt_blocks_per_sm\": %d}\n",
            name, R, G, n_kv, k1, RING, ROWS, WARPS, TILES, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes,
-           max_rel_f, (long long) int_mismatch, (long long) checked, runs);
+           max_rel_f, (long long) int_mismatch, (long long) checked, runs, EVICT_FIRST, blocks_per_sm<G, false>(k1),
+           blocks_per_sm<G, true>(k1));
     fflush(stdout);
     for (void * p : {(void *) d_kt, (void *) d_i1, (void *) d_q, (void *) d_lf, (void *) d_li, (void *) d_bm}) {
         CK(cudaFree(p));

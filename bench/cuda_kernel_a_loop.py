@@ -2,13 +2,14 @@
 """Kernel A's score loop over the q8 index alone (bench/cuda_kernel_a_loop.cu) on a lent GPU: the float loop of the
 op's kernel against integer dot products (dp4a), against the ring's copies alone (of the gathered K^T rows or of
 contiguous shares, by asynchronous copies or by loads into registers), and against the same bytes read as one
-contiguous stream of plain loads (on the kernel's grid or on one wave of blocks; loads in flight, lanes a load and
-the start's alignment set), for several ring depths, rows per stage and warps a block. Builds each variant with nvcc
-(in parallel), runs them one after another and writes
-bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines).
+contiguous stream of plain loads (on the kernel's grid or on one wave of blocks; loads in flight, lanes a load, the
+start's alignment and blocks an SM set), each with or without L2's evict-first policy, for several ring depths, rows
+per stage and warps a block. Builds each variant with nvcc (in parallel), runs them one after another and writes
+bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines, with each kernel's
+blocks an SM).
 
     python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--tiles 1,2] [--runs 30]
-        [--alts copy,ldg,stream,stream/lanes17] [--seqs 33024,131072]
+        [--alts copy,copy/ef1,ldg,stream,stream/lanes17,stream/occ4] [--seqs 33024,131072]
 
 A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block and
 alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a warp's
@@ -36,21 +37,26 @@ SOURCE = Path(__file__).with_name("cuda_kernel_a_loop.cu")
 ALTS = {"int": [], "copy": ["-DCOPY_ONLY"], "copy_contig": ["-DCOPY_ONLY", "-DCOPY_CONTIG"],
         "ldg": ["-DCOPY_ONLY", "-DCOPY_LDG"], "ldg_contig": ["-DCOPY_ONLY", "-DCOPY_LDG", "-DCOPY_CONTIG"],
         "stream": ["-DSTREAM=1"], "stream_wave": ["-DSTREAM=2"]}
-STREAM_PARAMS = {"loads": "STREAM_LOADS_N", "lanes": "STREAM_LANES_N", "skew": "STREAM_SKEW_N"}
+STREAM_PARAMS = {"loads": "STREAM_LOADS_N", "lanes": "STREAM_LANES_N", "skew": "STREAM_SKEW_N", "occ": "STREAM_OCC_N"}
+READ_PARAMS = {"ef": "EVICT_FIRST_N"}  # every alternative but the integer loop's
 
 
 def alt_flags(alt: str) -> list[str]:
-    """An alternative's nvcc flags: a name of ALTS, a stream's followed by /loadsN, /lanesN or /skewN (16-byte loads a
-    lane in flight, lanes a load, the stream's start in 16-byte words)."""
+    """An alternative's nvcc flags: a name of ALTS followed by /ef0 or /ef1 (the index read without or with the L2
+    evict-first policy, the float loop's copies too; by default the stream's loads only), a stream's also by /loadsN,
+    /lanesN, /skewN or /occN (16-byte loads a lane in flight, lanes a load, the stream's start in 16-byte words, its
+    blocks an SM held to N by shared memory)."""
     base, *params = alt.split("/")
     if base not in ALTS:
         raise ValueError(f"alternative {alt!r}: expected one of {', '.join(ALTS)}")
     flags = list(ALTS[base])
+    known = {**READ_PARAMS, **STREAM_PARAMS} if base.startswith("stream") else READ_PARAMS if base != "int" else {}
     for p in params:
         key = p.rstrip("0123456789")
-        if not base.startswith("stream") or key not in STREAM_PARAMS or key == p:
-            raise ValueError(f"alternative {alt!r}: a stream's parameters are {', '.join(STREAM_PARAMS)} with a number")
-        flags.append(f"-D{STREAM_PARAMS[key]}={p[len(key):]}")
+        if key not in known or key == p or (key == "ef" and p[2:] not in ("0", "1")):
+            raise ValueError(f"alternative {alt!r}: its parameters are {', '.join(known) or 'none'} with a number"
+                             " (ef: 0 or 1)")
+        flags.append(f"-D{known[key]}={p[len(key):]}")
     return flags
 
 

@@ -336,11 +336,14 @@ def test_kernel_a_loop_bench_variants_and_source():
     assert loop.alt_flags("stream/lanes17/skew1") == ["-DSTREAM=1", "-DSTREAM_LANES_N=17", "-DSTREAM_SKEW_N=1"]
     assert loop.alt_flags("stream_wave/loads8") == ["-DSTREAM=2", "-DSTREAM_LOADS_N=8"]
     assert loop.alt_flags("ldg_contig") == ["-DCOPY_ONLY", "-DCOPY_LDG", "-DCOPY_CONTIG"]
-    for bad in ("copy/lanes3", "stream/foo2", "stream/lanes", "stream/8", "nothing"):
+    assert loop.alt_flags("copy/ef1") == ["-DCOPY_ONLY", "-DEVICT_FIRST_N=1"]
+    assert loop.alt_flags("stream/ef0/occ4") == ["-DSTREAM=1", "-DEVICT_FIRST_N=0", "-DSTREAM_OCC_N=4"]
+    for bad in ("copy/lanes3", "copy/occ4", "int/ef1", "ldg/ef2", "stream/foo2", "stream/lanes", "stream/8",
+                "nothing"):
         with pytest.raises(ValueError):
             loop.alt_flags(bad)
     source = loop.SOURCE.read_text()
-    macros = {"RING_N", "ROWS_N", "WARPS_N", "TILES_N", *loop.STREAM_PARAMS.values()}
+    macros = {"RING_N", "ROWS_N", "WARPS_N", "TILES_N", *loop.STREAM_PARAMS.values(), *loop.READ_PARAMS.values()}
     macros |= {f.removeprefix("-D").split("=")[0] for flags in loop.ALTS.values() for f in flags}
     assert all(m in source for m in macros), sorted(m for m in macros if m not in source)
     # tiles are the copies' option: asked for without the copies, the runner refuses before building anything
