@@ -12,14 +12,17 @@
 //     share (64 rows x 272 bytes) on the kernel's grid: the card's read rate for these bytes with the kernel's blocks;
 //   -DSTREAM=2: the same stream on one wave of blocks (16 warps an SM) that loop over the warps' shares: without the
 //     kernel's waves of short-lived blocks.
+// -DEVICT_FIRST_N=1 / 0: the index read with / without L2's evict-first policy, the float loop's copies too (default
+// -1: the stream's loads only); -DSTREAM_OCC_N=N: the stream's blocks an SM held to N by shared memory.
 // RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's), WARPS_N warps a block (default 4, the kernel's;
 // a block's chunk is 256 cells a warp, 16 warps an SM's register budget). Same grid, warps, cells per thread and
 // asynchronous-copy ring as the real kernel; each writes the logits and each 8-cell block's maximum, nothing else.
 // Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
-// (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout.
+// (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout, with both kernels'
+// blocks an SM.
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY [-DCOPY_CONTIG] [-DCOPY_LDG] | -DSTREAM=1 | -DSTREAM=2]
-//       [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4 -DTILES_N=1] -o loop \
+//       [-DEVICT_FIRST_N=1] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4 -DTILES_N=1] -o loop \
 //       cuda_kernel_a_loop.cu
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
