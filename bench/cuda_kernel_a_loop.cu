@@ -450,8 +450,9 @@ static void launch(const Args & a, int R, cudaStream_t st) {
         static int n_sm = 0;
         if (n_sm == 0) CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
         const int64_t n_shares = (int64_t) R*((a.n_kv + 32*CELLS - 1)/(32*CELLS)), share_words = WARP_BYTES*a.k1/16;
+        const int wave_per_sm = STREAM_OCC > 0 ? STREAM_OCC : 16/WARPS;  // stream_wave: one wave of its blocks
         const int64_t blocks = STREAM == 1 ? (int64_t) grid.x*grid.y : std::min<int64_t>((n_shares + WARPS - 1)/WARPS,
-                                                                                         (int64_t) n_sm*(16/WARPS));
+                                                                                         (int64_t) n_sm*wave_per_sm);
         stream_read<<<(unsigned) blocks, THREADS, stream_smem(), st>>>((const uint4 *) a.kt, n_shares, share_words,
                                                                      (uint32_t *) a.logits);
         return;
