@@ -21,8 +21,16 @@ template <typename T, int NG> __host__ __device__ constexpr int a_unroll() {
 }
 // Kernel A's blocks per SM, counted in warps: A_SM_WARPS (16) for K^T (above) and for 4-8 heads per pass; the gather
 // and exact scores of 1-2 heads keep 24 (no rows in flight to trade for it: more warps hide their per-cell round
-// trips).
-template <int POL, int NG> constexpr int a_min_blocks() {
+// trips), and so does the q8_0 index copied by warps (T = q8_warp: its rows wait in shared memory, not in registers)
+// for 1-2 heads per pass, where its 72 registers and ~37 KB of shared memory (a_warp_smem) let 6 blocks share an SM:
+// H100, Llama-2 heads, 131072 cells, 157 us against 161-165 with the 4 blocks of the instance that also read the index
+// by threads (128 registers for its 16 rows in flight). With 4 heads per pass, 24 warps held it to 80 registers and a
+// stack, and Llama-3 heads at 131072 cells took 101-104.5 us against 97.5-98.5 at 16.
+struct q8_warp {};
+template <typename T, int POL, int NG> constexpr int a_min_blocks() {
+    if constexpr (std::is_same_v<T, q8_warp>) {
+        return (NG <= 2 ? 3*A_SM_WARPS/2 : A_SM_WARPS) / A_WARPS;
+    }
     return (POL == SC_KT || POL == SC_Q4 || NG > 2 ? A_SM_WARPS : 3*A_SM_WARPS/2) / A_WARPS;
 }
 
@@ -116,11 +124,18 @@ constexpr int Q8_RING = 4;
 // k1 zero (and I1 there row k1 - 1), so that the q8 warp loop needs no test per row: a zero coefficient times the finite
 // values of a real row adds +0 and leaves every sum's bits as they are.
 __host__ __device__ constexpr int a_qs_stride(int k1) { return (k1 + Q8_ROWS - 1) / Q8_ROWS * Q8_ROWS; }
-// Kernel A's dynamic shared memory: the query components (or rows), then the warps' rings where vec_kt_q8
+// Kernel A's dynamic shared memory: the query components (or rows), then the q4 index's coefficients where SC_Q4
 __host__ __device__ constexpr size_t a_qs_bytes(int ng, int64_t k1, int64_t d) {
     return ((sizeof(float)*ng*(a_qs_stride((int) k1) > d ? a_qs_stride((int) k1) : d)) + 15) & ~size_t(15);
 }
 __host__ __device__ constexpr size_t a_stage_bytes() { return size_t(A_WARPS)*Q8_RING*Q8_ROWS*Q8_STAGE_ROW; }
+// The q8_warp instance's dynamic shared memory, all of its shared memory but the reductions' few words: the query
+// components (NG x a_qs_stride(k1)), I1 (a_qs_stride(k1) rows) and the warps' rings
+__host__ __device__ constexpr size_t a_warp_qs_bytes(int ng, int k1) { return (sizeof(float)*ng*a_qs_stride(k1) + 15) & ~size_t(15); }
+__host__ __device__ constexpr size_t a_warp_i1_bytes(int k1) { return (sizeof(uint32_t)*a_qs_stride(k1) + 15) & ~size_t(15); }
+__host__ __device__ constexpr size_t a_warp_smem(int ng, int k1) {
+    return a_warp_qs_bytes(ng, k1) + a_warp_i1_bytes(k1) + a_stage_bytes();
+}
 
 // Whether this device code has the asynchronous copies (sm_80 and later CUDA); a.vec_kt_q8 is set by the host for such
 // devices, and other code reads the index by threads whatever it says.
@@ -132,11 +147,10 @@ constexpr bool Q8_WARP_COPIES = false;
 
 // The first src_bytes (0-16) of 16 bytes copied from global to shared memory asynchronously, the rest zero-filled;
 // the copies' group commit and wait (each thread for its own copies; a barrier then shares them). The copies are
-// evict-first in L2, as the loads are (each row is read once a step): without the policy the loop alone's copies took
-// up to 3.5 us more, a plain stream of the same bytes up to 3.6 us more (cuda_kernel_a_l2_policy.json). The policy is
-// made in the same statement as each copy: made once and passed in (as l2_evict_first does for the loads), ptxas 13.0
-// (sm_90) assembled kernel A's 8-head instance into copies whose policy register was never written, which trapped
-// (compute-sanitizer: illegal instruction).
+// evict-first in L2 (each row is read once a step): the loop alone took 1-12 us less with it than without. The policy
+// is made in the same statement as each copy: with it made once and passed in (as l2_evict_first does for loads),
+// ptxas 13.0 (sm_90) assembled kernel A's 8-head instance into copies whose policy register was never written, which
+// trapped (compute-sanitizer: illegal instruction).
 __device__ __forceinline__ void copy16_async(void * dst, const void * src, int src_bytes) {
 #ifdef CP_ASYNC_AVAILABLE
     const unsigned sdst = (unsigned) __cvta_generic_to_shared(dst);
@@ -532,12 +546,17 @@ __device__ void load_query_pass(const sparq_args & a, const sparq_scratch & s, i
 //   the statistics are bit for bit those of one block_reduce per value (rather than 5 block reductions per head and
 //   pass, 3 barriers each).
 template <typename T, int POL, int NG>
-__global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
+__global__ void __launch_bounds__(A_THREADS, a_min_blocks<T, POL, NG>()) sparq_scores(const sparq_args a, const sparq_scratch s, int64_t r0) {
+    constexpr bool WARP_Q8 = std::is_same_v<T, q8_warp>;
+    static_assert(!WARP_Q8 || POL == SC_KT, "the q8_0 index's warp copies are K^T scores");
     extern __shared__ float qs[];  // [NG][a_qs_stride(k1)] scaled components, or [NG][d] query rows
     __shared__ float red_max[NG][A_WARPS], red_sum[NG][A_WARPS];
     __shared__ int   red_cells[3][A_WARPS];  // visible count, smallest and largest position per warp
     pdl_wait();
-    __shared__ uint32_t i1_buf[MAX_HEAD_DIM];  // I1; with K^T up to a_qs_stride(k1), row k1 - 1 past k1 (see there)
+    // I1; with K^T up to a_qs_stride(k1), row k1 - 1 past k1 (see there). The q8_warp instance's in its dynamic shared
+    // memory (a_warp_smem), so that 6 blocks fit an SM (1-2 heads a pass).
+    __shared__ uint32_t i1_static[WARP_Q8 ? 1 : MAX_HEAD_DIM];
+    uint32_t * i1_buf = WARP_Q8 ? (uint32_t *) ((uint8_t *) qs + a_warp_qs_bytes(NG, a.p.k1)) : i1_static;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int64_t w = blockIdx.y, chunk = blockIdx.x / a.a_head_groups;
     const row_coords c = coords_of(a, r0 + w);
@@ -611,8 +630,9 @@ __global__ void __launch_bounds__(A_THREADS, a_min_blocks<POL, NG>()) sparq_scor
             // values), a_unroll rows in flight. A q8_0 row is padded to whole blocks, so a thread's 8 cells are there
             // wherever the first one exists (those past n_kv are hidden).
             const char * ktb = a.kt + c.h*a.kt_nb2 + c.st*a.kt_nb3;
-            if (std::is_same_v<T, block_q8_0> && Q8_WARP_COPIES && a.vec_kt_q8) {
-                uint8_t * stage = (uint8_t *) qs + a_qs_bytes(NG, k1, d) + (size_t) warp*(a_stage_bytes()/A_WARPS);
+            if constexpr (WARP_Q8) {
+                uint8_t * stage = (uint8_t *) qs + a_warp_qs_bytes(NG, k1) + a_warp_i1_bytes(k1) +
+                                  (size_t) warp*(a_stage_bytes()/A_WARPS);
                 q8_scores_warp<NG>(a, ktb, i1_buf, qs, j0 - (int64_t) lane*A_CELLS, stage, acc);
             } else {
                 kt_scores_thread<T, NG>(a, ktb, i1_buf, qs, j0, acc);

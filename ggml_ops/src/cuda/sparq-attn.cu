@@ -103,7 +103,11 @@ void launch_scores_of(ggml_type type, int ng, dim3 grid, size_t smem, cudaStream
         default:
             if constexpr (POL == SC_KT) {
                 GGML_ASSERT(type == GGML_TYPE_Q8_0);
-                launch_scores_ng<block_q8_0, POL>(ng, grid, smem, stream, a, s, r0);
+                if (a.vec_kt_q8) {
+                    launch_scores_ng<q8_warp, POL>(ng, grid, smem, stream, a, s, r0);
+                } else {
+                    launch_scores_ng<block_q8_0, POL>(ng, grid, smem, stream, a, s, r0);
+                }
             } else {
                 launch_scores_ng<kv_any, POL>(ng, grid, smem, stream, a, s, r0);
             }
@@ -594,8 +598,8 @@ void ggml_cuda_sparq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         const int64_t nw = std::min(W, n_rows - r0);
         a.a_head_groups = pol == SC_NONE ? 1 : a_head_groups(a.n_chunks_a*nw, G, n_sm);
         const int ng = heads_per_pass(G / a.a_head_groups);
-        const size_t smem_a = a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_KT && a.vec_kt_q8 ? a_stage_bytes() : 0) +
-                              (pol == SC_Q4 ? q4_coef_bytes(ng, a.d) : 0);
+        const size_t smem_a = pol == SC_KT && a.vec_kt_q8 ? a_warp_smem(ng, (int) a.p.k1) :
+                              a_qs_bytes(ng, a.p.k1, a.d) + (pol == SC_Q4 ? q4_coef_bytes(ng, a.d) : 0);
         const dim3 grid_a((unsigned) (a.n_chunks_a*a.a_head_groups), (unsigned) nw);
         if ((pol == SC_KT || pol == SC_GATHER) && a.p.select == GGML_SPARQ_SELECT_QSIGMA) {
             ensure_smem<sparq_query<true>>(smem_q);
