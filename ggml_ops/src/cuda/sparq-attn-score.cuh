@@ -137,20 +137,14 @@ __host__ __device__ constexpr size_t a_warp_smem(int ng, int k1) {
     return a_warp_qs_bytes(ng, k1) + a_warp_i1_bytes(k1) + a_stage_bytes();
 }
 
-// Whether this device code has the asynchronous copies (sm_80 and later CUDA); a.vec_kt_q8 is set by the host for such
-// devices, and other code reads the index by threads whatever it says.
-#ifdef CP_ASYNC_AVAILABLE
-constexpr bool Q8_WARP_COPIES = true;
-#else
-constexpr bool Q8_WARP_COPIES = false;
-#endif
-
 // The first src_bytes (0-16) of 16 bytes copied from global to shared memory asynchronously, the rest zero-filled;
 // the copies' group commit and wait (each thread for its own copies; a barrier then shares them). The copies are
-// evict-first in L2 (each row is read once a step): the loop alone took 1-12 us less with it than without. The policy
-// is made in the same statement as each copy: with it made once and passed in (as l2_evict_first does for loads),
-// ptxas 13.0 (sm_90) assembled kernel A's 8-head instance into copies whose policy register was never written, which
-// trapped (compute-sanitizer: illegal instruction).
+// evict-first in L2, as the loads are (each row is read once a step): without the policy the loop alone's copies took
+// up to 3.5 us more, a plain stream of the same bytes up to 3.6 us more (cuda_kernel_a_l2_policy.json). The policy is
+// made in the same statement as each copy: made once and passed in (as l2_evict_first does for the loads), ptxas 13.0
+// (sm_90) assembled kernel A's 8-head instance into copies whose policy register was never written, which trapped
+// (compute-sanitizer: illegal instruction). Only the q8_warp instance copies, and the host launches it only where the
+// device's compiled code has the copies (a.vec_kt_q8: NVIDIA, sm_80 and later).
 __device__ __forceinline__ void copy16_async(void * dst, const void * src, int src_bytes) {
 #ifdef CP_ASYNC_AVAILABLE
     const unsigned sdst = (unsigned) __cvta_generic_to_shared(dst);
