@@ -15,14 +15,17 @@
 // -DEVICT_FIRST_N=1 / 0: the index read with / without L2's evict-first policy, the float loop's copies too (default
 // -1: the stream's loads only); -DSTREAM_OCC_N=N: the stream's blocks an SM held to N by shared memory.
 // RING_N stages of ROWS_N rows a warp (default 4 x 8, the kernel's), WARPS_N warps a block (default 4, the kernel's;
-// a block's chunk is 256 cells a warp, 16 warps an SM's register budget). Same grid, warps, cells per thread and
+// a block's chunk is 256 cells a warp, 16 warps an SM's register budget), SM_BLOCKS_N the float loop's and the
+// alternative's launch bound, blocks an SM (default 16 / WARPS_N: the registers of 4 blocks of 4 warps; 8 asks for
+// 64 registers, so that the grid of Llama-2 heads at 33024 cells, 1056 blocks, is one wave of 132 SMs where the
+// ring's shared memory allows it: 3 x 8 rows). Same grid, warps, cells per thread and
 // asynchronous-copy ring as the real kernel; each writes the logits and each 8-cell block's maximum, nothing else.
 // Checks the float and integer results against a host reference, then times both, interleaved, with the caches warm
 // (back to back) and cold (a 256 MiB memset before each launch). One JSON line per case on stdout, with both kernels'
 // blocks an SM.
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static [-DCOPY_ONLY [-DCOPY_CONTIG] [-DCOPY_LDG] | -DSTREAM=1 | -DSTREAM=2]
-//       [-DEVICT_FIRST_N=1] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4 -DTILES_N=1] -o loop \
+//       [-DEVICT_FIRST_N=1] [-DRING_N=4 -DROWS_N=8 -DWARPS_N=4 -DTILES_N=1 -DSM_BLOCKS_N=4] -o loop \
 //       cuda_kernel_a_loop.cu
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -44,6 +47,11 @@
 #endif
 constexpr int QK = 32, BLK = 34, CELLS = 8, WARPS = WARPS_N, THREADS = 32*WARPS, CHUNK = THREADS*CELLS;
 static_assert(16 % WARPS == 0, "16 warps an SM are whole blocks");
+#ifndef SM_BLOCKS_N
+#define SM_BLOCKS_N (16 / WARPS_N)
+#endif
+constexpr int SM_BLOCKS = SM_BLOCKS_N;
+static_assert(SM_BLOCKS >= 1 && SM_BLOCKS*WARPS <= 64, "a launch bound an SM can hold (64 warps)");
 #ifndef ROWS_N
 #define ROWS_N 8
 #endif
@@ -172,7 +180,7 @@ __device__ __forceinline__ void write_tile(const Args & a, int r, int64_t j0, co
 }
 
 template <int G, bool INT>
-__global__ void __launch_bounds__(THREADS, 16 / WARPS) scores(Args a) {
+__global__ void __launch_bounds__(THREADS, SM_BLOCKS) scores(Args a) {
     extern __shared__ uint8_t smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = blockIdx.y, k1 = a.k1;
     float * qs = (float *) smem;                                     // [G][k1]
@@ -567,10 +575,10 @@ static void run(const char * name, int R, int n_kv, int runs) {
            "\"float_cold_us\": %.2f, \"alt_warm_us\": %.2f, \"alt_cold_us\": %.2f, \"index_bytes\": %.0f, "
            "\"float_max_rel_err\": %.2e, "
            "\"int_mismatches\": %lld, \"checked\": %lld, \"runs\": %d, \"evict_first\": %d, "
-           "\"float_blocks_per_sm\": %d, \"alt_blocks_per_sm\": %d}\n",
+           "\"sm_blocks\": %d, \"float_blocks_per_sm\": %d, \"alt_blocks_per_sm\": %d}\n",
            name, R, G, n_kv, k1, RING, ROWS, WARPS, TILES, alt, med(tf_w), med(tf_c), med(ti_w), med(ti_c), bytes,
-           max_rel_f, (long long) int_mismatch, (long long) checked, runs, EVICT_FIRST, blocks_per_sm<G, false>(k1),
-           blocks_per_sm<G, true>(k1));
+           max_rel_f, (long long) int_mismatch, (long long) checked, runs, EVICT_FIRST, SM_BLOCKS,
+           blocks_per_sm<G, false>(k1), blocks_per_sm<G, true>(k1));
     fflush(stdout);
     for (void * p : {(void *) d_kt, (void *) d_i1, (void *) d_q, (void *) d_lf, (void *) d_li, (void *) d_bm}) {
         CK(cudaFree(p));

@@ -4,15 +4,17 @@ op's kernel against integer dot products (dp4a), against the ring's copies alone
 contiguous shares, by asynchronous copies or by loads into registers), and against the same bytes read as one
 contiguous stream of plain loads (on the kernel's grid or on one wave of blocks; loads in flight, lanes a load, the
 start's alignment and blocks an SM set), each with or without L2's evict-first policy, for several ring depths, rows
-per stage and warps a block. Builds each variant with nvcc (in parallel), runs them one after another and writes
+per stage, warps a block and launch bounds (blocks an SM). Builds each variant with nvcc (in parallel), runs them one after another and writes
 bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines, with each kernel's
 blocks an SM).
 
-    python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--tiles 1,2] [--runs 30]
+    python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--tiles 1,2] [--sm-blocks 4,8]
+        [--runs 30]
         [--alts copy,copy/ef1,ldg,stream,stream/lanes17,stream/occ4] [--seqs 33024,131072]
 
-A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block and
-alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a warp's
+A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block, launch
+bound (--sm-blocks: the float loop's and the alternative's minimum blocks an SM, so their register budget; default 16
+warps an SM) and alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a warp's
 tiles of 256 cells (a block's chunks, its ring running on from one into the next; the grid that many times fewer
 blocks): the copies are built with each (the float loop in the same binary with the same tiles), the other alternatives
 with one; more than one tile without the copies is refused. A row's float_max_rel_err checks the float loop against the
@@ -71,10 +73,11 @@ def parse_variants(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, tiles: int, alt: str, out_dir: Path) -> Path:
-    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_{alt.replace('/', '_')}"
+def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, tiles: int, sm_blocks: int, alt: str,
+          out_dir: Path) -> Path:
+    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_b{sm_blocks}_{alt.replace('/', '_')}"
     cmd = [nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-cudart", "static", f"-DRING_N={ring}", f"-DROWS_N={rows}",
-           f"-DWARPS_N={warps}", f"-DTILES_N={tiles}",
+           f"-DWARPS_N={warps}", f"-DTILES_N={tiles}", f"-DSM_BLOCKS_N={sm_blocks}",
            *alt_flags(alt), "-o", str(exe), str(SOURCE)]
     subprocess.run(cmd, check=True)
     return exe
@@ -86,6 +89,8 @@ def main() -> int:
     ap.add_argument("--alts", default=",".join(ALTS), help=f"alternatives to the float loop, of {', '.join(ALTS)}")
     ap.add_argument("--warps", default="4", help="warps a block (its chunk: 256 cells a warp), comma-separated")
     ap.add_argument("--tiles", default="1", help="a warp's tiles (the copies' builds), comma-separated")
+    ap.add_argument("--sm-blocks", default="",
+                    help="the loops' launch bound, blocks an SM, comma-separated (default: 16 warps an SM)")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seqs", default="33024,131072")
     ap.add_argument("--timeout", type=float, default=120, help="seconds a variant may run")
@@ -98,6 +103,7 @@ def main() -> int:
         seqs = [int(s) for s in args.seqs.split(",")]
         warps = [int(w) for w in args.warps.split(",")]
         tiles = [int(t) for t in args.tiles.split(",")]
+        sm_blocks = [int(b) for b in args.sm_blocks.split(",")] if args.sm_blocks else []
     except ValueError as e:
         ap.error(str(e))
     alts = args.alts.split(",")
@@ -108,6 +114,8 @@ def main() -> int:
         ap.error(f"--alts: {e}")
     if any(w not in (1, 2, 4, 8, 16) for w in warps):
         ap.error(f"--warps: each of 1, 2, 4, 8, 16, got {args.warps!r}")
+    if any(b < 1 or b*w > 64 for b in sm_blocks for w in warps):
+        ap.error(f"--sm-blocks: positive, at most 64 warps an SM with --warps {args.warps}, got {args.sm_blocks!r}")
     if any(t < 1 for t in tiles):
         ap.error(f"--tiles: positive, got {args.tiles!r}")
     if tiles != [1] and "copy" not in alts:
@@ -117,11 +125,11 @@ def main() -> int:
     rec: dict[str, Any] = provenance("cuda_kernel_a_loop")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [(ring, w, n_warps, t, alt) for ring, w in variants for n_warps in warps for alt in alts
-                for t in (tiles if alt == "copy" else [1])]
+        jobs = [(ring, w, n_warps, t, b, alt) for ring, w in variants for n_warps in warps
+                for b in (sm_blocks or [16 // n_warps]) for alt in alts for t in (tiles if alt == "copy" else [1])]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             exes = list(pool.map(lambda j: build(args.nvcc, args.arch, *j, Path(tmp)), jobs))
-        for (ring, w, n_warps, t, alt), exe in zip(jobs, exes):
+        for (ring, w, n_warps, t, b, alt), exe in zip(jobs, exes):
             try:
                 res = subprocess.run([str(exe), str(args.runs), *map(str, seqs)], capture_output=True, text=True,
                                      timeout=args.timeout)
@@ -129,15 +137,16 @@ def main() -> int:
                 res = None
             if res is None or res.returncode != 0:
                 why = "timed out" if res is None else f"exit {res.returncode}: {res.stderr.strip()[-300:]}"
-                rows.append({"ring": ring, "rows_per_stage": w, "warps": n_warps, "tiles": t, "alt": alt, "error": why})
-                print(f"ring {ring}x{w} w{n_warps} t{t} {alt}: {why}", flush=True)
+                rows.append({"ring": ring, "rows_per_stage": w, "warps": n_warps, "tiles": t, "sm_blocks": b,
+                             "alt": alt, "error": why})
+                print(f"ring {ring}x{w} w{n_warps} t{t} b{b} {alt}: {why}", flush=True)
                 continue
             for line in res.stdout.splitlines():
                 row = json.loads(line)
                 rows.append(row)
                 print(f"{row['heads']:10s} {row['n_kv']:6d} ring {row['ring']}x{row['rows_per_stage']:2d} "
-                      f"w{row['warps']} t{row['tiles']}: float "
-                      f"{row['float_cold_us']:6.1f} us cold, {row['alt']} {row['alt_cold_us']:6.1f} "
+                      f"w{row['warps']} t{row['tiles']} b{row['sm_blocks']} ({row['float_blocks_per_sm']} an SM): "
+                      f"float {row['float_cold_us']:6.1f} us cold, {row['alt']} {row['alt_cold_us']:6.1f} "
                       f"({row['alt_cold_us'] / row['float_cold_us']:.2f}x), float "
                       f"{row['index_bytes'] / row['float_cold_us'] / 1e6:.2f} TB/s", flush=True)
     rec["rows"] = rows

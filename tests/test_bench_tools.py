@@ -343,10 +343,16 @@ def test_kernel_a_loop_bench_variants_and_source():
         with pytest.raises(ValueError):
             loop.alt_flags(bad)
     source = loop.SOURCE.read_text()
-    macros = {"RING_N", "ROWS_N", "WARPS_N", "TILES_N", *loop.STREAM_PARAMS.values(), *loop.READ_PARAMS.values()}
+    macros = {"RING_N", "ROWS_N", "WARPS_N", "TILES_N", "SM_BLOCKS_N", *loop.STREAM_PARAMS.values(),
+              *loop.READ_PARAMS.values()}
     macros |= {f.removeprefix("-D").split("=")[0] for flags in loop.ALTS.values() for f in flags}
     assert all(m in source for m in macros), sorted(m for m in macros if m not in source)
     # tiles are the copies' option: asked for without the copies, the runner refuses before building anything
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "cuda_kernel_a_loop.py"), "--tiles", "1,2", "--alts",
                            "stream", "--nvcc", "/nonexistent/nvcc"], capture_output=True, text=True)
     assert proc.returncode == 2 and "only the copies' builds take tiles" in proc.stderr
+    # a launch bound beyond an SM's 64 warps is refused before building anything
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "cuda_kernel_a_loop.py"), "--warps", "8",
+                           "--sm-blocks", "4,9", "--alts", "copy", "--nvcc", "/nonexistent/nvcc"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--sm-blocks" in proc.stderr
