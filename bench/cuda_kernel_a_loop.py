@@ -1,26 +1,25 @@
 #!/usr/bin/env python3
-"""Kernel A's score loop over the q8 index alone (bench/cuda_kernel_a_loop.cu) on a lent GPU: the float loop of the
-op's kernel against integer dot products (dp4a), against the ring's copies alone (of the gathered K^T rows or of
-contiguous shares, by asynchronous copies or by loads into registers), and against the same bytes read as one
-contiguous stream of plain loads (on the kernel's grid or on one wave of blocks; loads in flight, lanes a load, the
-start's alignment and blocks an SM set), each with or without L2's evict-first policy, for several ring depths, rows
-per stage, warps a block and launch bounds (blocks an SM). Builds each variant with nvcc (in parallel), runs them one after another and writes
-bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines, with each kernel's
-blocks an SM).
+"""Kernel A's score loop over the q8 index alone (bench/cuda_kernel_a_loop.cu) on a lent GPU: the float loop of the op's
+kernel against integer dot products (dp4a), against the ring's copies alone (of the gathered K^T rows or of contiguous
+shares, by asynchronous copies or by loads into registers), and against the same bytes read as one contiguous stream of
+plain loads (on the kernel's grid or on one wave of blocks; loads in flight, lanes a load, the start's alignment and
+blocks an SM set), each with or without L2's evict-first policy, for several ring depths, rows per stage, warps a block
+and launch bounds (blocks an SM). Builds each variant with nvcc (in parallel), runs them one after another and writes
+bench/results/cuda_kernel_a_loop.json (machine, commit, command, every variant's JSON lines, with each kernel's blocks
+an SM).
 
     python3 bench/cuda_kernel_a_loop.py [--variants 4x8,6x8,3x16] [--warps 4,8] [--tiles 1,2] [--sm-blocks 4,8]
-        [--runs 30]
-        [--alts copy,copy/ef1,ldg,stream,stream/lanes17,stream/occ4] [--seqs 33024,131072]
+        [--runs 30] [--alts copy,copy/ef1,ldg,stream,stream/lanes17,stream/occ4] [--seqs 33024,131072]
 
-A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block, launch
-bound (--sm-blocks: the float loop's and the alternative's minimum blocks an SM, so their register budget; default 16
-warps an SM) and alternative, and every run times the float loop too, so every ratio is taken within one process. --tiles gives a warp's
-tiles of 256 cells (a block's chunks, its ring running on from one into the next; the grid that many times fewer
-blocks): the copies are built with each (the float loop in the same binary with the same tiles), the other alternatives
-with one; more than one tile without the copies is refused. A row's float_max_rel_err checks the float loop against the
-host's float64 products (in the _contig builds the float loop reads the contiguous shares too: timing only, its check
-fails); int_mismatches (of `checked` cells) checks the integer loop bit for bit, and means nothing for the copies and
-the streams.
+A variant RxW is a ring of R stages of W K^T rows a warp; each is built once per number of warps a block, launch bound
+(--sm-blocks: the float loop's and the alternative's minimum blocks an SM, so their register budget; without it, the
+harness's default of 16 warps an SM) and alternative, and every run times the float loop too, so every ratio is taken
+within one process. --tiles gives a warp's tiles of 256 cells (a block's chunks, its ring running on from one into the
+next; the grid that many times fewer blocks): the copies are built with each (the float loop in the same binary with the
+same tiles), the other alternatives with one; more than one tile without the copies is refused. A row's
+float_max_rel_err checks the float loop against the host's float64 products (in the _contig builds the float loop reads
+the contiguous shares too: timing only, its check fails); int_mismatches (of `checked` cells) checks the integer loop
+bit for bit, and means nothing for the copies and the streams.
 """
 from __future__ import annotations
 
@@ -73,12 +72,13 @@ def parse_variants(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, tiles: int, sm_blocks: int, alt: str,
+def build(nvcc: str, arch: str, ring: int, rows: int, warps: int, tiles: int, sm_blocks: int | None, alt: str,
           out_dir: Path) -> Path:
-    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_b{sm_blocks}_{alt.replace('/', '_')}"
+    """One variant's binary; sm_blocks None leaves the launch bound at the harness's default."""
+    exe = out_dir / f"loop_{ring}x{rows}_w{warps}_t{tiles}_b{sm_blocks or 'd'}_{alt.replace('/', '_')}"
+    bound = [] if sm_blocks is None else [f"-DSM_BLOCKS_N={sm_blocks}"]
     cmd = [nvcc, "-O3", f"-arch={arch}", "-std=c++17", "-cudart", "static", f"-DRING_N={ring}", f"-DROWS_N={rows}",
-           f"-DWARPS_N={warps}", f"-DTILES_N={tiles}", f"-DSM_BLOCKS_N={sm_blocks}",
-           *alt_flags(alt), "-o", str(exe), str(SOURCE)]
+           f"-DWARPS_N={warps}", f"-DTILES_N={tiles}", *bound, *alt_flags(alt), "-o", str(exe), str(SOURCE)]
     subprocess.run(cmd, check=True)
     return exe
 
@@ -90,7 +90,8 @@ def main() -> int:
     ap.add_argument("--warps", default="4", help="warps a block (its chunk: 256 cells a warp), comma-separated")
     ap.add_argument("--tiles", default="1", help="a warp's tiles (the copies' builds), comma-separated")
     ap.add_argument("--sm-blocks", default="",
-                    help="the loops' launch bound, blocks an SM, comma-separated (default: 16 warps an SM)")
+                    help="the loops' launch bound, blocks an SM, comma-separated (default: the harness's, 16 warps "
+                         "an SM)")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--seqs", default="33024,131072")
     ap.add_argument("--timeout", type=float, default=120, help="seconds a variant may run")
@@ -126,7 +127,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         jobs = [(ring, w, n_warps, t, b, alt) for ring, w in variants for n_warps in warps
-                for b in (sm_blocks or [16 // n_warps]) for alt in alts for t in (tiles if alt == "copy" else [1])]
+                for b in (sm_blocks or [None]) for alt in alts for t in (tiles if alt == "copy" else [1])]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             exes = list(pool.map(lambda j: build(args.nvcc, args.arch, *j, Path(tmp)), jobs))
         for (ring, w, n_warps, t, b, alt), exe in zip(jobs, exes):

@@ -355,4 +355,4 @@ def test_kernel_a_loop_bench_variants_and_source():
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "cuda_kernel_a_loop.py"), "--warps", "8",
                            "--sm-blocks", "4,9", "--alts", "copy", "--nvcc", "/nonexistent/nvcc"],
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "--sm-blocks" in proc.stderr
+    assert proc.returncode == 2 and "at most 64 warps an SM with --warps 8" in proc.stderr
